@@ -1,0 +1,2 @@
+class DtrtError(Exception):
+    """A user-facing error: the CLI prints its message as one line and exits non-zero."""

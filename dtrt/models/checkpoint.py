@@ -1,0 +1,184 @@
+"""Loaders for Hugging Face checkpoint directories: config.json + model.safetensors (or shards listed in
+model.safetensors.index.json). Tensor names and shapes are checked against the config before anything is
+built, and every problem is a one-line DtrtError naming the file."""
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dtrt.errors import DtrtError
+from dtrt.models.config import DrafterConfig, TargetConfig
+from dtrt.models.domino import HEAD_TENSORS, DominoHead
+from dtrt.models.drafter import Drafter
+from dtrt.models.target import Target
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise DtrtError(f"--dtype {name!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class Checkpoint:
+    """The tensors of one checkpoint directory, read lazily: name -> file, shape."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise DtrtError(f"{self.path}: checkpoint directory not found")
+        single, index = self.path / "model.safetensors", self.path / "model.safetensors.index.json"
+        if single.is_file():
+            files = [single]
+        elif index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+                raise DtrtError(f"{index}: not a valid safetensors index ({e.__class__.__name__}); restore the file")
+            files = [self.path / f for f in sorted(set(weight_map.values()))]
+        else:
+            raise DtrtError(f"{self.path}: no model.safetensors or model.safetensors.index.json; "
+                            "pass a Hugging Face checkpoint directory")
+        self.file_of: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            if not f.is_file():
+                raise DtrtError(f"{f}: not found (listed in model.safetensors.index.json); download the missing shard")
+            try:
+                with safe_open(str(f), framework="pt") as st:
+                    for name in st.keys():
+                        self.file_of[name] = f
+                        self.shapes[name] = tuple(st.get_slice(name).get_shape())
+            except Exception as e:  # safetensors raises several types for truncated or corrupt headers
+                raise DtrtError(f"{f}: not a readable safetensors file ({e}); re-download it")
+        self.files = files
+
+    def __contains__(self, name):
+        return name in self.shapes
+
+    def check(self, expected: dict[str, tuple[int, ...]], optional: tuple[str, ...] = ()):
+        """Every expected tensor is present with its shape; nothing unknown is left over."""
+        for name, shape in expected.items():
+            if name not in self.shapes:
+                if name in optional:
+                    continue
+                raise DtrtError(f"{self.path}: tensor {name!r} is missing (config.json expects it); "
+                                "is this the right kind of checkpoint?")
+            if self.shapes[name] != tuple(shape):
+                raise DtrtError(f"{self.file_of[name]}: tensor {name!r} has shape {list(self.shapes[name])}, "
+                                f"config.json implies {list(shape)}")
+        extra = [n for n in self.shapes if n not in expected and not n.endswith(IGNORED_SUFFIXES)]
+        if extra:
+            raise DtrtError(f"{self.path}: unexpected tensor {extra[0]!r} ({len(extra)} in all); "
+                            "is this the right kind of checkpoint?")
+
+    def load(self, names, dtype) -> dict[str, torch.Tensor]:
+        out = {}
+        for f in self.files:
+            wanted = [n for n in names if self.file_of.get(n) == f]
+            if not wanted:
+                continue
+            with safe_open(str(f), framework="pt") as st:
+                for n in wanted:
+                    out[n] = st.get_tensor(n).to(dtype)
+        return out
+
+
+def load_target(path, dtype=torch.float32) -> Target:
+    path = Path(path)
+    cfg = TargetConfig.from_json(path / "config.json")
+    ckpt = Checkpoint(path)
+    with torch.device("meta"):
+        model = Target(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    ckpt.check(expected, optional)
+    state = ckpt.load([k for k in expected if k in ckpt], dtype)
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def load_drafter(path, dtype=torch.float32) -> Drafter:
+    path = Path(path)
+    cfg = DrafterConfig.from_json(path / "config.json")
+    ckpt = Checkpoint(path)
+    head = None
+    present = [n for n in HEAD_TENSORS if n in ckpt]
+    if present:
+        if len(present) < len(HEAD_TENSORS):
+            missing = next(n for n in HEAD_TENSORS if n not in ckpt)
+            raise DtrtError(f"{path}: Domino head tensor {missing!r} is missing; the checkpoint is incomplete")
+        gru_dim, emb_dim = DominoHead.dims_from_shapes(ckpt.shapes)
+        with torch.device("meta"):
+            head = DominoHead(cfg.hidden_size, gru_dim, emb_dim, cfg.vocab_size)
+    elif cfg.projector_type is not None:
+        raise DtrtError(f"{path}: config.json says projector_type {cfg.projector_type!r} but the checkpoint has no "
+                        "Domino head tensors (prefix_gru.*, embed_proj.*)")
+    with torch.device("meta"):
+        model = Drafter(cfg)
+    model.head = head
+    expected = {k.removeprefix("head."): tuple(v.shape) for k, v in model.state_dict().items()}
+    ckpt.check(expected)
+    state = ckpt.load(list(expected), dtype)
+    model.load_state_dict({("head." + k if k.startswith(("prefix_gru.", "embed_proj.")) else k): v
+                           for k, v in state.items()}, strict=True, assign=True)
+    return model.eval()
+
+
+def check_pair(target: Target, drafter: Drafter, drafter_path="drafter"):
+    """A drafter reads the target's features and uses its embedding and lm_head: the dims must agree."""
+    t, d = target.cfg, drafter.cfg
+    if d.hidden_size != t.hidden_size:
+        raise DtrtError(f"{drafter_path}: drafter hidden_size {d.hidden_size} does not match the target's "
+                        f"{t.hidden_size}; use the drafter trained for this target")
+    if d.vocab_size != t.vocab_size:
+        raise DtrtError(f"{drafter_path}: drafter vocab_size {d.vocab_size} does not match the target's "
+                        f"{t.vocab_size}; use the drafter trained for this target")
+    bad = [i for i in d.target_layer_ids if not 0 <= i < t.num_layers]
+    if bad:
+        raise DtrtError(f"{drafter_path}: target_layer_ids {d.target_layer_ids} name layer {bad[0]}, but the target "
+                        f"has {t.num_layers} layers")
+    if not 0 <= d.mask_token_id < t.vocab_size:
+        raise DtrtError(f"{drafter_path}: mask_token_id {d.mask_token_id} is outside the target vocabulary")
+
+
+def save_checkpoint(path, config: dict, state: dict[str, torch.Tensor], shards: int = 1):
+    """Write config.json and the tensors in the Hugging Face layout (one file, or `shards` files plus
+    model.safetensors.index.json). Used to create test and example checkpoints."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: v.detach().contiguous().clone() for k, v in state.items()}
+    if shards == 1:
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = sorted(state)
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: state[n] for n in names[s::shards]}
+        save_file(part, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+             "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def target_state(model: Target) -> dict[str, torch.Tensor]:
+    state = dict(model.state_dict())
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
+def drafter_state(model: Drafter) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("head."): v for k, v in model.state_dict().items()}

@@ -1,0 +1,156 @@
+"""Model configs read from Hugging Face `config.json` files (target) and z-lab / Domino drafters."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtrt.errors import DtrtError
+
+TARGET_ARCHS = {"qwen3": True, "llama": False}  # model_type -> has per-head q_norm/k_norm
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise DtrtError(f"{path}: not found; pass a checkpoint directory holding config.json and *.safetensors")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DtrtError(f"{path}: not valid JSON ({e.__class__.__name__}: {e}); restore the file from the checkpoint")
+
+
+def _rope_theta(cfg: dict, default: float) -> float:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise DtrtError(f"config.json: rope type {kind!r} is not supported (only plain RoPE)")
+    return float(cfg.get("rope_theta", params.get("rope_theta", default)))
+
+
+def _require(cfg: dict, key: str, path: Path):
+    if key not in cfg:
+        raise DtrtError(f"{path}: missing config key {key!r}")
+    return cfg[key]
+
+
+@dataclass
+class TargetConfig:
+    arch: str  # "qwen3" | "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    eos_token_id: tuple[int, ...] = ()
+
+    @property
+    def qk_norm(self) -> bool:
+        return TARGET_ARCHS[self.arch]
+
+    @classmethod
+    def from_json(cls, path: Path) -> "TargetConfig":
+        cfg = read_json(path)
+        arch = cfg.get("model_type")
+        if arch not in TARGET_ARCHS:
+            raise DtrtError(f"{path}: model_type {arch!r} is not a supported target (supported: {', '.join(TARGET_ARCHS)})")
+        heads = _require(cfg, "num_attention_heads", path)
+        hidden = _require(cfg, "hidden_size", path)
+        eos = cfg.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        return cls(
+            arch=arch,
+            vocab_size=_require(cfg, "vocab_size", path),
+            hidden_size=hidden,
+            intermediate_size=_require(cfg, "intermediate_size", path),
+            num_layers=_require(cfg, "num_hidden_layers", path),
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(cfg, 10000.0),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            eos_token_id=eos,
+        )
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's build_target_layer_ids: evenly spread taps, 0-based decoder layer outputs."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    """A DFlash drafter (z-lab layout), optionally with the Domino head (G, E come from tensor shapes)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    projector_type: str | None = None  # "domino" / "causal_v5" when the checkpoint carries a head
+    shift_label: bool = False
+    pure_draft_prefix_len: int = 1
+
+    @property
+    def k_draft(self) -> int:
+        """Draft depths per block: shift_label uses all B rows (row i predicts slot i+1), DFlash rows 1..B-1."""
+        return self.block_size if self.shift_label else self.block_size - 1
+
+    @property
+    def first_row(self) -> int:
+        return 0 if self.shift_label else 1
+
+    @classmethod
+    def from_json(cls, path: Path) -> "DrafterConfig":
+        cfg = read_json(path)
+        dcfg = cfg.get("dflash_config") or {}
+        heads = _require(cfg, "num_attention_heads", path)
+        hidden = _require(cfg, "hidden_size", path)
+        layers = _require(cfg, "num_hidden_layers", path)
+        block = cfg.get("block_size", dcfg.get("block_size"))
+        if block is None:
+            raise DtrtError(f"{path}: missing 'block_size' (top level or dflash_config); is this a DFlash drafter?")
+        mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+        if mask is None:
+            raise DtrtError(f"{path}: missing 'dflash_config.mask_token_id'; is this a DFlash drafter?")
+        taps = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))
+        if taps is None:
+            taps = default_target_layer_ids(_require(cfg, "num_target_layers", path), layers)
+        proj = dcfg.get("projector_type", cfg.get("projector_type"))
+        if proj is not None and proj not in ("domino", "causal_v5"):
+            raise DtrtError(f"{path}: projector_type {proj!r} is not supported (domino, causal_v5)")
+        return cls(
+            vocab_size=_require(cfg, "vocab_size", path),
+            hidden_size=hidden,
+            intermediate_size=_require(cfg, "intermediate_size", path),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(cfg, 1e6),
+            block_size=int(block),
+            mask_token_id=int(mask),
+            target_layer_ids=[int(t) for t in taps],
+            projector_type=proj,
+            shift_label=bool(dcfg.get("shift_label", cfg.get("shift_label", False))),
+            pure_draft_prefix_len=int(dcfg.get("pure_draft_prefix_len", cfg.get("pure_draft_prefix_len", 1))),
+        )

@@ -1,0 +1,96 @@
+"""The DFlash block-diffusion drafter (z-lab layout), optionally carrying Domino's correction head.
+
+Context: the target's tapped features of committed positions are projected once,
+ctx = hidden_norm(fc(features)), and every layer turns ctx into K/V (k_norm + RoPE at the absolute
+position). These K/V are all the draft cache ever holds.
+Block: B positions from `start`: slot 0 = the committed root token, slots 1.. = mask token, embedded with
+the target's table. Queries come from the block only and attend, with no mask, to all cached context and to
+the whole block. Output = norm(x); the target's lm_head turns rows into base logits.
+"""
+import torch
+from torch import nn
+
+from dtrt.models.config import DrafterConfig
+from dtrt.models.domino import DominoHead
+from dtrt.models.layers import MLP, Projections, RMSNorm, attention, rope_cos_sin
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Projections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                     cfg.rms_norm_eps, qk_norm=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        h = self.input_layernorm(x)
+        q = self.self_attn.q(h, cos, sin)
+        k, v = self.self_attn.kv(h, cos, sin)
+        k, v = torch.cat((ctx_k, k), dim=-2), torch.cat((ctx_v, v), dim=-2)
+        x = x + self.self_attn.out(attention(q, k, v, mask))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DraftCache:
+    """Context K/V of committed positions, [layers, kv_heads, capacity, head_dim] each, batch 1."""
+
+    def __init__(self, cfg: DrafterConfig, capacity: int, dtype=torch.float32, device="cpu"):
+        shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]):
+        n = kv[0][0].shape[-2]
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"draft cache overflow: {self.length + n} > capacity {self.capacity}")
+        for i, (k, v) in enumerate(kv):
+            self.k[i, :, self.length:self.length + n] = k
+            self.v[i, :, self.length:self.length + n] = v
+        self.length += n
+
+    def layer(self, i):
+        return self.k[i, :, :self.length], self.v[i, :, :self.length]
+
+    def reset(self):
+        self.length = 0
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, head: DominoHead | None = None):
+        super().__init__()
+        self.cfg = cfg
+        taps = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = head
+
+    @property
+    def dtype(self):
+        return self.fc.weight.dtype
+
+    def _rope(self, positions, dtype):
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+
+    def context_kv(self, features, positions):
+        """features [..., n, taps*H], positions [..., n] -> per layer (k, v) [..., kv_heads, n, head_dim]."""
+        ctx = self.hidden_norm(self.fc(features))
+        cos, sin = self._rope(positions, ctx.dtype)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def block(self, x, positions, ctx_kv, mask=None):
+        """x [..., B, H] block embeddings, positions [..., B], ctx_kv from `context_kv` (or the cache)
+        -> normed hidden rows [..., B, H]. `mask` [..., B, C+B] is only used in training (no mask at inference)."""
+        cos, sin = self._rope(positions, x.dtype)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+    def proposal_rows(self, hidden):
+        """The rows that predict draft depths 0..k_draft-1 (shift_label: rows 0..B-1; DFlash: rows 1..B-1)."""
+        return hidden[..., self.cfg.first_row:self.cfg.first_row + self.cfg.k_draft, :]

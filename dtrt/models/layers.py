@@ -1,0 +1,90 @@
+"""Building blocks shared by the target and the drafter (Qwen3 / Llama numerics, as in transformers)."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions, head_dim: int, theta: float, dtype):
+    """cos/sin [..., head_dim] for integer positions, computed in fp32 like transformers."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x [..., heads, n, hd]; cos/sin [..., n, hd] broadcast over heads."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(-3) + rotated * sin.unsqueeze(-3)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Projections(nn.Module):
+    """q/k/v/o projections with optional per-head q_norm/k_norm; attention itself is done by the caller."""
+
+    def __init__(self, hidden, heads, kv_heads, head_dim, eps, qk_norm: bool, bias: bool = False):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps)
+            self.k_norm = RMSNorm(head_dim, eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _heads(self, x, n_heads):  # [..., n, n_heads*hd] -> [..., n_heads, n, hd]
+        return x.unflatten(-1, (n_heads, self.head_dim)).transpose(-3, -2)
+
+    def q(self, x, cos, sin):
+        q = self.q_proj(x).unflatten(-1, (self.heads, self.head_dim))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q.transpose(-3, -2), cos, sin)
+
+    def kv(self, x, cos, sin):
+        k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = apply_rope(k.transpose(-3, -2), cos, sin)
+        return k, self._heads(self.v_proj(x), self.kv_heads)
+
+    def out(self, o):  # o [..., heads, n, hd]
+        return self.o_proj(o.transpose(-3, -2).flatten(-2))
+
+
+def attention(q, k, v, mask=None):
+    """q [..., H, n, hd], k/v [..., KVH, m, hd] (GQA by repetition), mask bool [..., n, m] (True = attend)."""
+    groups = q.shape[-3] // k.shape[-3]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=-3)
+        v = v.repeat_interleave(groups, dim=-3)
+    if mask is not None:
+        mask = mask.unsqueeze(-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

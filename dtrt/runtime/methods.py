@@ -1,0 +1,118 @@
+"""Speculative methods as small strategy objects: each turns one round's drafter output into a Tree.
+
+    ar          no draft; the tree is the root alone
+    dflash      chain of the drafter's marginal argmax (one child per node)
+    domino      chain of Domino's corrected argmax
+    ddtree      best-first over the marginals (lazy sibling/child heap), fixed budget
+    caddtree    ddtree with the cost-aware stopping rule on this backend's measured verify-cost curve
+    dominotree  best-first over corrected scores, per realized path (`--arm` condstatic / marg for ablations)
+"""
+from dataclasses import dataclass
+
+import torch
+
+from dtrt.errors import DtrtError
+from dtrt.runtime.calibrate import measure_cost_curve
+from dtrt.tree import Round, Tree, build_ddtree, build_frontier, build_heap
+from dtrt.tree.caddtree import CostAwareStop
+
+METHODS = ("ar", "dflash", "domino", "ddtree", "caddtree", "dominotree")
+BUILDERS = ("heap", "frontier")
+ARMS = ("dominotree", "condstatic", "marg")
+
+
+@dataclass
+class DraftConfig:
+    method: str = "dominotree"
+    budget: int = 16       # draft nodes per tree (verify width budget + 1); caddtree: the cap
+    builder: str = "heap"  # dominotree only
+    arm: str = "dominotree"
+    topm: int = 64         # Domino candidates per depth (0 = full vocabulary)
+    node_topk: int = 8     # children per node
+
+    def __post_init__(self):
+        for flag, value, allowed in (("--method", self.method, METHODS), ("--builder", self.builder, BUILDERS),
+                                     ("--arm", self.arm, ARMS)):
+            if value not in allowed:
+                raise DtrtError(f"{flag} {value!r}: use one of {', '.join(allowed)}")
+        for flag, value, low in (("--budget", self.budget, 1), ("--node-topk", self.node_topk, 1),
+                                 ("--topm", self.topm, 0)):
+            if value < low:
+                raise DtrtError(f"{flag} {value}: must be >= {low}")
+
+    @property
+    def needs_head(self) -> bool:
+        return self.method == "domino" or (self.method == "dominotree" and self.arm != "marg")
+
+
+class Method:
+    uses_drafter = True
+
+    def __init__(self, cfg: DraftConfig):
+        self.cfg = cfg
+
+    def prepare(self, backend, max_depth: int):
+        """Called once per generation, after prefill."""
+        self.max_depth = max_depth
+
+    def build(self, backend, rnd: Round) -> Tree:
+        raise NotImplementedError
+
+
+class AR(Method):
+    uses_drafter = False
+
+    def build(self, backend, rnd):
+        return Tree.chain([], root=int(rnd.root[0]))
+
+
+class Chain(Method):
+    """One child per node down to the drafter's depth: DFlash (marginals) or Domino (corrected)."""
+
+    def __init__(self, cfg, arm):
+        super().__init__(cfg)
+        self.arm = arm
+
+    def build(self, backend, rnd):
+        return build_heap(backend.scorer(self.arm, rnd, 1, self.cfg.topm), self.max_depth, self.max_depth)
+
+
+class DDTree(Method):
+    def build(self, backend, rnd):
+        logprobs = torch.log_softmax(rnd.base[0], dim=-1)
+        return build_ddtree(logprobs, self.cfg.budget, self.stop(backend), root=int(rnd.root[0]))
+
+    def stop(self, backend):
+        return None
+
+
+class CaDDTree(DDTree):
+    curve = None  # measured on the first generation's backend, then reused
+
+    def prepare(self, backend, max_depth):
+        super().prepare(backend, max_depth)
+        if self.curve is None:
+            self.curve = measure_cost_curve(backend, self.cfg.budget)
+
+    def stop(self, backend):
+        return CostAwareStop(self.curve, backend.past)
+
+
+class DominoTree(Method):
+    def build(self, backend, rnd):
+        c = self.cfg
+        scorer = backend.scorer(c.arm, rnd, c.node_topk, c.topm)
+        if c.builder == "heap":
+            return build_heap(scorer, c.budget, self.max_depth)
+        return build_frontier(scorer, c.budget, self.max_depth, backend.drafter.cfg.mask_token_id).tree(0)
+
+
+def make_method(cfg: DraftConfig) -> Method:
+    return {
+        "ar": lambda: AR(cfg),
+        "dflash": lambda: Chain(cfg, "marg"),
+        "domino": lambda: Chain(cfg, "dominotree"),
+        "ddtree": lambda: DDTree(cfg),
+        "caddtree": lambda: CaDDTree(cfg),
+        "dominotree": lambda: DominoTree(cfg),
+    }[cfg.method]()

@@ -1,0 +1,67 @@
+"""Everything one `dtrt run` needs: a backend over a target (+ drafter), a method, and the tokenizer."""
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtrt.errors import DtrtError
+from dtrt.models.checkpoint import check_pair, load_drafter, load_target, parse_dtype
+from dtrt.models.registry import Pair, resolve
+from dtrt.models.tokenizer import load_tokenizer
+from dtrt.runtime.generate import Generation, generate
+from dtrt.runtime.methods import DraftConfig, Method, make_method
+from dtrt.runtime.sampling import SamplingConfig
+from dtrt.runtime.torch_backend import TorchBackend
+
+BACKENDS = ("torch",)
+
+
+@dataclass
+class Pipeline:
+    backend: TorchBackend
+    method: Method
+    draft: DraftConfig
+    tokenizer: object
+    eos: tuple[int, ...]
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
+                 on_tokens=None) -> Generation:
+        if not prompt_ids:
+            raise DtrtError("the prompt is empty: give some text")
+        if max_new_tokens < 1:
+            raise DtrtError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+        return generate(self.backend, self.method, prompt_ids, max_new_tokens, sampling, self.eos,
+                        self.draft.budget, on_tokens)
+
+
+def load_pair(model: str | None, target: str | None, drafter: str | None, model_dir: str | None, log=None) -> Pair:
+    if target is not None:
+        if model is not None:
+            raise DtrtError("--model and --target exclude each other: pass one")
+        d = Path(drafter) if drafter else None
+        return Pair(Path(target), d, d)
+    if drafter is not None:
+        raise DtrtError("--drafter needs --target DIR (a --model name brings its own drafters)")
+    return resolve(model or "tiny", Path(model_dir) if model_dir else None, log=log)
+
+
+def build_pipeline(pair: Pair, draft: DraftConfig, dtype: str = "fp32", backend: str = "torch") -> Pipeline:
+    if backend not in BACKENDS:
+        raise DtrtError(f"--backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    torch_dtype = parse_dtype(dtype)
+    target = load_target(pair.target, torch_dtype)
+    method = make_method(draft)
+    drafter = None
+    if method.uses_drafter:
+        path = pair.drafter_for(draft.needs_head)
+        if path is None:
+            kind = "Domino" if draft.needs_head else "DFlash"
+            raise DtrtError(f"--method {draft.method}: no {kind} drafter found for {pair.target}; pass --drafter DIR")
+        drafter = load_drafter(path, torch_dtype)
+        check_pair(target, drafter, path)
+        if draft.needs_head and drafter.head is None:
+            raise DtrtError(f"{path}: a DFlash checkpoint with no Domino head (prefix_gru.*, embed_proj.*); "
+                            f"--method {draft.method} needs a Domino drafter (or use dflash, ddtree, caddtree)")
+    tokenizer = load_tokenizer(pair.target)
+    eos = set(target.cfg.eos_token_id)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return Pipeline(TorchBackend(target, drafter), method, draft, tokenizer, tuple(sorted(eos)))

@@ -1,0 +1,81 @@
+"""The PyTorch backend: the reference implementation of every stage of DESIGN.md section 2."""
+import torch
+
+from dtrt.models.drafter import DraftCache, Drafter
+from dtrt.models.target import KVCache, Target
+from dtrt.tree import CondStaticScorer, DominoScorer, MarginalScorer, Round
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, target: Target, drafter: Drafter | None = None):
+        self.target, self.drafter = target, drafter
+        target.taps = list(drafter.cfg.target_layer_ids) if drafter is not None else []
+        self.cache: KVCache | None = None
+        self.draft_cache: DraftCache | None = None
+
+    @property
+    def past(self) -> int:
+        return self.cache.past
+
+    def reset(self, capacity: int):
+        """Fresh caches for one generation of at most `capacity` positions (prompt + output + one tree)."""
+        if self.cache is None or self.cache.capacity < capacity:
+            self.cache = KVCache(self.target.cfg, capacity, self.target.dtype)
+            if self.drafter is not None:
+                self.draft_cache = DraftCache(self.drafter.cfg, capacity, self.drafter.dtype)
+        self.cache.reset()
+        if self.draft_cache is not None:
+            self.draft_cache.reset()
+
+    # target stages
+    @torch.no_grad()
+    def target_forward(self, ids, positions, mask):
+        """Logits [N, V] fp32 and tapped hidden states [N, taps*H]; the new K/V sit after the past, uncommitted."""
+        return self.target(ids, positions, mask, self.cache)
+
+    def commit(self, accepted):
+        self.cache.commit(accepted)
+
+    # drafter stages
+    @torch.no_grad()
+    def draft_context(self, hidden, positions):
+        self.draft_cache.append(self.drafter.context_kv(hidden.to(self.drafter.dtype), positions))
+
+    @torch.no_grad()
+    def draft_block(self, root: int, start: int):
+        """(ph [k_draft, H], base logits [k_draft, V] fp32) for the block rooted at `root`, position `start`."""
+        cfg = self.drafter.cfg
+        ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long)
+        ids[0] = root
+        x = self.target.model.embed_tokens(ids).to(self.drafter.dtype)
+        positions = torch.arange(start, start + cfg.block_size)
+        ctx = [self.draft_cache.layer(i) for i in range(cfg.num_layers)]
+        ph = self.drafter.proposal_rows(self.drafter.block(x, positions, ctx))
+        return ph, self.target.lm_head(ph.to(self.target.dtype)).float()
+
+    def scorer(self, arm: str, rnd: Round, k: int, topm: int):
+        """The Domino scorer stage (or the marginal one) over one round's drafter rows."""
+        if arm == "marg":
+            return MarginalScorer(rnd, k)
+        cls = {"dominotree": DominoScorer, "condstatic": CondStaticScorer}[arm]
+        return cls(rnd, self.drafter.head, self.target.model.embed_tokens, k, topm,
+                   self.drafter.cfg.pure_draft_prefix_len)
+
+    # cost probes for CaDDTree: they write only past the committed entries, which the next forward overwrites
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def time_verify(self, n: int, past: int):
+        saved = self.cache.past
+        self.cache.past = past
+        try:
+            mask = torch.ones(n, n, dtype=torch.bool).tril()
+            self.target_forward(torch.zeros(n, dtype=torch.long), torch.arange(past, past + n), mask)
+        finally:
+            self.cache.past = saved
+
+    def time_draft(self):
+        self.draft_block(0, self.past)

@@ -1,0 +1,45 @@
+"""DDTree: best-first enumeration of the most likely prefixes under the product of per-depth marginals."""
+import heapq
+
+import torch
+
+from dtrt.tree.tree import Tree
+
+
+@torch.no_grad()
+def build_ddtree(logprobs: torch.Tensor, budget: int, stop=None, root: int = 0) -> Tree:
+    """logprobs [D, V]: per-depth log-probabilities (rows of a log_softmax), depth 0 first.
+
+    A lazy heap pops the best remaining prefix; each pop appends a node and pushes its next sibling
+    (same parent, rank + 1) and its first child (depth + 1, rank 0), so the tree holds the top-`budget`
+    prefixes, in non-increasing order. Ties go to the lexicographically smaller rank tuple.
+    `stop` (optional): start() once, then admit(n_nodes_so_far, logw) for each popped candidate;
+    building ends at the first False (CaDDTree's cost-aware budget).
+    """
+    tokens, parents, scores = [int(root)], [-1], [0.0]
+    D = logprobs.shape[0]
+    if stop is not None:
+        stop.start()
+    if D == 0 or budget < 1:
+        return Tree.from_parents(tokens, parents, scores)
+    K = min(budget, logprobs.shape[1])
+    top_lp, top_tok = torch.topk(logprobs.float(), K, dim=-1)
+    top_lp, top_tok = top_lp.tolist(), top_tok.tolist()
+
+    # (-logw, ranks, parent, depth (1-based), rank, logw, parent logw)
+    heap = [(-top_lp[0][0], (0,), 0, 1, 0, top_lp[0][0], 0.0)]
+    while heap and len(tokens) <= budget:
+        _, ranks, parent, depth, rank, logw, parent_logw = heapq.heappop(heap)
+        if stop is not None and not stop.admit(len(tokens) - 1, logw):
+            break
+        tokens.append(top_tok[depth - 1][rank])
+        parents.append(parent)
+        scores.append(logw)
+        index = len(tokens) - 1
+        if rank + 1 < K:
+            sibling = parent_logw + top_lp[depth - 1][rank + 1]
+            heapq.heappush(heap, (-sibling, ranks[:-1] + (rank + 1,), parent, depth, rank + 1, sibling, parent_logw))
+        if depth < D:
+            child = logw + top_lp[depth][0]
+            heapq.heappush(heap, (-child, ranks + (0,), index, depth + 1, 0, child, logw))
+    return Tree.from_parents(tokens, parents, scores)

@@ -1,0 +1,155 @@
+"""Per-round child scoring, shared by the heap and frontier builders.
+
+A scorer answers three questions, batched over requests (bs) and nodes (n):
+    root_states()                -> [bs, G]           path state of each root ([bs, 1] dummy when state-free)
+    children(states, depth)      -> tokens, logprobs  Long/float32 [bs, n, k], top-k sorted descending
+    advance(states, tokens)      -> [bs, n, G]        state of each child
+`depth` is the 0-based draft depth of the children: row `depth` of the drafter block predicts them.
+Builders also read `round`, `batch`, `depth` (D, the number of draft depths) and `k` from a scorer.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dtrt.models.domino import DominoHead
+
+
+@dataclass
+class Round:
+    ph: torch.Tensor  # [bs, D, H] drafter hidden rows; row d predicts the token at draft depth d
+    base: torch.Tensor  # [bs, D, V] float32 base logits, the target lm_head of ph
+    root: torch.Tensor  # Long[bs] the committed token each tree hangs from
+
+    @property
+    def batch(self) -> int:
+        return self.base.shape[0]
+
+    @property
+    def depth(self) -> int:
+        return self.base.shape[1]
+
+    @property
+    def vocab(self) -> int:
+        return self.base.shape[2]
+
+    def select(self, b: int) -> "Round":
+        """Request b alone, as a batch-1 round."""
+        return Round(self.ph[b : b + 1], self.base[b : b + 1], self.root[b : b + 1])
+
+
+class TableScorer:
+    """Children that do not depend on the node: one top-k table per depth, shared by every node."""
+
+    def __init__(self, round: Round, tokens: torch.Tensor, logprobs: torch.Tensor):
+        self.round = round
+        self.tokens, self.logprobs = tokens, logprobs  # [bs, D, k]
+        self.batch, self.depth, self.k = tokens.shape
+
+    def root_states(self) -> torch.Tensor:
+        return torch.zeros(self.batch, 1, device=self.tokens.device)
+
+    def children(self, states: torch.Tensor, depth: int):
+        shape = (self.batch, states.shape[1], self.k)
+        return self.tokens[:, depth, None].expand(shape), self.logprobs[:, depth, None].expand(shape)
+
+    def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return states
+
+
+def _marginal_topk(base: torch.Tensor, k: int):
+    lp, tok = torch.topk(torch.log_softmax(base.float(), dim=-1), k, dim=-1)
+    return tok, lp
+
+
+class MarginalScorer(TableScorer):
+    """The `marg` arm (and DFlash/DDTree drafts): top-k of the base marginal at each depth."""
+
+    @torch.no_grad()
+    def __init__(self, round: Round, k: int):
+        super().__init__(round, *_marginal_topk(round.base, min(k, round.vocab)))
+
+
+class DominoScorer:
+    """DominoTree's conditional scorer: Domino's GRU correction along each node's own path.
+
+    Depths below prefix_len use the base marginal over the full vocabulary. Deeper, the corrected logits
+    base + W2 . SiLU(W1 [ph_d; s]) are renormalised over the top-`topm` base candidates of that depth
+    (topm = 0: the full vocabulary), so those log-probs are not comparable with a full-vocab softmax.
+    """
+
+    @torch.no_grad()
+    def __init__(self, round: Round, head: DominoHead, embed: torch.nn.Embedding, k: int, topm: int = 64,
+                 prefix_len: int = 1):
+        if k < 1 or topm < 0 or prefix_len < 0:
+            raise ValueError(f"need k >= 1, topm >= 0, prefix_len >= 0 (got {k}, {topm}, {prefix_len})")
+        self.round, self.head, self.embed = round, head, embed
+        self.batch, self.depth = round.batch, round.depth
+        self.topm = min(topm, round.vocab)
+        self.k = min(k, self.topm or round.vocab)
+        self.prefix_len = prefix_len
+        self.dtype = head.w2.dtype
+        w1 = head.embed_proj[0].weight
+        # W1 [ph; s] = W_z ph + W_s s: the W_z half is per round, so a node only pays for W_s s
+        self.w1s = w1[:, head.hidden :].contiguous()
+        self.zp = F.linear(round.ph.to(self.dtype), w1[:, : head.hidden]).float()  # [bs, D, E]
+        self.prefix_tokens, self.prefix_logprobs = _marginal_topk(round.base[:, : min(prefix_len, self.depth)],
+                                                                  self.k)
+        if self.topm:
+            self.cand = torch.topk(round.base, self.topm, dim=-1).indices  # [bs, D, M]
+            self.basec = torch.gather(round.base, -1, self.cand).float()
+            self.w2c = head.w2[self.cand].float()  # [bs, D, M, E]
+
+    @torch.no_grad()
+    def root_states(self) -> torch.Tensor:
+        x = self.embed(self.round.root).to(self.dtype)
+        return self.head.gru(x, self.head.zero_state(self.batch, dtype=self.dtype, device=x.device))
+
+    def bottleneck(self, states: torch.Tensor, depth: int) -> torch.Tensor:
+        """SiLU(W1 [ph_depth; s]) in fp32, [bs, n, E]."""
+        sp = F.linear(states.to(self.dtype), self.w1s).float()
+        return F.silu(self.zp[:, depth, None] + sp)
+
+    @torch.no_grad()
+    def children(self, states: torch.Tensor, depth: int):
+        bs, n = states.shape[:2]
+        if depth < self.prefix_len:
+            shape = (bs, n, self.k)
+            return (self.prefix_tokens[:, depth, None].expand(shape),
+                    self.prefix_logprobs[:, depth, None].expand(shape))
+        h = self.bottleneck(states, depth)
+        if self.topm:
+            corrected = self.basec[:, depth, None] + h @ self.w2c[:, depth].transpose(-1, -2)  # [bs, n, M]
+            lp, local = torch.topk(torch.log_softmax(corrected, dim=-1), self.k, dim=-1)
+            return torch.gather(self.cand[:, depth, None].expand(bs, n, self.topm), -1, local), lp
+        corrected = self.round.base[:, depth, None].float() + F.linear(h.to(self.dtype), self.head.w2).float()
+        lp, tok = torch.topk(torch.log_softmax(corrected, dim=-1), self.k, dim=-1)
+        return tok, lp
+
+    @torch.no_grad()
+    def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head.gru(self.embed(tokens).to(self.dtype), states.to(self.dtype))
+
+
+class CondStaticScorer(TableScorer):
+    """The `condstatic` arm: Domino's correction evaluated once per depth along the greedy chain
+    (each depth's argmax advances the GRU), and that table is shared by every node at the depth."""
+
+    @torch.no_grad()
+    def __init__(self, round: Round, head: DominoHead, embed: torch.nn.Embedding, k: int, topm: int = 64,
+                 prefix_len: int = 1):
+        domino = DominoScorer(round, head, embed, k, topm, prefix_len)
+        s = domino.root_states()[:, None]
+        tokens, logprobs = [], []
+        for d in range(round.depth):
+            tok, lp = domino.children(s, d)
+            tokens.append(tok[:, 0])
+            logprobs.append(lp[:, 0])
+            if d + 1 < round.depth:
+                s = domino.advance(s, tok[:, :, 0])
+        super().__init__(round, torch.stack(tokens, 1), torch.stack(logprobs, 1))
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        """Long[bs, D]: the greedy corrected chain (Domino's own draft)."""
+        return self.tokens[:, :, 0]

@@ -1,0 +1,96 @@
+"""At T>0 the committed tokens follow the target's own distribution, for every method (chi-square test against
+the exact distribution of the first three tokens), and the test rejects a wrong distribution."""
+import itertools
+
+import pytest
+import torch
+
+from dtrt.runtime.methods import DraftConfig
+from dtrt.runtime.pipeline import build_pipeline
+from dtrt.runtime.sampling import SamplingConfig, target_probs
+
+PROMPTS = ["The cat sees ", "The moon is very ", "Every king ", "A small "]
+T, TOP_P, N = 1.0, 0.9, 300
+
+
+def exact_triples(target, prompt, temperature):
+    """P(t1, t2, t3) under the target with temperature and top-p, by enumeration."""
+    def probs(ids):
+        n = len(ids)
+        logits, _ = target(torch.tensor(ids), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+        return target_probs(logits[-1:], temperature, TOP_P)[0]
+
+    dist = {}
+    with torch.no_grad():
+        p1 = probs(prompt)
+        for a in p1.nonzero().flatten().tolist():
+            p2 = probs(prompt + [a])
+            for b in p2.nonzero().flatten().tolist():
+                p3 = probs(prompt + [a, b])
+                for c in p3.nonzero().flatten().tolist():
+                    dist[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    return dist
+
+
+def chi_square_pvalue(counts: dict, dist: dict, n: int) -> float:
+    """Pearson chi-square with cells of expected count < 5 pooled into one."""
+    stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for cell, p in dist.items():
+        e, o = n * p, counts.get(cell, 0)
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+        else:
+            stat, dof = stat + (o - e) ** 2 / e, dof + 1
+    outside = sum(o for c, o in counts.items() if c not in dist)
+    if pooled_exp > 0:
+        stat, dof = stat + (pooled_obs + outside - pooled_exp) ** 2 / pooled_exp, dof + 1
+    elif outside:
+        return 0.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+
+
+@pytest.fixture(scope="module")
+def exact(tiny):
+    """The candidate prompt whose first three tokens are most uncertain (the test needs many cells)."""
+    pipe = build_pipeline(tiny, DraftConfig("ar"))
+    best = None
+    for prompt in PROMPTS:
+        ids = pipe.tokenizer.encode(prompt, add_special_tokens=False)
+        dist = exact_triples(pipe.backend.target, ids, T)
+        if best is None or len(dist) > len(best[1]):
+            best = ids, dist
+    assert len(best[1]) >= 8, "the tiny target is too certain for a distribution test"
+    return best[0], best[1], exact_triples(pipe.backend.target, best[0], 1.6)
+
+
+def sample(pipe, ids):
+    counts, accepted = {}, 0
+    for seed in range(N):
+        g = pipe.generate(ids, 3, SamplingConfig(T, TOP_P, seed))
+        counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
+        accepted += sum(r.accepted - 1 for r in g.rounds)
+    return counts, accepted
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "domino", "ddtree", "caddtree", "dominotree"])
+def test_tokens_follow_target_distribution(tiny, exact, method):
+    ids, dist, wrong = exact
+    counts, accepted = sample(build_pipeline(tiny, DraftConfig(method)), ids)
+    if method != "ar":
+        assert accepted >= N // 20  # drafts were accepted: committed tokens came from tree nodes below the root
+    assert chi_square_pvalue(counts, dist, N) > 1e-3
+    assert chi_square_pvalue(counts, wrong, N) < 1e-3  # the test has power: a different temperature is rejected
+
+
+def test_seed_reproducible(tiny):
+    pipe = build_pipeline(tiny, DraftConfig("dominotree"))
+    ids = pipe.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    a, b = (pipe.generate(ids, 30, SamplingConfig(1.0, 0.95, 7)).tokens for _ in range(2))
+    assert a == b and a != pipe.generate(ids, 30, SamplingConfig(1.0, 0.95, 8)).tokens
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = target_probs(logits, 1.0, 0.8)
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    assert list(itertools.chain(target_probs(logits, 1.0, 1.0)[0].tolist())) == pytest.approx([0.5, 0.3, 0.15, 0.05])
