@@ -3,6 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrt.ops import tree_attention
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -80,11 +82,5 @@ class Projections(nn.Module):
 
 
 def attention(q, k, v, mask=None):
-    """q [..., H, n, hd], k/v [..., KVH, m, hd] (GQA by repetition), mask bool [..., n, m] (True = attend)."""
-    groups = q.shape[-3] // k.shape[-3]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=-3)
-        v = v.repeat_interleave(groups, dim=-3)
-    if mask is not None:
-        mask = mask.unsqueeze(-3)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    """q [..., H, n, hd], k/v [..., KVH, m, hd] (GQA), mask bool [..., n, m] (True = attend): dtrt::TreeAttention."""
+    return tree_attention(q, k, v, mask)

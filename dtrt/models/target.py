@@ -89,7 +89,7 @@ class Target(nn.Module):
         """ids/positions [..., N], mask bool [..., N, N]; a cache (batch 1) prepends its whole past to the keys."""
         x = self.model.embed_tokens(ids)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        if cache is not None and cache.past:
+        if cache is not None:  # every new token sees the whole past
             mask = torch.cat((mask.new_ones(*mask.shape[:-1], cache.past), mask), dim=-1)
         tapped = {}
         for i, layer in enumerate(self.model.layers):

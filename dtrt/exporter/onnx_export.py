@@ -1,0 +1,29 @@
+"""torch -> ONNX for one stage: dynamo export with named dynamic dims, dtrt nodes with model-local functions."""
+from pathlib import Path
+
+import onnx
+import torch
+
+from dtrt.exporter.stages import Stage
+from dtrt.ops import DOMAIN, onnx_functions
+
+OPSET = 20
+
+
+def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int) -> list[Path]:
+    """Write `path` (+ `path.data` for the weights); return the files written."""
+    dims = {"N": torch.export.Dim("N", min=1, max=max_tokens), "P": torch.export.Dim("P", min=0, max=max_context)}
+    example = stage.example(3, 5, torch.Generator().manual_seed(0))
+    args = tuple(example[name] for name in stage.inputs)
+    shapes = tuple({axis: dims[d] for axis, d in stage.dynamic.get(name, {}).items()} or None for name in stage.inputs)
+    with torch.no_grad():
+        program = torch.onnx.export(stage.module.eval(), args, input_names=stage.inputs, output_names=stage.outputs,
+                                    dynamic_shapes=shapes, dynamo=True, opset_version=OPSET, verbose=False)
+    model = program.model_proto
+    used = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
+    model.functions.extend(onnx_functions(used))
+    data = path.with_suffix(".onnx.data")
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=1024)
+    onnx.checker.check_model(str(path))
+    return [path, data] if data.exists() else [path]

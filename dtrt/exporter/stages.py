@@ -1,0 +1,135 @@
+"""The exported stages (DESIGN.md section 2) as PyTorch wrapper modules with named inputs and outputs.
+
+These wrappers are what gets exported and what `dtrt parity` compares ONNX Runtime against, on the same inputs.
+
+    target          ids [N], positions [N], mask [N, N], past_k/past_v [L, KVH, P, HD]
+                    -> logits [N, V] fp32, hidden [N, taps*H], new_k/new_v [L, KVH, N, HD]
+    drafter_context hidden [n, taps*H], positions [n] -> ctx_k/ctx_v [Ld, KVHd, n, HDd]
+    drafter_block   root [1], start [1], cache_k/cache_v [Ld, KVHd, C, HDd] -> ph [D, H], base [D, V] fp32
+"""
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dtrt.models.drafter import Drafter
+from dtrt.models.target import Target
+
+
+class ConcatCache:
+    """The cache seen by an exported target: past K/V come in as inputs, only the new K/V go out."""
+
+    def __init__(self, past_k, past_v):
+        self.past_k, self.past_v = past_k, past_v
+        self.past = past_k.shape[-2]
+        self.new_k, self.new_v = [], []
+
+    def update(self, layer, k, v):
+        self.new_k.append(k)
+        self.new_v.append(v)
+        return torch.cat((self.past_k[layer], k), dim=-2), torch.cat((self.past_v[layer], v), dim=-2)
+
+
+class TargetStage(nn.Module):
+    def __init__(self, target: Target):
+        super().__init__()
+        self.target = target
+
+    def forward(self, ids, positions, mask, past_k, past_v):
+        cache = ConcatCache(past_k, past_v)
+        logits, hidden = self.target(ids, positions, mask, cache)
+        return logits, hidden, torch.stack(cache.new_k), torch.stack(cache.new_v)
+
+
+class DrafterContextStage(nn.Module):
+    def __init__(self, drafter: Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, hidden, positions):
+        kv = self.drafter.context_kv(hidden, positions)
+        return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
+
+
+class DrafterBlockStage(nn.Module):
+    """The block forward with the target's embedding and lm_head folded in (the drafter shares them)."""
+
+    def __init__(self, target: Target, drafter: Drafter):
+        super().__init__()
+        self.drafter = drafter
+        self.embed = target.model.embed_tokens
+        self.lm_head = target.lm_head
+        cfg = drafter.cfg
+        self.register_buffer("slots", torch.arange(cfg.block_size), persistent=False)
+        self.register_buffer("mask_ids", torch.full((cfg.block_size - 1,), cfg.mask_token_id), persistent=False)
+
+    def forward(self, root, start, cache_k, cache_v):
+        ids = torch.cat((root, self.mask_ids))
+        x = self.embed(ids).to(self.drafter.dtype)
+        kv = [(cache_k[i], cache_v[i]) for i in range(cache_k.shape[0])]
+        ph = self.drafter.proposal_rows(self.drafter.block(x, start + self.slots, kv))
+        return ph, self.lm_head(ph.to(self.lm_head.weight.dtype)).float()
+
+
+@dataclass
+class Stage:
+    name: str
+    module: nn.Module
+    inputs: list[str]
+    outputs: list[str]
+    dynamic: dict[str, dict[int, str]] = field(default_factory=dict)  # input -> {axis: dim name}
+
+    def example(self, n: int, p: int, gen: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        return EXAMPLES[self.name](self, n, p, gen)
+
+
+def random_tree_mask(n, gen):
+    """A random tree over n tokens (node 0 the root; parents precede children): depths and ancestor mask."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    mask = torch.eye(n, dtype=torch.bool)
+    depth = [0] * n
+    for i in range(1, n):
+        mask[i] |= mask[parents[i]]
+        depth[i] = depth[parents[i]] + 1
+    return torch.tensor(depth), mask
+
+
+def _target_example(stage, n, p, gen):
+    t = stage.module.target
+    cfg, dtype = t.cfg, t.dtype
+    depth, mask = random_tree_mask(n, gen)
+    kv = (cfg.num_layers, cfg.num_kv_heads, p, cfg.head_dim)
+    return {"ids": torch.randint(0, cfg.vocab_size, (n,), generator=gen), "positions": p + depth, "mask": mask,
+            "past_k": torch.randn(kv, generator=gen).to(dtype), "past_v": torch.randn(kv, generator=gen).to(dtype)}
+
+
+def _context_example(stage, n, p, gen):
+    d = stage.module.drafter
+    width = d.fc.in_features
+    return {"hidden": torch.randn(n, width, generator=gen).to(d.dtype), "positions": torch.arange(p, p + n)}
+
+
+def _block_example(stage, n, p, gen):
+    d = stage.module.drafter
+    cfg = d.cfg
+    kv = (cfg.num_layers, cfg.num_kv_heads, p, cfg.head_dim)
+    return {"root": torch.randint(0, cfg.vocab_size, (1,), generator=gen), "start": torch.tensor([p]),
+            "cache_k": torch.randn(kv, generator=gen).to(d.dtype), "cache_v": torch.randn(kv, generator=gen).to(d.dtype)}
+
+
+EXAMPLES = {"target": _target_example, "drafter_context": _context_example, "drafter_block": _block_example}
+
+
+def stages(target: Target, drafter: Drafter | None) -> list[Stage]:
+    out = [Stage("target", TargetStage(target), ["ids", "positions", "mask", "past_k", "past_v"],
+                 ["logits", "hidden", "new_k", "new_v"],
+                 {"ids": {0: "N"}, "positions": {0: "N"}, "mask": {0: "N", 1: "N"},
+                  "past_k": {2: "P"}, "past_v": {2: "P"}})]
+    if drafter is not None:
+        out += [
+            Stage("drafter_context", DrafterContextStage(drafter), ["hidden", "positions"], ["ctx_k", "ctx_v"],
+                  {"hidden": {0: "N"}, "positions": {0: "N"}}),
+            Stage("drafter_block", DrafterBlockStage(target, drafter), ["root", "start", "cache_k", "cache_v"],
+                  ["ph", "base"], {"cache_k": {2: "P"}, "cache_v": {2: "P"}}),
+        ]
+    return out

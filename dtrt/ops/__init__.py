@@ -1,0 +1,12 @@
+"""The custom ops of the plugin boundary (DESIGN.md section 3).
+
+Each op is defined once: an eager PyTorch implementation (the reference, also registered as
+`torch.ops.dtrt.<name>`), and an ONNX function `dtrt::<Name>` of standard ops. During `torch.onnx.export`
+the models emit a `dtrt` domain node instead of the eager math, and the exporter attaches the function
+bodies as model-local functions, so ONNX Runtime runs the node as is and TensorRT can map it to a plugin
+of the same name, version and namespace.
+"""
+from dtrt.ops.base import DOMAIN, VERSION, emit, onnx_functions
+from dtrt.ops.tree_attention import tree_attention
+
+__all__ = ["DOMAIN", "VERSION", "emit", "onnx_functions", "tree_attention"]

@@ -1,0 +1,26 @@
+"""Plumbing shared by the dtrt ops: emitting a `dtrt` node during export and collecting the function bodies."""
+import onnxscript
+import torch
+
+DOMAIN, VERSION = "dtrt", 1
+OPSET = onnxscript.values.Opset(DOMAIN, VERSION)
+_FUNCTIONS: dict[str, onnxscript.OnnxFunction] = {}
+
+
+def register_function(fn: onnxscript.OnnxFunction) -> onnxscript.OnnxFunction:
+    _FUNCTIONS[fn.name] = fn
+    return fn
+
+
+def onnx_functions(names) -> list:
+    """FunctionProtos for the dtrt op types `names`, to attach to an exported model."""
+    return [_FUNCTIONS[n].to_function_proto() for n in sorted(set(names))]
+
+
+def emit(name: str, inputs: tuple, dtypes: tuple, shapes: tuple, attrs: dict | None = None):
+    """A `dtrt::<name>` node in the exported graph (one output, or a tuple when several dtypes are given)."""
+    if len(dtypes) == 1:
+        return torch.onnx.ops.symbolic(f"{DOMAIN}::{name}", inputs, attrs or {}, dtype=dtypes[0], shape=shapes[0],
+                                       version=VERSION)
+    return torch.onnx.ops.symbolic_multi_out(f"{DOMAIN}::{name}", inputs, attrs or {}, dtypes=dtypes, shapes=shapes,
+                                             version=VERSION)
