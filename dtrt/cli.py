@@ -1,6 +1,7 @@
 """The `dtrt` command line."""
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -68,6 +69,29 @@ def run(prompt, model, target, drafter, model_dir, method, builder, arm, budget,
         click.echo()
         _log(f"[{method}] tau {out.tau:.2f}  {out.tokens_per_s:.1f} tok/s  {len(out.tokens)} tokens  "
              f"{len(out.rounds)} rounds  prefill {out.prefill_s * 1e3:.0f} ms")
+
+
+@cli.command()
+@click.option("--model", help="registry name: tiny, qwen3-4b, qwen3-8b")
+@click.option("--target", type=click.Path(), help="target checkpoint directory")
+@click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino)")
+@click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")
+@click.option("--out", required=True, type=click.Path(), help="export directory to create")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
+@click.option("--max-context", type=int, default=4096, show_default=True, help="largest past + new tokens")
+@click.option("--budget", type=int, default=16, show_default=True, help="tree budget of the fixed-shape stages")
+@click.option("--topm", type=int, default=64, show_default=True)
+@click.option("--node-topk", type=int, default=8, show_default=True)
+@click.option("--force", is_flag=True, help="replace an existing export directory")
+def export(model, target, drafter, model_dir, out, dtype, max_context, budget, topm, node_topk, force):
+    """Export every stage to ONNX, with manifest.json, into OUT (complete or not at all)."""
+    from dtrt.exporter.export import export_pair
+
+    pair = load_pair(model, target, drafter, model_dir, log=_log)
+    exp = export_pair(pair, Path(out), model if target is None else None, dtype, max_context, budget, topm,
+                      node_topk, force, log=_log)
+    size = sum(m["size"] for m in exp.manifest["files"].values())
+    click.echo(f"{exp.path}: {len(exp.manifest['stages'])} stages, {size / 1e6:.1f} MB")
 
 
 def result_json(out, text, draft: DraftConfig, prompt_tokens: int) -> dict:

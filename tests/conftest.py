@@ -13,3 +13,11 @@ def tiny():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny, tmp_path_factory):
+    """The tiny pair exported once per test session with `dtrt export` defaults (budget 16, fp32)."""
+    from dtrt.exporter.export import export_pair
+
+    return export_pair(tiny, tmp_path_factory.mktemp("export") / "tiny", model="tiny", max_context=512)

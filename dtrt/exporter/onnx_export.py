@@ -1,4 +1,8 @@
 """torch -> ONNX for one stage: dynamo export with named dynamic dims, dtrt nodes with model-local functions."""
+import contextlib
+import io
+import logging
+import warnings
 from pathlib import Path
 
 import onnx
@@ -8,6 +12,7 @@ from dtrt.exporter.stages import Stage
 from dtrt.ops import DOMAIN, onnx_functions
 
 OPSET = 20
+logging.getLogger("torch.onnx").setLevel(logging.ERROR)
 
 
 def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int) -> list[Path]:
@@ -16,7 +21,8 @@ def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int) ->
     example = stage.example(3, 5, torch.Generator().manual_seed(0))
     args = tuple(example[name] for name in stage.inputs)
     shapes = tuple({axis: dims[d] for axis, d in stage.dynamic.get(name, {}).items()} or None for name in stage.inputs)
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         program = torch.onnx.export(stage.module.eval(), args, input_names=stage.inputs, output_names=stage.outputs,
                                     dynamic_shapes=shapes, dynamo=True, opset_version=OPSET, verbose=False)
     model = program.model_proto

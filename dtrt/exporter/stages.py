@@ -78,9 +78,11 @@ class Stage:
     inputs: list[str]
     outputs: list[str]
     dynamic: dict[str, dict[int, str]] = field(default_factory=dict)  # input -> {axis: dim name}
+    make_example: object = None  # (stage, n, p, gen) -> inputs
 
     def example(self, n: int, p: int, gen: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        return EXAMPLES[self.name](self, n, p, gen)
+        """Random inputs with n new tokens (or context rows) over a past of p positions."""
+        return self.make_example(self, n, p, gen)
 
 
 def random_tree_mask(n, gen):
@@ -117,19 +119,18 @@ def _block_example(stage, n, p, gen):
             "cache_k": torch.randn(kv, generator=gen).to(d.dtype), "cache_v": torch.randn(kv, generator=gen).to(d.dtype)}
 
 
-EXAMPLES = {"target": _target_example, "drafter_context": _context_example, "drafter_block": _block_example}
-
-
-def stages(target: Target, drafter: Drafter | None) -> list[Stage]:
-    out = [Stage("target", TargetStage(target), ["ids", "positions", "mask", "past_k", "past_v"],
+def target_stage(target: Target) -> Stage:
+    return Stage("target", TargetStage(target), ["ids", "positions", "mask", "past_k", "past_v"],
                  ["logits", "hidden", "new_k", "new_v"],
                  {"ids": {0: "N"}, "positions": {0: "N"}, "mask": {0: "N", 1: "N"},
-                  "past_k": {2: "P"}, "past_v": {2: "P"}})]
-    if drafter is not None:
-        out += [
-            Stage("drafter_context", DrafterContextStage(drafter), ["hidden", "positions"], ["ctx_k", "ctx_v"],
-                  {"hidden": {0: "N"}, "positions": {0: "N"}}),
-            Stage("drafter_block", DrafterBlockStage(target, drafter), ["root", "start", "cache_k", "cache_v"],
-                  ["ph", "base"], {"cache_k": {2: "P"}, "cache_v": {2: "P"}}),
-        ]
-    return out
+                  "past_k": {2: "P"}, "past_v": {2: "P"}}, _target_example)
+
+
+def drafter_stages(target: Target, drafter: Drafter, kind: str) -> list[Stage]:
+    """`<kind>.context` and `<kind>.block` for a drafter (kind: dflash or domino)."""
+    return [
+        Stage(f"{kind}.context", DrafterContextStage(drafter), ["hidden", "positions"], ["ctx_k", "ctx_v"],
+              {"hidden": {0: "N"}, "positions": {0: "N"}}, _context_example),
+        Stage(f"{kind}.block", DrafterBlockStage(target, drafter), ["root", "start", "cache_k", "cache_v"],
+              ["ph", "base"], {"cache_k": {2: "P"}, "cache_v": {2: "P"}}, _block_example),
+    ]

@@ -1,0 +1,109 @@
+"""`dtrt export`: a target and its drafters -> one ONNX graph per stage + manifest.json, written to a temporary
+directory next to the output and renamed into place only when complete."""
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from dtrt import __version__
+from dtrt.errors import DtrtError
+from dtrt.exporter.artifact import FORMAT, MANIFEST, Export, checkpoint_hashes, load_export, sha256
+from dtrt.exporter.onnx_export import OPSET, export_stage
+from dtrt.exporter.stages import drafter_stages, target_stage
+from dtrt.models.checkpoint import check_pair, load_drafter, load_target, parse_dtype
+from dtrt.models.registry import Pair
+
+EXPORT_DTYPES = ("fp32", "fp16")  # ONNX Runtime has no bf16 CPU kernels
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "chat_template.jinja", "generation_config.json", "config.json")
+
+
+def drafter_dims(d) -> dict:
+    cfg = d.cfg
+    dims = {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim, "block_size": cfg.block_size, "k_draft": cfg.k_draft,
+            "mask_token_id": cfg.mask_token_id, "shift_label": cfg.shift_label,
+            "pure_draft_prefix_len": cfg.pure_draft_prefix_len, "target_layer_ids": cfg.target_layer_ids}
+    if d.head is not None:
+        dims.update(gru_dim=d.head.gru_dim, emb_dim=d.head.emb_dim)
+    return dims
+
+
+def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "fp32", max_context: int = 4096,
+                budget: int = 16, topm: int = 64, node_topk: int = 8, force: bool = False, log=None) -> Export:
+    log = log or (lambda msg: None)
+    out = Path(out)
+    if dtype not in EXPORT_DTYPES:
+        raise DtrtError(f"--dtype {dtype}: export supports {', '.join(EXPORT_DTYPES)}")
+    if max_context < 2 or budget < 1:
+        raise DtrtError("--max-context must be >= 2 and --budget >= 1")
+    if out.exists() and not force:
+        raise DtrtError(f"--out {out}: already exists; pass --force to replace it")
+    torch_dtype = parse_dtype(dtype)
+    target = load_target(pair.target, torch_dtype)
+    drafters = {}
+    for kind, path in (("dflash", pair.dflash), ("domino", pair.domino)):
+        if path is not None and kind not in drafters:
+            d = load_drafter(path, torch_dtype)
+            check_pair(target, d, path)
+            drafters[kind] = (path, d)
+    taps = {tuple(d.cfg.target_layer_ids) for _, d in drafters.values()}
+    if len(taps) > 1:
+        raise DtrtError(f"the drafters tap different target layers {sorted(taps)}; export them separately")
+    target.taps = list(taps.pop()) if taps else []
+
+    stages = [target_stage(target)]
+    for kind, (_, d) in drafters.items():
+        stages += drafter_stages(target, d, kind)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        stage_meta = {}
+        for i, stage in enumerate(stages, 1):
+            t0 = time.perf_counter()
+            log(f"[{i}/{len(stages)}] exporting {stage.name}")
+            export_stage(stage, tmp / f"{stage.name}.onnx", max_context, max_context)
+            stage_meta[stage.name] = {"file": f"{stage.name}.onnx", "inputs": stage.inputs, "outputs": stage.outputs}
+            log(f"[{i}/{len(stages)}] {stage.name} done in {time.perf_counter() - t0:.1f}s")
+        (tmp / "tokenizer").mkdir()
+        for name in TOKENIZER_FILES:
+            if (pair.target / name).is_file():
+                shutil.copy2(pair.target / name, tmp / "tokenizer" / name)
+        cfg = target.cfg
+        manifest = {
+            "format": FORMAT, "dtrt_version": __version__, "opset": OPSET, "op_flavour": "dtrt-functions",
+            "dtype": dtype, "max_context": max_context, "budget": budget, "topm": topm, "node_topk": node_topk,
+            "source": {"model": model, "target": str(pair.target.resolve()),
+                       "target_hashes": checkpoint_hashes(pair.target),
+                       "drafters": {k: {"path": str(p.resolve()), "hashes": checkpoint_hashes(p)}
+                                    for k, (p, _) in drafters.items()}},
+            "target": {"arch": cfg.arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+                       "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+                       "taps": target.taps, "eos_token_id": list(cfg.eos_token_id)},
+            "drafters": {k: drafter_dims(d) for k, (_, d) in drafters.items()},
+            "stages": stage_meta,
+        }
+        manifest["files"] = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256(f)}
+                             for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        for f in tmp.rglob("*"):
+            f.chmod(0o755 if f.is_dir() else 0o644)
+        tmp.chmod(0o755)
+        _replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return load_export(out)
+
+
+def _replace(tmp: Path, out: Path):
+    """Move the finished export into place; an existing one is swapped out, then removed."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
