@@ -49,6 +49,7 @@ def main():
     ap.add_argument("--dtype", choices=DTYPES, default="fp32")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (timings synchronize before and after a build)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args()
     if args.threads:
@@ -56,22 +57,27 @@ def main():
     torch.manual_seed(args.seed)
     dtype, V, D = DTYPES[args.dtype], args.vocab, args.depth
 
-    head = DominoHead(args.hidden, args.gru, args.emb, V).to(dtype).eval()
-    embed = nn.Embedding(V, args.hidden).to(dtype).eval()
+    dev = torch.device(args.device)
+    head = DominoHead(args.hidden, args.gru, args.emb, V).to(dev, dtype).eval()
+    embed = nn.Embedding(V, args.hidden).to(dev, dtype).eval()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     times = {(b, name): [] for b in args.budgets for name in ("heap", "frontier")}
     agree = {b: 0 for b in args.budgets}
 
     def run(name: str, rnd: Round, budget: int):
+        sync()
         t0 = time.perf_counter()
         scorer = DominoScorer(rnd, head, embed, args.k, args.topm, args.prefix_len)
         if name == "heap":
             tree = build_heap(scorer, budget, D)
         else:
             tree = build_frontier(scorer, budget, D, mask_token_id=V - 1).tree(0)
+        sync()
         return tree, time.perf_counter() - t0
 
     for r in range(args.warmup + args.rounds):
-        rnd = Round(torch.randn(1, D, args.hidden).to(dtype), 3 * torch.randn(1, D, V), torch.randint(0, V, (1,)))
+        rnd = Round(torch.randn(1, D, args.hidden).to(dev, dtype), 3 * torch.randn(1, D, V, device=dev),
+                    torch.randint(0, V, (1,), device=dev))
         for budget in args.budgets:
             order = ("heap", "frontier") if r % 2 == 0 else ("frontier", "heap")
             trees = {}
@@ -91,7 +97,7 @@ def main():
                      "same_tree": agree[b], "rounds": args.rounds})
 
     print(f"V={V} H={args.hidden} G={args.gru} E={args.emb} M={args.topm} k={args.k} D={D} "
-          f"prefix_len={args.prefix_len} {args.dtype}, {torch.get_num_threads()} threads, "
+          f"prefix_len={args.prefix_len} {args.dtype} on {dev}, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds after {args.warmup} warm-up\n")
     print("| budget | heap median ms | heap p90 ms | frontier median ms | frontier p90 ms | frontier / heap | same tree |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
