@@ -1,0 +1,103 @@
+"""`dtrt export`: graph contents, sharded checkpoints, atomic output, and the artifact checks on load."""
+import json
+import shutil
+
+import onnx
+import pytest
+
+from dtrt.errors import DtrtError
+from dtrt.exporter import export as export_mod
+from dtrt.exporter.artifact import MANIFEST, check_source, load_export
+from dtrt.exporter.export import export_pair
+from dtrt.models.checkpoint import load_target, save_checkpoint, target_state
+from dtrt.models.registry import Pair
+
+
+def test_graphs_have_dtrt_nodes_with_functions_and_dynamic_dims(tiny_export):
+    m = onnx.load(str(tiny_export.stage("target")), load_external_data=False)
+    assert sum(n.domain == "dtrt" and n.op_type == "TreeAttention" for n in m.graph.node) == 4
+    assert [(f.domain, f.name) for f in m.functions] == [("dtrt", "TreeAttention")]
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
+    assert dims["ids"] == ["N"] and dims["mask"] == ["N", "N"] and dims["past_k"][2] == "P"
+    manifest = tiny_export.manifest
+    assert manifest["op_flavour"] == "dtrt-functions" and manifest["opset"] == 20
+    assert {"target", "dflash.context", "dflash.block", "domino.context", "domino.block"} <= manifest["stages"].keys()
+    assert (tiny_export.path / "tokenizer" / "tokenizer.json").is_file()
+    load_export(tiny_export.path, verify_hashes=True)
+
+
+def test_sharded_checkpoint_exports(tiny, tmp_path):
+    target = load_target(tiny.target)
+    src = tmp_path / "sharded"
+    save_checkpoint(src, json.loads((tiny.target / "config.json").read_text()), target_state(target), shards=2)
+    exp = export_pair(Pair(src), tmp_path / "out", max_context=64)
+    assert set(exp.manifest["source"]["target_hashes"]) == {
+        "config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors"}
+    assert list(exp.manifest["stages"]) == ["target"]
+
+
+def test_failed_export_leaves_nothing(tiny, tmp_path, monkeypatch):
+    calls = []
+
+    def failing(stage, path, *a):
+        calls.append(stage.name)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        path.write_bytes(b"x")
+
+    monkeypatch.setattr(export_mod, "export_stage", failing)
+    with pytest.raises(RuntimeError):
+        export_pair(tiny, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_flags(tiny, tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(DtrtError, match="already exists; pass --force"):
+        export_pair(tiny, tmp_path / "out")
+    with pytest.raises(DtrtError, match="--dtype bf16"):
+        export_pair(tiny, tmp_path / "x", dtype="bf16")
+
+
+@pytest.fixture
+def copied(tiny_export, tmp_path):
+    dst = tmp_path / "exp"
+    shutil.copytree(tiny_export.path, dst)
+    return dst
+
+
+def one_line_error(fn, *fragments):
+    with pytest.raises(DtrtError) as e:
+        fn()
+    assert "\n" not in str(e.value)
+    for f in fragments:
+        assert f in str(e.value), str(e.value)
+
+
+def test_bad_artifacts(copied, tiny):
+    (copied / "dflash.block.onnx.data").unlink()
+    one_line_error(lambda: load_export(copied), "dflash.block.onnx.data", "missing", "dtrt export --model tiny")
+    shutil.copy2(copied / "domino.block.onnx.data", copied / "dflash.block.onnx.data")
+    data = copied / "target.onnx.data"
+    data.write_bytes(data.read_bytes()[:-100])
+    one_line_error(lambda: load_export(copied), "target.onnx.data", "truncated", "--force")
+    manifest = json.loads((copied / MANIFEST).read_text())
+    manifest["dtrt_version"] = "0.0.1"
+    (copied / MANIFEST).write_text(json.dumps(manifest))
+    one_line_error(lambda: load_export(copied), "manifest.json", "dtrt 0.0.1", "dtrt export")
+    (copied / MANIFEST).unlink()
+    one_line_error(lambda: load_export(copied), "manifest.json", "not found")
+    one_line_error(lambda: load_export(copied / "nope"), "not found", "dtrt export")
+
+
+def test_export_from_another_model(tiny_export, tmp_path):
+    exp = load_export(tiny_export.path)
+    one_line_error(lambda: check_source(exp, exp.manifest["source"]["target"], model="qwen3-4b"),
+                   "exported from model 'tiny'", "qwen3-4b")
+    other = tmp_path / "other"
+    shutil.copytree(exp.manifest["source"]["target"], other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5
+    (other / "config.json").write_text(json.dumps(cfg))
+    one_line_error(lambda: check_source(exp, other), "another target checkpoint", "dtrt export")
