@@ -11,6 +11,7 @@ from dtrt import __version__
 from dtrt.errors import DtrtError
 from dtrt.exporter.artifact import FORMAT, MANIFEST, Export, checkpoint_hashes, load_export, sha256
 from dtrt.exporter.onnx_export import OPSET, export_stage
+from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.exporter.stages import drafter_stages, target_stage
 from dtrt.models.checkpoint import check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.registry import Pair
@@ -57,6 +58,10 @@ def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "f
     stages = [target_stage(target)]
     for kind, (_, d) in drafters.items():
         stages += drafter_stages(target, d, kind)
+        if d.head is not None:
+            for stage in scorer_stages(target, d, budget, topm, node_topk):
+                stage.name = f"{kind}.{stage.name}"
+                stages.append(stage)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

@@ -12,12 +12,14 @@ from dtrt.exporter.stages import Stage
 from dtrt.ops import DOMAIN, onnx_functions
 
 OPSET = 20
-logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+for _name in ("torch.onnx", "onnxscript"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 
-def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int) -> list[Path]:
+def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int, max_batch: int = 64) -> list[Path]:
     """Write `path` (+ `path.data` for the weights); return the files written."""
-    dims = {"N": torch.export.Dim("N", min=1, max=max_tokens), "P": torch.export.Dim("P", min=0, max=max_context)}
+    dims = {"N": torch.export.Dim("N", min=1, max=max_tokens), "P": torch.export.Dim("P", min=0, max=max_context),
+            "bs": torch.export.Dim("bs", min=1, max=max_batch)}
     example = stage.example(3, 5, torch.Generator().manual_seed(0))
     args = tuple(example[name] for name in stage.inputs)
     shapes = tuple({axis: dims[d] for axis, d in stage.dynamic.get(name, {}).items()} or None for name in stage.inputs)

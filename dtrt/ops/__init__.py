@@ -7,6 +7,8 @@ bodies as model-local functions, so ONNX Runtime runs the node as is and TensorR
 of the same name, version and namespace.
 """
 from dtrt.ops.base import DOMAIN, VERSION, emit, onnx_functions
+from dtrt.ops.ledger_select import ledger_select
+from dtrt.ops.topm_corrected_score import topm_corrected_score
 from dtrt.ops.tree_attention import tree_attention
 
-__all__ = ["DOMAIN", "VERSION", "emit", "onnx_functions", "tree_attention"]
+__all__ = ["DOMAIN", "VERSION", "emit", "ledger_select", "onnx_functions", "topm_corrected_score", "tree_attention"]

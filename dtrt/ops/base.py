@@ -14,7 +14,10 @@ def register_function(fn: onnxscript.OnnxFunction) -> onnxscript.OnnxFunction:
 
 def onnx_functions(names) -> list:
     """FunctionProtos for the dtrt op types `names`, to attach to an exported model."""
-    return [_FUNCTIONS[n].to_function_proto() for n in sorted(set(names))]
+    protos = [_FUNCTIONS[n].to_function_proto() for n in sorted(set(names))]
+    for proto in protos:
+        del proto.value_info[:]  # onnxscript records every input as a scalar FLOAT; shapes come from the graph
+    return protos
 
 
 def emit(name: str, inputs: tuple, dtypes: tuple, shapes: tuple, attrs: dict | None = None):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dtrt.ops.ledger_select import ledger_select
 from dtrt.tree.tree import Tree, pack_mask
 
 
@@ -38,13 +39,22 @@ class FrontierTrees:
                     self.mask[b, :n, :n])
 
 
+def _stable_top(x: torch.Tensor, k: int):
+    """The first k along dim 1 of a stable descending sort. torch.onnx exports no stable sort, but ONNX TopK
+    breaks ties by the lower index, which is the same order."""
+    if torch.onnx.is_in_onnx_export():
+        return torch.topk(x, k, dim=1)
+    values, index = torch.sort(x, dim=1, descending=True, stable=True)
+    return values[:, :k], index[:, :k]
+
+
 @torch.no_grad()
 def build_frontier(scorer, budget: int, max_depth: int, mask_token_id: int) -> FrontierTrees:
     """Padding slots (fewer than budget reachable nodes) become mask_token_id leaves under the root."""
     if budget < 1 or max_depth < 1:
         raise ValueError(f"need budget >= 1 and max_depth >= 1 (got {budget}, {max_depth})")
     D, W, k = min(max_depth, scorer.depth), budget, scorer.k
-    Wk, N = W * k, budget + 1
+    Wk = W * k
     root_states = scorer.root_states()
     bs, G = root_states.shape
     dev = root_states.device
@@ -68,38 +78,14 @@ def build_frontier(scorer, budget: int, max_depth: int, mask_token_id: int) -> F
         ledger_tokens[:, d] = tokens
         ledger_parents[:, d] = lane_node[..., None].expand(bs, W, k).reshape(bs, Wk)
         if d + 1 < D:
-            kept_scores, kept = torch.sort(cum, dim=1, descending=True, stable=True)
-            kept_scores, kept = kept_scores[:, :W], kept[:, :W]
+            kept_scores, kept = _stable_top(cum, W)
             parent_states = torch.gather(lane_states, 1, (kept // k)[..., None].expand(bs, W, G))
             lane_states = scorer.advance(parent_states, torch.gather(tokens, 1, kept))
             lane_scores = kept_scores
             lane_node = d * Wk + kept
 
-    # Selection and order in one stable sort: the ledger is depth-major, so on a score tie a parent
-    # (shallower) still precedes its child.
-    L = D * Wk
-    sorted_scores, order = torch.sort(ledger_scores.reshape(bs, L), dim=1, descending=True, stable=True)
-    sel, sel_scores = order[:, :budget], sorted_scores[:, :budget]
-    valid = torch.isfinite(sel_scores)
-    sel_tokens = torch.gather(ledger_tokens.reshape(bs, L), 1, sel)
-    sel_parents = torch.gather(ledger_parents.reshape(bs, L), 1, sel)
-
-    position = torch.full((bs, L), -1, dtype=torch.long, device=dev)
-    position.scatter_(1, sel, torch.arange(budget, device=dev).expand(bs, budget).contiguous())
-    parent_index = torch.where(sel_parents < 0, 0, torch.gather(position, 1, sel_parents.clamp(min=0)) + 1)
-
-    zero = torch.zeros((bs, 1), dtype=torch.long, device=dev)
-    tokens = torch.cat((scorer.round.root.reshape(bs, 1), torch.where(valid, sel_tokens, mask_token_id)), 1)
-    parents = torch.cat((zero - 1, torch.where(valid, parent_index, 0)), 1)
-    depths = torch.cat((zero, torch.where(valid, sel // Wk + 1, 1)), 1)
-    scores = torch.cat((torch.zeros((bs, 1), device=dev), sel_scores), 1)
-
-    # ancestors by D parent hops; one-hot rows by comparison, not by indexing with device tensors
-    columns = torch.arange(N, device=dev)
-    mask = torch.eye(N, dtype=torch.bool, device=dev).expand(bs, N, N).clone()
-    cur = parents
-    for _ in range(D):
-        alive = cur >= 0
-        mask |= (cur[..., None] == columns) & alive[..., None]
-        cur = torch.where(alive, torch.gather(parents, 1, cur.clamp(min=0)), cur)
+    # selection: the first B of a stable descending sort of the depth-major ledger, so on a score tie a
+    # parent (shallower) still precedes its child
+    tokens, parents, depths, scores, mask = ledger_select(ledger_scores, ledger_tokens, ledger_parents,
+                                                          scorer.round.root, budget, mask_token_id)
     return FrontierTrees(tokens, parents, depths, scores, mask)
