@@ -20,8 +20,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions, head_dim: int, theta: float, dtype):
-    """cos/sin [..., head_dim] for integer positions, computed in fp32 like transformers."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    """cos/sin [..., head_dim] for integer positions, in fp32 like transformers. The inverse frequencies are a
+    constant (computed in float64, rounded once), so an exported graph rotates by exactly the same angles."""
+    inv_freq = torch.tensor([1.0 / theta ** (i / head_dim) for i in range(0, head_dim, 2)], dtype=torch.float32,
+                            device=positions.device)
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
