@@ -75,12 +75,21 @@ def load_export(path, verify_hashes: bool = False) -> Export:
     return exp
 
 
-def check_source(exp: Export, target: Path, model: str | None = None):
-    """An export used together with a checkpoint (parity, --model with --export) must come from it."""
+def check_source(exp: Export, target: Path, model: str | None = None, drafters: dict | None = None):
+    """An export used together with checkpoints (parity, --model with --export) must come from them: the
+    model name, and the sha256 of the target's (and the drafters', kind -> path) config and weights."""
     src = exp.manifest["source"]
+    mpath = exp.path / MANIFEST
     if model is not None and src.get("model") not in (None, model):
-        raise DtrtError(f"{exp.path / MANIFEST}: exported from model {src['model']!r}, not {model!r}; "
+        raise DtrtError(f"{mpath}: exported from model {src['model']!r}, not {model!r}; "
                         f"use another --export or run `dtrt export --model {model} --out DIR`")
-    if checkpoint_hashes(Path(target)) != src["target_hashes"]:
-        raise DtrtError(f"{exp.path / MANIFEST}: exported from another target checkpoint than {target}; "
-                        f"re-export with `{exp.fix_hint()}`")
+    checks = [("target", Path(target), src["target_hashes"])]
+    checks += [(f"{kind} drafter", Path(p), src["drafters"][kind]["hashes"])
+               for kind, p in (drafters or {}).items() if kind in src["drafters"]]
+    for what, path, hashes in checks:
+        if not path.is_dir():
+            raise DtrtError(f"{path}: the {what} checkpoint this export was made from is not found; "
+                            f"restore it or re-export with `{exp.fix_hint()}`")
+        if checkpoint_hashes(path) != hashes:
+            raise DtrtError(f"{mpath}: exported from another {what} checkpoint than {path}; "
+                            f"re-export with `{exp.fix_hint()}`")

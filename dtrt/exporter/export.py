@@ -32,6 +32,39 @@ def drafter_dims(d) -> dict:
     return dims
 
 
+def load_sources(target_path: Path, drafter_paths: dict, dtype):
+    """The target and its drafters (kind -> path; a directory given for both kinds is loaded once, under the
+    kind its head says), checked as a pair; the target taps what the drafters read."""
+    target = load_target(target_path, dtype)
+    drafters = {}
+    for kind, path in drafter_paths.items():
+        if path is None or any(p == path for p, _ in drafters.values()):
+            continue
+        d = load_drafter(path, dtype)
+        check_pair(target, d, path)
+        if list(drafter_paths.values()).count(path) > 1:
+            kind = "domino" if d.head is not None else "dflash"
+        drafters[kind] = (Path(path), d)
+    taps = {tuple(d.cfg.target_layer_ids) for _, d in drafters.values()}
+    if len(taps) > 1:
+        raise DtrtError(f"the drafters tap different target layers {sorted(taps)}; export them separately")
+    target.taps = list(taps.pop()) if taps else []
+    return target, drafters
+
+
+def pair_stages(target, drafters: dict, budget: int, topm: int, node_topk: int) -> list:
+    """Every stage of an export, in manifest order: the target, then per drafter kind its context and block
+    stages and, with a Domino head, the scorer and frontier stages."""
+    stages = [target_stage(target)]
+    for kind, d in drafters.items():
+        stages += drafter_stages(target, d, kind)
+        if d.head is not None:
+            for stage in scorer_stages(target, d, budget, topm, node_topk):
+                stage.name = f"{kind}.{stage.name}"
+                stages.append(stage)
+    return stages
+
+
 def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "fp32", max_context: int = 4096,
                 budget: int = 16, topm: int = 64, node_topk: int = 8, force: bool = False, log=None) -> Export:
     log = log or (lambda msg: None)
@@ -42,26 +75,8 @@ def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "f
         raise DtrtError("--max-context must be >= 2 and --budget >= 1")
     if out.exists() and not force:
         raise DtrtError(f"--out {out}: already exists; pass --force to replace it")
-    torch_dtype = parse_dtype(dtype)
-    target = load_target(pair.target, torch_dtype)
-    drafters = {}
-    for kind, path in (("dflash", pair.dflash), ("domino", pair.domino)):
-        if path is not None and kind not in drafters:
-            d = load_drafter(path, torch_dtype)
-            check_pair(target, d, path)
-            drafters[kind] = (path, d)
-    taps = {tuple(d.cfg.target_layer_ids) for _, d in drafters.values()}
-    if len(taps) > 1:
-        raise DtrtError(f"the drafters tap different target layers {sorted(taps)}; export them separately")
-    target.taps = list(taps.pop()) if taps else []
-
-    stages = [target_stage(target)]
-    for kind, (_, d) in drafters.items():
-        stages += drafter_stages(target, d, kind)
-        if d.head is not None:
-            for stage in scorer_stages(target, d, budget, topm, node_topk):
-                stage.name = f"{kind}.{stage.name}"
-                stages.append(stage)
+    target, drafters = load_sources(pair.target, {"dflash": pair.dflash, "domino": pair.domino}, parse_dtype(dtype))
+    stages = pair_stages(target, {k: d for k, (_, d) in drafters.items()}, budget, topm, node_topk)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
