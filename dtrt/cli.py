@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import click
+import torch
 
 from dtrt import __version__
 from dtrt.errors import DtrtError
@@ -41,17 +42,24 @@ def cli():
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp32", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), help="default fp32 (onnxruntime: the export's)")
 @click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True)
+@click.option("--export", "export_dir", type=click.Path(), help="export directory (dtrt export) for onnxruntime")
+@click.option("--threads", type=int, help="intra-op threads of torch and ONNX Runtime (default: theirs)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the text")
 def run(prompt, model, target, drafter, model_dir, method, builder, arm, budget, topm, node_topk, max_new_tokens,
-        temperature, top_p, seed, dtype, backend, as_json):
+        temperature, top_p, seed, dtype, backend, export_dir, threads, as_json):
     """Generate a continuation of PROMPT (or of standard input)."""
     if prompt is None:
         prompt = sys.stdin.read()
     draft = DraftConfig(method, budget, builder, arm, topm, node_topk)
     sampling = SamplingConfig(temperature, top_p, seed)
-    pipe = build_pipeline(load_pair(model, target, drafter, model_dir, log=_log), draft, dtype, backend)
+    # onnxruntime runs the export alone; with --model/--target the export must come from them
+    alone = backend == "onnxruntime" and model is None and target is None and drafter is None
+    pair = None if alone else load_pair(model, target, drafter, model_dir, log=_log)
+    pipe = build_pipeline(pair, draft, dtype, backend, export_dir, threads, model)
+    if threads:
+        torch.set_num_threads(threads)
     ids = pipe.tokenizer.encode(prompt, add_special_tokens=False)
 
     streamed = []
@@ -92,6 +100,24 @@ def export(model, target, drafter, model_dir, out, dtype, max_context, budget, t
                       node_topk, force, log=_log)
     size = sum(m["size"] for m in exp.manifest["files"].values())
     click.echo(f"{exp.path}: {len(exp.manifest['stages'])} stages, {size / 1e6:.1f} MB")
+
+
+@cli.command()
+@click.argument("export_dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the table")
+@click.option("--random-only", is_flag=True, help="skip the inputs captured from real generations")
+@click.option("--prompts", type=click.IntRange(min=1), default=3, show_default=True,
+              help="prompts the real inputs are captured from")
+def parity(export_dir, as_json, random_only, prompts):
+    """Compare every stage of EXPORT_DIR under ONNX Runtime with its PyTorch reference on the same inputs."""
+    from dtrt.exporter.artifact import load_export
+    from dtrt.exporter.parity import run_parity
+
+    report = run_parity(load_export(export_dir), 0 if random_only else prompts, log=_log)
+    click.echo(json.dumps(report.to_json()) if as_json else report.table())
+    if not report.ok:
+        _log(f"parity failed: {', '.join(report.failed)}")
+        sys.exit(1)
 
 
 def result_json(out, text, draft: DraftConfig, prompt_tokens: int) -> dict:

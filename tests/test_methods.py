@@ -5,9 +5,11 @@ import sys
 import pytest
 
 from dtrt import cli
+from dtrt.runtime.calibrate import measure_cost_curve
 from dtrt.runtime.methods import DraftConfig
 from dtrt.runtime.pipeline import build_pipeline
 from dtrt.runtime.sampling import SamplingConfig
+from dtrt.tree import CostCurve
 
 PROMPTS = ["The cat sees ", "A quick fox ", "Every king walks ", "The moon is very ", "Some old man reads "]
 VARIANTS = [
@@ -31,6 +33,8 @@ def ar_tokens(tiny):
 @pytest.mark.parametrize("draft", VARIANTS, ids=lambda d: f"{d.method}-{d.builder}-{d.arm}-b{d.budget}")
 def test_exact_ar_tokens_with_accepted_drafts(tiny, ar_tokens, draft):
     pipe = build_pipeline(tiny, draft)
+    if draft.method == "caddtree":  # a fixed cost curve: a measured one varies with machine load
+        pipe.method.curve = LINEAR_COST
     gens = generate_all(pipe)
     assert [g.tokens for g in gens] == ar_tokens
     rounds = [r for g in gens for r in g.rounds]
@@ -41,6 +45,25 @@ def test_exact_ar_tokens_with_accepted_drafts(tiny, ar_tokens, draft):
              for r in rounds}
     assert kinds == {"zero", "partial", "full"}, kinds
     assert all(r.tree_size <= draft.budget + 1 for r in rounds)
+
+
+LINEAR_COST = CostCurve.fit({0: [(0, 1.0), (32, 2.0)]}, draft_cost=0.5)
+
+
+def test_caddtree_measures_its_cost_curve_and_adapts_the_budget(tiny):
+    pipe = build_pipeline(tiny, DraftConfig("caddtree", budget=32))
+    ids = pipe.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    pipe.generate(ids, 4, SamplingConfig())
+    curve = pipe.method.curve  # measured on this backend during the first generation
+    costs = [curve.verify_cost(n, 20) for n in (0, 4, 16, 32)]
+    assert costs == sorted(costs) and costs[0] > 0 and curve.draft_cost > 0
+    sizes = {}
+    for name, c in (("cheap", CostCurve.fit({0: [(0, 1.0), (32, 1.1)]}, 0.1)),
+                    ("steep", CostCurve.fit({0: [(0, 1.0), (32, 33.0)]}, 0.1))):
+        pipe.method.curve = c
+        sizes[name] = [r.tree_size for r in pipe.generate(ids, 48, SamplingConfig()).rounds]
+    assert max(sizes["steep"]) < min(sizes["cheap"]), sizes
+    assert measure_cost_curve(pipe.backend, 8).contexts[0] >= len(ids)
 
 
 def test_tree_methods_beat_chains(tiny):

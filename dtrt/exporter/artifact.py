@@ -37,10 +37,15 @@ class Export:
     def drafters(self) -> dict:
         return self.manifest.get("drafters", {})
 
-    def fix_hint(self) -> str:
-        src = self.manifest.get("source", {})
+    def fix_hint(self, **changes) -> str:
+        """The `dtrt export` command that rewrites this export with its recorded flags (and any `changes`)."""
+        m = self.manifest
+        src = m.get("source", {})
         how = f"--model {src['model']}" if src.get("model") else "--target DIR --drafter DIR"
-        return f"dtrt export {how} --out {self.path} --force"
+        flags = {"dtype": m.get("dtype"), "max_context": m.get("max_context"), "budget": m.get("budget"),
+                 "topm": m.get("topm"), "node_topk": m.get("node_topk")} | changes
+        opts = "".join(f" --{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None)
+        return f"dtrt export {how}{opts} --out {self.path} --force"
 
 
 def load_export(path, verify_hashes: bool = False) -> Export:

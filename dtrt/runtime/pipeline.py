@@ -11,12 +11,12 @@ from dtrt.runtime.methods import DraftConfig, Method, make_method
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.torch_backend import TorchBackend
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "onnxruntime")
 
 
 @dataclass
 class Pipeline:
-    backend: TorchBackend
+    backend: object  # TorchBackend | OrtBackend
     method: Method
     draft: DraftConfig
     tokenizer: object
@@ -43,10 +43,19 @@ def load_pair(model: str | None, target: str | None, drafter: str | None, model_
     return resolve(model or "tiny", Path(model_dir) if model_dir else None, log=log)
 
 
-def build_pipeline(pair: Pair, draft: DraftConfig, dtype: str = "fp32", backend: str = "torch") -> Pipeline:
+def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = None, backend: str = "torch",
+                   export: str | Path | None = None, threads: int | None = None, model: str | None = None) -> Pipeline:
+    """A pipeline on `backend`: torch runs the checkpoints of `pair`; onnxruntime runs the `export` directory,
+    checked against `pair` (and the registry name `model`) when one is given."""
     if backend not in BACKENDS:
         raise DtrtError(f"--backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    torch_dtype = parse_dtype(dtype)
+    if threads is not None and threads < 1:
+        raise DtrtError(f"--threads {threads}: must be >= 1")
+    if backend == "onnxruntime":
+        return _ort_pipeline(pair, draft, dtype, export, threads, model)
+    if export is not None:
+        raise DtrtError("--export DIR is for --backend onnxruntime; the torch backend runs the checkpoints")
+    torch_dtype = parse_dtype(dtype or "fp32")
     target = load_target(pair.target, torch_dtype)
     method = make_method(draft)
     drafter = None
@@ -65,3 +74,39 @@ def build_pipeline(pair: Pair, draft: DraftConfig, dtype: str = "fp32", backend:
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return Pipeline(TorchBackend(target, drafter), method, draft, tokenizer, tuple(sorted(eos)))
+
+
+def _ort_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None, export, threads: int | None,
+                  model: str | None) -> Pipeline:
+    from dtrt.exporter.artifact import check_source, load_export
+    from dtrt.runtime.ort_backend import OrtBackend
+
+    if export is None:
+        raise DtrtError("--backend onnxruntime needs --export DIR (write one with `dtrt export --model NAME --out "
+                        "DIR`)")
+    exp = load_export(export)
+    if pair is not None:
+        check_source(exp, pair.target, model)
+    if dtype is not None and dtype != exp.manifest["dtype"]:
+        raise DtrtError(f"--dtype {dtype}: {exp.path} holds {exp.manifest['dtype']} graphs; drop --dtype or "
+                        f"re-export with `{exp.fix_hint(dtype=dtype)}`")
+    method = make_method(draft)
+    kind = None
+    if method.uses_drafter:
+        have = exp.drafters
+        if draft.needs_head:
+            kind = "domino" if "gru_dim" in have.get("domino", {}) else None
+        else:
+            kind = next((k for k in ("dflash", "domino") if k in have), None)
+        if kind is None:
+            need = "Domino" if draft.needs_head else "DFlash"
+            raise DtrtError(f"--method {draft.method}: {exp.path} holds no {need} drafter; re-export with "
+                            f"`{exp.fix_hint()}` from a pair that has one")
+    backend = OrtBackend(exp, kind, threads)
+    if draft.needs_head:
+        backend.prepare_scorer("dominotree" if draft.method == "domino" else draft.arm, draft.topm)
+    tokenizer = load_tokenizer(exp.path / "tokenizer")
+    eos = set(exp.manifest["target"]["eos_token_id"])
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return Pipeline(backend, method, draft, tokenizer, tuple(sorted(eos)))

@@ -1,0 +1,426 @@
+"""`dtrt parity`: every exported stage under ONNX Runtime against its PyTorch wrapper, on the same inputs.
+
+Inputs: random ones from `Stage.example()` over a grid of N new tokens and P past positions, and the real ones
+the torch backend feeds its stages while generating from a few prompts with the export's own checkpoints (for
+the scorer and frontier stages: the drafter rows and the per-node steps of the DominoTree rounds).
+Both runners go through polygraphy's Comparator; the verdict is ours, per output:
+
+    float            cosine >= tol.cosine and max|ort - torch| <= tol.rel * max|torch|
+    integer, bool    exact equality (fp16: see _tied)
+
+Argmax agreement of `logits` and `base` rows is reported, not judged: within that max abs bound b, the argmax can
+only move between entries the reference has within 2b of each other.
+
+The tolerances sit well above what a correct graph shows (fp32: max abs ~3e-6 of the output's scale, cosine
+1 - 1e-12; fp16: ~2e-3 and 1 - 1e-6 on the tiny pair) and well below what one corrupted weight does.
+"""
+import math
+import time
+from collections import OrderedDict, defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from polygraphy.backend.base import BaseRunner
+from polygraphy.backend.onnxrt import OnnxrtRunner
+from polygraphy.common import TensorMetadata
+from polygraphy.comparator import Comparator
+from polygraphy.datatype import DataType
+from polygraphy.logger import G_LOGGER
+
+from dtrt.errors import DtrtError
+from dtrt.exporter.artifact import MANIFEST, Export, check_source
+from dtrt.exporter.export import load_sources, pair_stages
+from dtrt.exporter.stages import Stage
+from dtrt.models.checkpoint import parse_dtype
+from dtrt.models.tokenizer import load_tokenizer
+from dtrt.runtime.generate import generate
+from dtrt.runtime.methods import DraftConfig, make_method
+from dtrt.runtime.sampling import SamplingConfig
+from dtrt.runtime.torch_backend import TorchBackend
+from dtrt.tree import DominoScorer, Round
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    cosine: float  # least cosine similarity
+    rel: float     # largest max abs difference, as a fraction of the reference's max abs
+    ties: bool     # integer outputs may differ on inputs with exactly equal values in a row (see _tied)
+
+
+TOLERANCES = {"fp32": Tolerance(0.99999, 1e-4, False), "fp16": Tolerance(0.9999, 2e-2, True)}
+LOGITS = ("logits", "base")
+NS, PS = (1, 9, 17, 33), (0, 7, 100)
+PROMPTS = ("The cat sees ", "Some old man ", "Once upon a time, ", "def add(a, b):\n    return ",
+           "Water boils at ", "The capital of France is ", "1, 2, 3, 4, ", "She opened the door and ")
+MAX_NEW_TOKENS = 32
+
+
+# the torch side: the export's stages rebuilt from the checkpoints it names
+
+def reference_stages(exp: Export) -> dict[str, Stage]:
+    """The torch wrappers of every stage in the export's manifest, built from the checkpoints it was exported
+    from (checked by hash) in the export's dtype, in manifest order."""
+    m, src = exp.manifest, exp.manifest["source"]
+    drafter_paths = {kind: Path(d["path"]) for kind, d in src["drafters"].items()}
+    check_source(exp, Path(src["target"]), drafters=drafter_paths)
+    target, drafters = load_sources(Path(src["target"]), drafter_paths, parse_dtype(m["dtype"]))
+    built = {s.name: s for s in pair_stages(target, {k: d for k, (_, d) in drafters.items()},
+                                            m["budget"], m["topm"], m["node_topk"])}
+    out = {}
+    for name, meta in m["stages"].items():
+        if name not in built:
+            raise DtrtError(f"{exp.path / MANIFEST}: this dtrt has no PyTorch reference for stage {name!r}; "
+                            f"re-export with `{exp.fix_hint()}`")
+        s = built[name]
+        if (s.inputs, s.outputs) != (meta["inputs"], meta["outputs"]):
+            raise DtrtError(f"{exp.path / MANIFEST}: stage {name!r} records inputs {meta['inputs']} and outputs "
+                            f"{meta['outputs']}, this dtrt builds {s.inputs} -> {s.outputs}; "
+                            f"re-export with `{exp.fix_hint()}`")
+        out[name] = s
+    return out
+
+
+class TorchRunner(BaseRunner):
+    """A Stage's torch module as a polygraphy runner (polygraphy's PytRunner moves everything to CUDA)."""
+
+    def __init__(self, stage: Stage, feed: dict):
+        super().__init__(name=f"torch:{stage.name}", prefix="torch-runner")
+        self.stage = stage
+        self.meta = TensorMetadata()
+        for name in stage.inputs:
+            self.meta.add(name, feed[name].dtype, [None] * feed[name].ndim)
+
+    def activate_impl(self):
+        self.stage.module.eval()
+
+    def get_input_metadata_impl(self):
+        return self.meta  # the Comparator feeds only the inputs listed here
+
+    def infer_impl(self, feed_dict):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            outs = self.stage.module(*(torch.from_numpy(np.asarray(feed_dict[n])) for n in self.stage.inputs))
+        outs = (outs,) if isinstance(outs, torch.Tensor) else outs
+        self.inference_time = time.perf_counter() - t0
+        return OrderedDict((n, t.detach().numpy()) for n, t in zip(self.stage.outputs, outs))
+
+    def deactivate_impl(self):
+        pass
+
+
+# inputs
+
+def random_cases(stage: Stage) -> list[tuple[str, dict]]:
+    """example() over the N x P grid; a dimension the stage's inputs do not depend on is not varied, and a
+    stage that depends on neither gets three seeds."""
+    def example(n, p, seed=0):
+        return stage.example(n, p, torch.Generator().manual_seed(seed))
+
+    def same(a, b):
+        return all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+    ns = NS if not same(example(NS[0], 0), example(NS[1], 0)) else (None,)
+    ps = PS if not same(example(1, PS[0]), example(1, PS[1])) else (None,)
+    if ns == ps == (None,):
+        return [(f"random #{s}", example(1, 0, s)) for s in range(3)]
+    n_dim = next((d for axes in stage.dynamic.values() for d in axes.values() if d != "P"), "N")  # N, or bs
+    cases = []
+    for i, (n, p) in enumerate((n, p) for n in ns for p in ps):
+        label = " ".join(f"{d}={v}" for d, v in ((n_dim, n), ("P", p)) if v is not None)
+        cases.append((label, example(n or 1, p or 0, i)))
+    return cases
+
+
+class Recorder(TorchBackend):
+    """The torch backend, keeping the stage inputs of calls 1, 2, 4, 8, ... of each stage: a few per generation,
+    spread from prefill to long pasts."""
+
+    def __init__(self, target, drafter, kind: str, calls: dict):
+        super().__init__(target, drafter)
+        self.kind, self.calls, self.seen = kind, calls, defaultdict(int)
+
+    def keep(self, stage: str, inputs: dict):
+        i = self.seen[stage]
+        self.seen[stage] += 1
+        if i & (i + 1) == 0:
+            self.calls[stage].append({k: v.detach().clone() for k, v in inputs.items()})
+
+    def target_forward(self, ids, positions, mask):
+        p = self.cache.past
+        self.keep("target", {"ids": ids, "positions": positions, "mask": mask,
+                             "past_k": self.cache.k[:, :, :p], "past_v": self.cache.v[:, :, :p]})
+        return super().target_forward(ids, positions, mask)
+
+    def draft_context(self, hidden, positions):
+        self.keep(f"{self.kind}.context", {"hidden": hidden.to(self.drafter.dtype), "positions": positions})
+        return super().draft_context(hidden, positions)
+
+    def draft_block(self, root: int, start: int):
+        cache, n = self.draft_cache, self.draft_cache.length
+        self.keep(f"{self.kind}.block", {"root": torch.tensor([root]), "start": torch.tensor([start]),
+                                         "cache_k": cache.k[:, :, :n], "cache_v": cache.v[:, :, :n]})
+        ph, base = super().draft_block(root, start)
+        self.keep(f"{self.kind}.rows", {"root": torch.tensor([root]), "ph": ph, "base": base})
+        return ph, base
+
+    def scorer(self, arm: str, rnd: Round, k: int, topm: int):
+        if arm != "dominotree":
+            return super().scorer(arm, rnd, k, topm)
+        return RecordingScorer(self, rnd, self.drafter.head, self.target.model.embed_tokens, k, topm,
+                               self.drafter.cfg.pure_draft_prefix_len)
+
+
+class RecordingScorer(DominoScorer):
+    """DominoScorer keeping the inputs of its per-node steps in the layout of the scorer_children and
+    scorer_advance stages (batch 1 dropped)."""
+
+    def __init__(self, recorder: Recorder, *args):
+        super().__init__(*args)
+        self.recorder = recorder
+
+    def children(self, states, depth):
+        if depth >= self.prefix_len and self.topm:  # shallower depths take the base marginal, no stage
+            self.recorder.keep(f"{self.recorder.kind}.scorer_children",
+                               {"zproj": self.zp[0, depth], "states": states[0], "basec": self.basec[0, depth],
+                                "w2c": self.w2c[0, depth]})
+        return super().children(states, depth)
+
+    def advance(self, states, tokens):
+        self.recorder.keep(f"{self.recorder.kind}.scorer_advance", {"tokens": tokens[0], "states": states[0]})
+        return super().advance(states, tokens)
+
+
+def _from_rows(stage: Stage, rows: list[dict]) -> list[dict]:
+    """Inputs of a stage that reads only a round's root and drafter rows (the scorer root and setup, the frontier),
+    with the leading axes its example has and the rows lack (a batch of one request)."""
+    ex = stage.example(1, 0, torch.Generator().manual_seed(0))
+    return [{n: r[n].reshape((1,) * (ex[n].ndim - r[n].ndim) + tuple(r[n].shape)).to(ex[n].dtype)
+             for n in stage.inputs} for r in rows]
+
+
+def real_inputs(exp: Export, stages: dict[str, Stage], prompts: int) -> dict[str, list[dict]]:
+    """Stage name -> inputs the torch backend fed that stage while generating from `prompts` prompts, with
+    every drafter of the export (DominoTree for a Domino drafter, DDTree for a DFlash one) or AR without one."""
+    m = exp.manifest
+    tokenizer = load_tokenizer(exp.path / "tokenizer")
+    eos = set(m["target"]["eos_token_id"]) | ({tokenizer.eos_token_id} - {None})
+    target = stages["target"].module.target
+    runs = [(kind, stages[f"{kind}.block"].module.drafter) for kind in m["source"]["drafters"]
+            if f"{kind}.block" in stages] or [("", None)]
+    calls = defaultdict(list)
+    taps = list(target.taps)
+    try:
+        for kind, drafter in runs:
+            method = "ar" if drafter is None else "dominotree" if drafter.head is not None else "ddtree"
+            draft = DraftConfig(method, m["budget"], topm=m["topm"], node_topk=m["node_topk"])
+            for prompt in PROMPTS[:prompts]:
+                ids = tokenizer.encode(prompt, add_special_tokens=False)
+                generate(Recorder(target, drafter, kind, calls), make_method(draft), ids, MAX_NEW_TOKENS,
+                         SamplingConfig(), tuple(sorted(eos)), draft.budget)
+    finally:
+        target.taps = taps  # the backend sets the taps from the drafter; the reference keeps the export's
+    for name, stage in stages.items():
+        kind = name.split(".")[0]
+        if name not in calls and f"{kind}.rows" in calls and set(stage.inputs) <= {"root", "ph", "base"}:
+            calls[name] = _from_rows(stage, calls[f"{kind}.rows"])
+    return {name: c for name, c in calls.items() if name in stages and set(c[0]) == set(stages[name].inputs)}
+
+
+# comparison
+
+@dataclass
+class Row:
+    stage: str
+    case: str
+    output: str
+    cosine: float
+    max_abs: float
+    rel: float                 # max_abs / max|torch|
+    agree: int | None = None   # rows whose argmax agrees (logits-like outputs), of `rows`
+    rows: int | None = None
+    ok: bool = True
+    note: str = ""
+    calls: int = 1
+    tied: int = 0              # calls that differ only as ties allow (Tolerance.ties)
+
+
+def compare(stage: str, case: str, name: str, ref: np.ndarray, out: np.ndarray, tol: Tolerance) -> Row:
+    if ref.shape != out.shape or ref.dtype != out.dtype:
+        return Row(stage, case, name, math.nan, math.nan, math.nan, ok=False,
+                   note=f"onnxruntime gives {out.dtype}{list(out.shape)}, torch {ref.dtype}{list(ref.shape)}")
+    r, o = ref.astype(np.float64).ravel(), out.astype(np.float64).ravel()
+    if np.isnan(r).any() or np.isnan(o).any():
+        return Row(stage, case, name, math.nan, math.nan, math.nan, ok=False, note="NaN in the output")
+    # Infinities (masked log-probs, dead lanes) must sit at the same places.
+    finite = np.isfinite(r) & np.isfinite(o)
+    placed = bool(np.array_equal(r[~finite], o[~finite]))
+    r, o = r[finite], o[finite]
+    max_abs = float(np.abs(r - o).max()) if r.size else 0.0
+    scale = float(np.abs(r).max()) if r.size else 0.0
+    nr, no = np.linalg.norm(r), np.linalg.norm(o)
+    cosine = float(r @ o / (nr * no)) if nr and no else float(nr == no)
+    rel = max_abs / scale if scale else (0.0 if max_abs == 0 else math.inf)
+    if not placed:
+        return Row(stage, case, name, cosine, max_abs, rel, ok=False, note="infinities differ")
+    if not np.issubdtype(ref.dtype, np.floating):
+        return Row(stage, case, name, cosine, max_abs, rel, ok=bool(np.array_equal(ref, out)))
+    row = Row(stage, case, name, cosine, max_abs, rel, ok=cosine >= tol.cosine and rel <= tol.rel)
+    if name in LOGITS and ref.size:
+        agree = ref.reshape(-1, ref.shape[-1]).argmax(-1) == out.reshape(-1, ref.shape[-1]).argmax(-1)
+        row.agree, row.rows = int(agree.sum()), agree.size
+    return row
+
+
+def merge(rows: list[Row], case: str) -> Row:
+    """The worst of several rows of one stage output (the real inputs, summarised); NaN is the worst."""
+    def worst(values, pick):
+        values = list(values)
+        return math.nan if any(math.isnan(v) for v in values) else pick(values)
+
+    agree = [r for r in rows if r.rows is not None]
+    notes = [r.note for r in rows if r.note]
+    return Row(rows[0].stage, case, rows[0].output, worst((r.cosine for r in rows), min),
+               worst((r.max_abs for r in rows), max), worst((r.rel for r in rows), max),
+               sum(r.agree for r in agree) if agree else None, sum(r.rows for r in agree) if agree else None,
+               all(r.ok for r in rows), notes[0] if notes else "", len(rows), sum(r.tied for r in rows))
+
+
+def _session(path: Path) -> ort.InferenceSession:
+    # Idle onnxruntime threads spin by default and starve the torch runner that alternates with them.
+    opts = ort.SessionOptions()
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def _tied(feed: dict) -> bool:
+    """Whether a float input holds equal values within a row. fp16 logits tie often, and a top-k over tied values
+    may order them either way (both right); then the indices and everything built from them may differ."""
+    for x in feed.values():
+        if x.dtype.kind == "f" and x.ndim and x.shape[-1] > 1:
+            rows = np.sort(x.reshape(-1, x.shape[-1]), axis=-1)
+            if np.any(rows[:, 1:] == rows[:, :-1]):
+                return True
+    return False
+
+
+def _check_signature(sess: ort.InferenceSession, stage: Stage, feed: dict, path: Path):
+    """The graph takes the stage's inputs in its dtypes (the Comparator would cast them silently)."""
+    names = [i.name for i in sess.get_inputs()], [o.name for o in sess.get_outputs()]
+    if names != (stage.inputs, stage.outputs):
+        raise ValueError(f"{path.name} has inputs {names[0]} and outputs {names[1]}, the stage "
+                         f"{stage.inputs} -> {stage.outputs}")
+    for i in sess.get_inputs():
+        dtype = np.dtype(DataType.to_dtype(DataType.from_dtype(i.type, "onnxruntime"), "numpy"))
+        if dtype != feed[i.name].dtype:
+            raise ValueError(f"{path.name} takes {i.name} as {dtype}, the stage gives {feed[i.name].dtype}")
+
+
+def compare_stage(stage: Stage, path: Path, cases: list[tuple[str, dict]], tol: Tolerance) -> list[Row]:
+    """ONNX Runtime and the torch module on every case through polygraphy's Comparator, one row per case and
+    output; a graph that does not load or run is one failing row."""
+    feeds = [OrderedDict((n, feed[n].numpy()) for n in stage.inputs) for _, feed in cases]
+    rows = []
+    try:
+        with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
+            sess = _session(path)
+            _check_signature(sess, stage, feeds[0], path)
+            results = Comparator.run([OnnxrtRunner(sess), TorchRunner(stage, feeds[0])], data_loader=feeds,
+                                     streaming=True)
+            for (case, _), feed, result in zip(cases, feeds, results):
+                (_, [got]), (_, [want]) = result
+                case_rows = [compare(stage.name, case, n, want[n], got[n], tol) for n in stage.outputs]
+                if tol.ties and any(not r.ok and want[r.output].dtype.kind in "biu" for r in case_rows) \
+                        and _tied(feed):
+                    for r in case_rows:  # not a shape, dtype or NaN failure (cosine NaN)
+                        if not r.ok and math.isfinite(r.cosine):
+                            r.ok, r.tied = True, 1
+                rows += case_rows
+    except Exception as e:  # onnxruntime and polygraphy raise many types; the stage fails either way
+        msg = " ".join(str(e).split())[:300]
+        rows.append(Row(stage.name, "-", "-", math.nan, math.nan, math.nan, ok=False,
+                        note=f"{e.__class__.__name__}: {msg}"))
+    return rows
+
+
+@dataclass
+class Report:
+    export: Path
+    dtype: str
+    tol: Tolerance
+    rows: list[Row]
+
+    @property
+    def failed(self) -> list[str]:
+        return list(dict.fromkeys(r.stage for r in self.rows if not r.ok))
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def to_json(self) -> dict:
+        stages = list(dict.fromkeys(r.stage for r in self.rows))
+        return {"export": str(self.export), "dtype": self.dtype, "ok": self.ok, "failed": self.failed,
+                "tolerance": asdict(self.tol), "stages": {s: s not in self.failed for s in stages},
+                "rows": [{k: _finite(v) for k, v in asdict(r).items()} for r in self.rows]}
+
+    def table(self) -> str:
+        head = ("stage", "case", "output", "cosine", "max abs", "rel", "argmax", "result")
+        lines = []
+        for r in self.rows:
+            argmax = f"{r.agree}/{r.rows}" if r.rows is not None else "-"
+            result = ("ok" if r.ok else "FAIL") + (f" ({r.tied} tied)" if r.tied else "")
+            result += f"  {r.note}" if r.note else ""
+            lines.append((r.stage, r.case, r.output, f"{r.cosine:.8f}", f"{r.max_abs:.2e}", f"{r.rel:.2e}", argmax,
+                          result))
+        widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head) - 1)]
+        fmt = "  ".join(f"{{:{w}}}" for w in widths) + "  {}"
+        summary = (f"{self.export}: {self.dtype}, pass = cosine >= {self.tol.cosine} and max abs <= "
+                   f"{self.tol.rel:g} x max|torch| (rel); integer outputs exact"
+                   + (" (tied: differ on inputs with equal values in a row)" if self.tol.ties else ""))
+        verdict = ("all stages pass" if self.ok else f"FAILED: {', '.join(self.failed)}")
+        return "\n".join([summary, fmt.format(*head), *(fmt.format(*x) for x in lines), verdict])
+
+
+def _finite(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v  # JSON has no NaN or Infinity
+
+
+def run_parity(exp: Export, prompts: int = 3, stages: dict[str, Stage] | None = None, log=None) -> Report:
+    """Compare every stage of `exp` on the random grid and, with prompts > 0, on real inputs. `stages` replaces
+    the references rebuilt from the checkpoints (tests perturb one to see parity fail)."""
+    log = log or (lambda msg: None)
+    if not 0 <= prompts <= len(PROMPTS):
+        raise DtrtError(f"--prompts {prompts}: must be between 1 and {len(PROMPTS)}")
+    dtype = exp.manifest["dtype"]
+    if dtype not in TOLERANCES:
+        raise DtrtError(f"{exp.path / MANIFEST}: dtype {dtype!r} has no parity tolerance; use an fp32 or fp16 export")
+    tol = TOLERANCES[dtype]
+    stages = stages if stages is not None else reference_stages(exp)
+    real = real_inputs(exp, stages, prompts) if prompts else {}
+    rows = []
+    for name, stage in stages.items():
+        t0 = time.perf_counter()
+        cases = random_cases(stage)
+        captured = real.get(name, [])
+        rows += compare_stage(stage, exp.stage(name), cases, tol)
+        if captured:
+            real_rows = compare_stage(stage, exp.stage(name), [(f"real {i}", c) for i, c in enumerate(captured)], tol)
+            by_output = defaultdict(list)
+            for r in real_rows:
+                by_output[r.output].append(r)
+            rows += [merge(rs, _real_label(stage, captured)) for rs in by_output.values()]
+        log(f"{name}: {len(cases)} random + {len(captured)} real inputs in {time.perf_counter() - t0:.1f}s")
+    return Report(exp.path, dtype, tol, rows)
+
+
+def _real_label(stage: Stage, captured: list[dict]) -> str:
+    """`real xK (N a-b, P c-d)`: how many calls, and the range of each dynamic dimension over them."""
+    dims = {}
+    for name, axes in stage.dynamic.items():
+        for axis, dim in axes.items():
+            dims.setdefault(dim, [c[name].shape[axis] for c in captured])
+    spans = [f"{d} {min(v)}" + (f"-{max(v)}" if max(v) > min(v) else "") for d, v in sorted(dims.items())]
+    return f"real x{len(captured)}" + (f" ({', '.join(spans)})" if spans else "")

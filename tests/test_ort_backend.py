@@ -1,0 +1,254 @@
+"""The ONNX Runtime backend on the exported tiny pair: the torch backend's tokens (= the AR tokens at T=0) with
+drafts accepted, stage outputs and caches equal to TorchBackend's, the CLI path, and bad exports as one-line errors."""
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dtrt import cli
+from dtrt.errors import DtrtError
+from dtrt.exporter.artifact import load_export
+from dtrt.exporter.stages import random_tree_mask
+from dtrt.runtime.methods import DraftConfig
+from dtrt.runtime.ort_backend import SCORER_STAGES, OrtBackend, PackedKV
+from dtrt.runtime.pipeline import build_pipeline
+
+from test_loading import run_cli
+from test_methods import generate_all
+
+VARIANTS = [DraftConfig("dflash"), DraftConfig("ddtree"), DraftConfig("caddtree", budget=32),
+            DraftConfig("dominotree", arm="marg"), DraftConfig("dominotree", arm="marg", builder="frontier")]
+DOMINO_VARIANTS = [DraftConfig("domino"), DraftConfig("dominotree"), DraftConfig("dominotree", builder="frontier"),
+                   DraftConfig("dominotree", arm="condstatic")]
+
+
+def ids(d: DraftConfig) -> str:
+    return f"{d.method}-{d.builder}-{d.arm}-b{d.budget}"
+
+
+@pytest.fixture(scope="module")
+def torch_tokens(tiny):
+    # the tiny model runs fastest on one thread, and several threads crawl on a busy machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return [g.tokens for g in generate_all(build_pipeline(tiny, DraftConfig("ar")))]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def ort_pipeline(exp, draft):
+    return build_pipeline(None, draft, backend="onnxruntime", export=exp.path, threads=1)
+
+
+def test_ar_matches_torch(tiny_export, torch_tokens):
+    gens = generate_all(ort_pipeline(tiny_export, DraftConfig("ar")))
+    assert [g.tokens for g in gens] == torch_tokens
+    assert all(r.accepted == 1 and r.tree_size == 1 for g in gens for r in g.rounds)
+
+
+def check_speculative(pipe, draft, torch_tokens):
+    gens = generate_all(pipe)
+    assert [g.tokens for g in gens] == torch_tokens
+    rounds = [r for g in gens for r in g.rounds]
+    mean_accepted = sum(r.accepted for r in rounds) / len(rounds)
+    assert mean_accepted > 2, mean_accepted
+    assert max(r.tree_size for r in rounds) > 1 and all(r.tree_size <= draft.budget + 1 for r in rounds)
+
+
+@pytest.mark.parametrize("draft", VARIANTS, ids=ids)
+def test_methods_match_torch_with_accepted_drafts(tiny_export, torch_tokens, draft):
+    pipe = ort_pipeline(tiny_export, draft)
+    assert pipe.backend.name == "onnxruntime" and pipe.backend.kind == "dflash"
+    check_speculative(pipe, draft, torch_tokens)
+
+
+@pytest.mark.parametrize("draft", DOMINO_VARIANTS, ids=ids)
+def test_domino_scorer_stages(tiny_export, torch_tokens, draft):
+    if not set(SCORER_STAGES) <= tiny_export.manifest["stages"].keys():
+        pytest.skip("the export has no Domino scorer stages")
+    pytest.importorskip("dtrt.runtime.ort_scorer")
+    pipe = ort_pipeline(tiny_export, draft)
+    assert pipe.backend.kind == "domino"
+    check_speculative(pipe, draft, torch_tokens)
+
+
+def test_stages_and_caches_match_torch(tiny, tiny_export):
+    """Prefill, a partly accepted tree and a probe: outputs and both caches equal TorchBackend's."""
+    ref = build_pipeline(tiny, DraftConfig("ddtree")).backend
+    ort = OrtBackend(tiny_export, "dflash", threads=1)
+    gen = torch.Generator().manual_seed(0)
+    vocab = tiny_export.manifest["target"]["vocab_size"]
+
+    def same(a, b):
+        torch.testing.assert_close(torch.as_tensor(b), a.float(), rtol=1e-4, atol=1e-4)
+
+    def forward_both(tokens, positions, mask):
+        outs = [b.target_forward(tokens, positions, mask) for b in (ref, ort)]
+        for a, b in zip(*outs):
+            same(a, b)
+        return outs[0][1]
+
+    def caches_equal():
+        p, c = ref.cache.past, ref.draft_cache.length
+        assert ort.past == p and ort.draft_cache.length == c
+        for a, b in zip((ref.cache.k, ref.cache.v), ort.cache.view()):
+            same(a[:, :, :p], b)
+        for a, b in zip((ref.draft_cache.k, ref.draft_cache.v), ort.draft_cache.view()):
+            same(a[:, :, :c], b)
+
+    def block_both(root):
+        for a, b in zip(ref.draft_block(root, ref.past), ort.draft_block(root, ort.past)):
+            same(a, b)
+
+    for b in (ref, ort):
+        b.reset(64)
+    n = 11
+    hidden = forward_both(torch.randint(0, vocab, (n,), generator=gen), torch.arange(n),
+                          torch.ones(n, n, dtype=torch.bool).tril())
+    for b in (ref, ort):
+        b.commit(torch.arange(n))
+        b.draft_context(hidden, torch.arange(n))
+    caches_equal()
+    block_both(5)
+
+    for accepted in ([0, 2, 5], [0], [0, 1, 3, 4, 8]):
+        depth, mask = random_tree_mask(9, gen)
+        start = ref.past
+        hidden = forward_both(torch.randint(0, vocab, (9,), generator=gen), start + depth, mask)
+        for b in (ref, ort):
+            b.commit(accepted)
+            b.draft_context(hidden[accepted], start + torch.arange(len(accepted)))
+        caches_equal()
+        block_both(7)
+
+    for b in (ref, ort):  # the CaDDTree probes write past the committed entries only
+        b.time_verify(9, b.capacity - 9)
+        b.time_draft()
+    caches_equal()
+    forward_both(torch.tensor([3, 4]), ref.past + torch.arange(2), torch.ones(2, 2, dtype=torch.bool).tril())
+
+
+def test_packed_kv_appends():
+    rng = np.random.default_rng(0)
+    cache = PackedKV(3, 2, 4, capacity=40, dtype=np.float32)
+    ref_k, ref_v = np.zeros((3, 2, 0, 4), np.float32), np.zeros((3, 2, 0, 4), np.float32)
+    for n in (5, 1, 0, 3, 7, 2, 22):
+        k, v = rng.standard_normal((2, 3, 2, n, 4), dtype=np.float32)
+        cache.append(k, v)
+        ref_k, ref_v = np.concatenate((ref_k, k), axis=2), np.concatenate((ref_v, v), axis=2)
+        view_k, view_v = cache.view()
+        assert view_k.flags.c_contiguous and np.shares_memory(view_k, cache.k)
+        assert np.array_equal(view_k, ref_k) and np.array_equal(view_v, ref_v)
+    with pytest.raises(RuntimeError, match="overflow"):
+        cache.append(k[:, :, :1], v[:, :, :1])
+    cache.reset()
+    cache.append(k[:, :, :2], v[:, :, :2])
+    assert np.array_equal(cache.view()[0], k[:, :, :2])
+
+
+# the CLI and bad exports
+
+def test_cli_run(tiny_export, monkeypatch, capsys):
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["dtrt", "run", "--backend", "onnxruntime", "--export",
+                                          str(tiny_export.path), "--method", "ddtree", "--threads", "1", *args,
+                                          "The cat sees "])
+        cli.main()
+        return capsys.readouterr()
+
+    text = run()
+    assert len(text.out.strip()) > 20 and "tau" in text.err and "tok/s" in text.err
+    res = json.loads(run("--model", "tiny", "--json").out)  # --model: the export is checked against it
+    assert res["tau"] > 2 and len(res["tokens"]) == 128 and res["text"] == text.out.strip("\n")
+
+
+@pytest.fixture
+def broken(tiny_export, tmp_path):
+    """A copy of the export to damage."""
+    path = tmp_path / "export"
+    shutil.copytree(tiny_export.path, path)
+    return path
+
+
+def edit_manifest(path, fn):
+    m = json.loads((path / "manifest.json").read_text())
+    fn(m)
+    (path / "manifest.json").write_text(json.dumps(m))
+
+
+def expect_cli_error(monkeypatch, capsys, export, *fragments, args=()):
+    code, out, err = run_cli(monkeypatch, capsys, "run", "--backend", "onnxruntime", "--export", str(export),
+                             "--method", "ddtree", *args, "The cat")
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+    for f in fragments:
+        assert f in err, err
+    return err
+
+
+def fix(path):
+    """The re-export command, with the flags the fixture exported with."""
+    flags = "--dtype fp32 --max-context 512 --budget 16 --topm 64 --node-topk 8"
+    return f"dtrt export --model tiny {flags} --out {path} --force"
+
+
+def test_missing_file(broken, monkeypatch, capsys):
+    (broken / "target.onnx.data").unlink()
+    expect_cli_error(monkeypatch, capsys, broken, str(broken / "target.onnx.data"), "missing", fix(broken))
+
+
+def test_truncated_file(broken, monkeypatch, capsys):
+    f = broken / "dflash.block.onnx"
+    f.write_bytes(f.read_bytes()[:1000])
+    expect_cli_error(monkeypatch, capsys, broken, str(f), "truncated", fix(broken))
+
+
+def test_corrupt_graph_same_size(broken, monkeypatch, capsys):
+    f = broken / "target.onnx"
+    f.write_bytes(b"\xff" * f.stat().st_size)
+    expect_cli_error(monkeypatch, capsys, broken, str(f), "ONNX Runtime cannot load it", fix(broken))
+
+
+def test_other_dtrt_version(broken, monkeypatch, capsys):
+    edit_manifest(broken, lambda m: m.update(dtrt_version="0.0.1"))
+    expect_cli_error(monkeypatch, capsys, broken, str(broken / "manifest.json"), "dtrt 0.0.1", fix(broken))
+
+
+def test_export_from_another_model(broken, monkeypatch, capsys):
+    edit_manifest(broken, lambda m: m["source"].update(model="qwen3-4b"))
+    expect_cli_error(monkeypatch, capsys, broken, str(broken / "manifest.json"), "'qwen3-4b', not 'tiny'",
+                     "dtrt export --model tiny --out DIR", args=("--model", "tiny"))
+
+
+def test_export_from_another_target(tiny, broken, tmp_path, monkeypatch, capsys):
+    other = tmp_path / "target"
+    shutil.copytree(tiny.target, other)
+    (other / "config.json").write_text((other / "config.json").read_text() + "\n")
+    expect_cli_error(monkeypatch, capsys, broken, str(broken / "manifest.json"),
+                     f"another target checkpoint than {other}", fix(broken), args=("--target", str(other)))
+
+
+def test_no_domino_scorer_stages(broken, monkeypatch, capsys):
+    edit_manifest(broken, lambda m: [m["stages"].pop(s, None) for s in SCORER_STAGES])
+    expect_cli_error(monkeypatch, capsys, broken, str(broken), "no Domino scorer stages", fix(broken), "--arm marg",
+                     args=("--method", "dominotree"))
+
+
+def test_bad_options(tiny_export, monkeypatch, capsys):
+    expect_cli_error(monkeypatch, capsys, tiny_export.path, "--max-context", str(tiny_export.path),
+                     args=("--max-new-tokens", "600"))
+    expect_cli_error(monkeypatch, capsys, tiny_export.path, "--dtype fp16", "fp32", args=("--dtype", "fp16"))
+    expect_cli_error(monkeypatch, capsys, tiny_export.path, "--threads 0", args=("--threads", "0"))
+    code, _, err = run_cli(monkeypatch, capsys, "run", "--backend", "onnxruntime", "x")
+    assert code == 2 and "needs --export DIR" in err and err.count("\n") == 1
+    code, _, err = run_cli(monkeypatch, capsys, "run", "--export", str(tiny_export.path), "x")
+    assert code == 2 and "--export DIR is for --backend onnxruntime" in err and err.count("\n") == 1
+
+
+def test_export_without_drafter(broken):
+    edit_manifest(broken, lambda m: m["drafters"].pop("dflash"))
+    with pytest.raises(DtrtError, match="no dflash drafter"):
+        OrtBackend(load_export(broken), "dflash")
