@@ -120,7 +120,10 @@ class DrafterConfig:
 
     @classmethod
     def from_json(cls, path: Path) -> "DrafterConfig":
-        cfg = read_json(path)
+        return cls.from_dict(read_json(path), path)
+
+    @classmethod
+    def from_dict(cls, cfg: dict, path: Path = Path("config.json")) -> "DrafterConfig":
         dcfg = cfg.get("dflash_config") or {}
         heads = _require(cfg, "num_attention_heads", path)
         hidden = _require(cfg, "hidden_size", path)

@@ -23,28 +23,31 @@ class DistillConfig:
     seed: int = 0
 
 
-def block_loss(target: Target, drafter: Drafter, tokens, feats, anchors, slot_decay: float = 4.0):
-    """tokens [b, T], feats [b, T, taps*H] (target taps), anchors [b, A] block start positions.
-    Returns (loss, per-depth argmax accuracy [K] of the final scores)."""
+def block_loss(target: Target, drafter: Drafter, tokens, feats, anchors, slot_decay: float = 4.0, labels=None,
+               lengths=None):
+    """tokens [b, T], feats [b, T, taps*H] (target taps), anchors [b, A] block start positions; labels [b, T]
+    the target's greedy token for each position (default: the tokens themselves, i.e. the target's own text);
+    lengths [b] the valid prefix of each row. Returns (loss, per-depth argmax accuracy [K] of the final scores)."""
     cfg = drafter.cfg
     b, T = tokens.shape
     A, B, K = anchors.shape[1], cfg.block_size, cfg.k_draft
     embed = target.model.embed_tokens
-    ctx_kv = drafter.context_kv(feats, torch.arange(T).expand(b, T))
+    ctx_kv = drafter.context_kv(feats.to(drafter.dtype), torch.arange(T, device=tokens.device).expand(b, T))
 
-    ids = torch.full((b, A, B), cfg.mask_token_id, dtype=torch.long)
+    ids = torch.full((b, A, B), cfg.mask_token_id, dtype=torch.long, device=tokens.device)
     ids[..., 0] = tokens.gather(1, anchors)
     x = embed(ids).reshape(b, A * B, -1).to(drafter.dtype)
-    positions = (anchors[..., None] + torch.arange(B)).reshape(b, A * B)
-    sees_ctx = (torch.arange(T) < anchors[..., None]).repeat_interleave(B, dim=1)       # [b, A*B, T]
-    sees_blk = torch.block_diag(*[torch.ones(B, B, dtype=torch.bool)] * A).expand(b, -1, -1)
+    positions = (anchors[..., None] + torch.arange(B, device=tokens.device)).reshape(b, A * B)
+    sees_ctx = (torch.arange(T, device=tokens.device) < anchors[..., None]).repeat_interleave(B, dim=1)       # [b, A*B, T]
+    sees_blk = torch.block_diag(*[torch.ones(B, B, dtype=torch.bool, device=tokens.device)] * A).expand(b, -1, -1)
     hidden = drafter.block(x, positions, ctx_kv, torch.cat((sees_ctx, sees_blk), dim=-1))
     rows = drafter.proposal_rows(hidden.reshape(b, A, B, -1))                           # [b, A, K, H]
 
-    label_pos = anchors[..., None] + 1 + torch.arange(K)                                 # [b, A, K]
-    valid = label_pos < T
-    labels = tokens.gather(1, label_pos.clamp(max=T - 1).reshape(b, -1)).reshape(b, A, K)
-    weight = torch.exp(-torch.arange(K, dtype=torch.float32) / slot_decay) * valid
+    label_pos = anchors[..., None] + 1 + torch.arange(K, device=tokens.device)           # [b, A, K]
+    valid = label_pos < (T if lengths is None else lengths[:, None, None])
+    labels = (tokens if labels is None else labels).gather(1, label_pos.clamp(max=T - 1).reshape(b, -1))
+    labels = labels.reshape(b, A, K)
+    weight = torch.exp(-torch.arange(K, dtype=torch.float32, device=tokens.device) / slot_decay) * valid
     scores = target.lm_head(rows.to(target.dtype)).float()                              # [b, A, K, V]
     loss = (F.cross_entropy(scores.flatten(0, 2), labels.flatten(), reduction="none") * weight.flatten()).sum()
 
@@ -65,7 +68,7 @@ def block_loss(target: Target, drafter: Drafter, tokens, feats, anchors, slot_de
     return loss / weight.sum(), acc
 
 
-def sample_anchors(lengths, A: int, K: int, gen):
+def sample_anchors(lengths, A: int, gen):
     """[b, A] anchor positions with at least one context token before and one label after."""
     hi = (lengths - 1).clamp(min=2)
     u = torch.rand(lengths.shape[0], A, generator=gen)
@@ -84,7 +87,7 @@ def distill(target: Target, drafter: Drafter, tokens, feats, cfg: DistillConfig,
         for g in opt.param_groups:
             g["lr"] = lr
         idx = torch.randint(0, tokens.shape[0], (cfg.batch,), generator=gen)
-        anchors = sample_anchors(lengths[idx], cfg.anchors, drafter.cfg.k_draft, gen)
+        anchors = sample_anchors(lengths[idx], cfg.anchors, gen)
         loss, acc = block_loss(target, drafter, tokens[idx], feats[idx], anchors, cfg.slot_decay)
         opt.zero_grad(set_to_none=True)
         loss.backward()

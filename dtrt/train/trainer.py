@@ -1,0 +1,262 @@
+"""`dtrt train-drafter`: distil a DFlash drafter and a Domino head from a target, and save both in the released
+layouts (`<out>/dflash`, `<out>/domino`; the Domino checkpoint is the same body plus the head).
+
+Data (made once, cached under `<out>/.train/`): corpus rows teacher-forced through the target and the target's
+own greedy continuations of prompts; labels are always the target's greedy tokens. The drafter starts from the
+target's last layers and final norm. Held-out tau (DominoTree on the torch backend, held-out prompts) is measured
+every `eval_every` steps and the best checkpoint is kept. `<out>/.train/state.pt` makes a run resumable."""
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dtrt.errors import DtrtError
+from dtrt.models.checkpoint import drafter_state, load_target, save_checkpoint
+from dtrt.models.config import DrafterConfig, default_target_layer_ids
+from dtrt.models.domino import DominoHead
+from dtrt.models.drafter import Drafter
+from dtrt.models.target import Target
+from dtrt.models.tokenizer import load_tokenizer
+from dtrt.train.data import DrafterData, continuations, greedy_labels_and_features, read_corpus, text_rows
+from dtrt.train.distill import block_loss, sample_anchors
+
+
+@dataclass
+class TrainConfig:
+    layers: int = 1
+    block_size: int = 16
+    gru_dim: int = 256
+    emb_dim: int = 128
+    seq_len: int = 256
+    corpus_chars: int = 4_000_000
+    corpus_rows: int = 4096
+    gen_tokens: int = 128
+    steps: int = 3000
+    batch: int = 8
+    anchors: int = 8
+    lr: float = 1e-3
+    slot_decay: float = 4.0
+    eval_every: int = 250
+    eval_prompts: int = 8
+    eval_tokens: int = 64
+    save_dtype: str = "bf16"
+    seed: int = 0
+    device: str = "cpu"
+
+
+def taps_for(num_layers: int) -> list[int]:
+    """Five evenly spread target layers (z-lab's formula); every layer after the first for shallow targets."""
+    return default_target_layer_ids(num_layers, 5) if num_layers >= 8 else list(range(1, num_layers))
+
+
+def drafter_config_json(target: Target, cfg: TrainConfig, mask_token_id: int, domino: bool) -> dict:
+    t = target.cfg
+    out = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": t.vocab_size,
+        "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size, "num_hidden_layers": cfg.layers,
+        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
+        "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope_theta, "tie_word_embeddings": True,
+        "block_size": cfg.block_size, "num_target_layers": t.num_layers, "torch_dtype": "bfloat16",
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": taps_for(t.num_layers)},
+    }
+    if domino:  # same body and row convention as the DFlash checkpoint, plus the head
+        out["dflash_config"].update(projector_type="domino", gru_hidden_dim=cfg.gru_dim, emb_dim=cfg.emb_dim,
+                                    pure_draft_prefix_len=1, shift_label=False)
+    return out
+
+
+def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> Drafter:
+    dcfg = DrafterConfig.from_dict(drafter_config_json(target, cfg, mask_token_id, True))
+    drafter = Drafter(dcfg, DominoHead(dcfg.hidden_size, cfg.gru_dim, cfg.emb_dim, dcfg.vocab_size))
+    for m in drafter.modules():
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.normal_(m.weight, std=0.02)
+    for p in drafter.head.prefix_gru.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    torch.nn.init.zeros_(drafter.head.embed_proj[2].weight)  # the head starts as no correction
+    for d_layer, t_layer in zip(drafter.layers, target.model.layers[-cfg.layers:]):
+        d_layer.load_state_dict({k: v for k, v in t_layer.state_dict().items()
+                                 if k in d_layer.state_dict()}, strict=False)
+    drafter.norm.load_state_dict(target.model.norm.state_dict())
+    return drafter
+
+
+def pick_mask_token(tokenizer, vocab: int) -> int:
+    """An embedding row no text maps to (Qwen3's drafters use an unused row); else the last special token."""
+    used = len(tokenizer)
+    return vocab - 1 if used < vocab else max(tokenizer.all_special_ids or [vocab - 1])
+
+
+def build_data(target: Target, tokenizer, cfg: TrainConfig, corpus, prompts: list[str], progress) -> DrafterData:
+    """Corpus rows and the target's continuations of the training prompts, labelled and featurized."""
+    from dtrt.runtime.methods import DraftConfig
+    from dtrt.runtime.pipeline import Pipeline
+    from dtrt.runtime.torch_backend import TorchBackend
+    from dtrt.runtime.methods import make_method
+
+    T = cfg.seq_len
+    rows = [text_rows(tokenizer, read_corpus(corpus, cfg.corpus_chars), T, cfg.corpus_rows)] if corpus else []
+    lengths = [torch.full((rows[0].shape[0],), T)] if rows else []
+    if prompts:
+        ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        pipe = Pipeline(TorchBackend(target), make_method(DraftConfig("ar")), DraftConfig("ar"), tokenizer, ())
+        gen = continuations(pipe, ids, cfg.gen_tokens, T, log=progress("continuations"))
+        rows.append(gen)
+        lengths.append(torch.tensor([min(T, len(i[-(T // 2):]) + cfg.gen_tokens) for i in ids]))
+    if not rows:
+        raise DtrtError("no training data: give --corpus PATH and/or --prompts FILE")
+    tokens = torch.cat(rows)
+    target.taps = taps_for(target.cfg.num_layers)
+    labels, feats = greedy_labels_and_features(target, tokens, 8, cfg.device, log=progress("features"))
+    return DrafterData(tokens, labels, torch.cat(lengths), feats)
+
+
+@torch.no_grad()
+def held_out_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[list[int]], cfg: TrainConfig) -> dict:
+    """Mean tau of DominoTree and of the DFlash chain on held-out prompts, on the torch backend."""
+    from dtrt.runtime.generate import generate
+    from dtrt.runtime.methods import DraftConfig, make_method
+    from dtrt.runtime.sampling import SamplingConfig
+    from dtrt.runtime.torch_backend import TorchBackend
+
+    drafter.eval()
+    backend = TorchBackend(target, drafter)
+    out = {}
+    for name, d in (("dominotree", DraftConfig("dominotree")), ("dflash", DraftConfig("dflash"))):
+        method = make_method(d)
+        taus = [generate(backend, method, p, cfg.eval_tokens, SamplingConfig(), budget=d.budget).tau for p in prompts]
+        out[name] = sum(taus) / len(taus)
+    drafter.train()
+    return out
+
+
+def save_drafters(drafter: Drafter, target: Target, cfg: TrainConfig, out: Path):
+    """<out>/dflash (body) and <out>/domino (body + head), replaced atomically."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.save_dtype]
+    state = {k: v.to(dtype) for k, v in drafter_state(drafter).items()}
+    mask = drafter.cfg.mask_token_id
+    for kind in ("dflash", "domino"):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=out))
+        body = {k: v for k, v in state.items() if kind == "domino" or not k.startswith(("prefix_gru", "embed_proj"))}
+        save_checkpoint(tmp, drafter_config_json(target, cfg, mask, kind == "domino"), body)
+        if (out / kind).exists():
+            shutil.rmtree(out / kind)
+        os.replace(tmp, out / kind)
+
+
+def train_drafter(target_path: Path, out: Path, cfg: TrainConfig, corpus=(), prompts: list[str] = (),
+                  resume: bool = False, log=print, progress=None) -> dict:
+    out = Path(out)
+    work = out / ".train"
+    if out.exists() and not resume and any(out.iterdir()):
+        raise DtrtError(f"--out {out}: already holds a run; pass --resume to continue it or choose another --out")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    torch.manual_seed(cfg.seed)
+    progress = progress or (lambda what: None)
+    target = load_target(target_path).to(cfg.device).requires_grad_(False)
+    tokenizer = load_tokenizer(target_path)
+    prompts = list(prompts)
+    held_out = prompts[-cfg.eval_prompts:] if len(prompts) > cfg.eval_prompts else []
+    train_prompts = prompts[: len(prompts) - len(held_out)]
+
+    if (work / "data.pt").is_file():
+        data = DrafterData.load(work / "data.pt")
+        log(f"data: {len(data)} rows from {work / 'data.pt'}")
+    else:
+        t0 = time.perf_counter()
+        data = build_data(target, tokenizer, cfg, corpus, train_prompts, progress)
+        data.save(work / "data.pt")
+        log(f"data: {len(data)} rows x {cfg.seq_len} tokens in {time.perf_counter() - t0:.0f}s")
+    if held_out:
+        eval_ids = [tokenizer.encode(p, add_special_tokens=False) for p in held_out]
+    else:  # hold out the last rows' first halves as prompts, and train on the rest
+        n = min(cfg.eval_prompts, max(1, len(data) // 10))
+        eval_ids = [r[: cfg.seq_len // 2].tolist() for r in data.tokens[-n:]]
+        data = DrafterData(data.tokens[:-n], data.labels[:-n], data.lengths[:-n], data.feats[:-n])
+
+    drafter = new_drafter(target, cfg, pick_mask_token(tokenizer, target.cfg.vocab_size)).to(cfg.device)
+    target.taps = drafter.cfg.target_layer_ids
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    state = {"step": 0, "best": None, "history": []}
+    if resume and (work / "state.pt").is_file():
+        saved = torch.load(work / "state.pt", weights_only=False)
+        drafter.load_state_dict(saved["drafter"])
+        opt.load_state_dict(saved["optimizer"])
+        gen.set_state(saved["generator"])
+        state = saved["state"]
+        log(f"resumed at step {state['step']} (best held-out tau {state['best']})")
+
+    def checkpoint():
+        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                    "state": state}, work / "state.pt.tmp")
+        os.replace(work / "state.pt.tmp", work / "state.pt")
+
+    bar = progress("train")
+    t0 = time.perf_counter()
+    while state["step"] < cfg.steps:
+        step = state["step"]
+        lr = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = torch.randint(0, len(data), (cfg.batch,), generator=gen)
+        anchors = sample_anchors(data.lengths[idx], cfg.anchors, gen)
+        loss, acc = block_loss(target, drafter, data.tokens[idx].to(cfg.device), data.feats[idx].to(cfg.device),
+                               anchors.to(cfg.device), cfg.slot_decay, data.labels[idx].to(cfg.device),
+                               data.lengths[idx].to(cfg.device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        state["step"] = step = step + 1
+        if bar:
+            bar(step, cfg.steps, f"loss {loss.item():.3f} acc@1 {acc[0]:.2f}")
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            tau = held_out_tau(target, drafter, tokenizer, eval_ids, cfg)
+            record = {"step": step, "loss": loss.item(), "acc": [round(a, 3) for a in acc.tolist()[:4]],
+                      "tau": tau, "elapsed_s": round(time.perf_counter() - t0, 1)}
+            state["history"].append(record)
+            with open(work / "log.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if state["best"] is None or tau["dominotree"] > state["best"]:
+                state["best"] = tau["dominotree"]
+                save_drafters(drafter, target, cfg, out)
+            log(f"step {step}: held-out tau dominotree {tau['dominotree']:.2f} dflash {tau['dflash']:.2f} "
+                f"(best {state['best']:.2f})")
+            checkpoint()
+    return state
+
+
+def read_prompts(path, target_path: Path, chat: bool) -> list[str]:
+    """Prompts from JSONL ({"prompt": ...} or {"turns": [...]}) or plain text lines, chat-templated if asked and
+    the target's tokenizer has a template."""
+    path = Path(path)
+    if not path.is_file():
+        raise DtrtError(f"--prompts {path}: not found")
+    prompts = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise DtrtError(f"{path}:{i}: not valid JSON") from None
+            text = rec.get("prompt") or (rec.get("turns") or [None])[0]
+            if not isinstance(text, str):
+                raise DtrtError(f"{path}:{i}: needs a 'prompt' string (or 'turns')")
+        else:
+            text = line
+        prompts.append(text)
+    tokenizer = load_tokenizer(target_path)
+    if chat and getattr(tokenizer, "chat_template", None):
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                 tokenize=False) for p in prompts]
+    return prompts
