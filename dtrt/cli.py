@@ -12,6 +12,7 @@ from dtrt.models.checkpoint import DTYPES
 from dtrt.runtime.methods import ARMS, BUILDERS, METHODS, DraftConfig
 from dtrt.runtime.pipeline import BACKENDS, build_pipeline, load_pair
 from dtrt.runtime.sampling import SamplingConfig
+from dtrt.train.trainer import TrainConfig
 
 
 def _log(msg):
@@ -118,6 +119,101 @@ def parity(export_dir, as_json, random_only, prompts):
     if not report.ok:
         _log(f"parity failed: {', '.join(report.failed)}")
         sys.exit(1)
+
+
+@cli.command("train-drafter")
+@click.option("--model", help="registry name of the target")
+@click.option("--target", type=click.Path(), help="target checkpoint directory")
+@click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")
+@click.option("--out", required=True, type=click.Path(), help="run directory: dflash/, domino/, .train/")
+@click.option("--corpus", multiple=True, type=click.Path(), help="text file or directory to teacher-force (repeat)")
+@click.option("--prompts", "prompts_file", type=click.Path(), help="JSONL ({'prompt': ...}) or text lines the target "
+              "continues; the last --eval-prompts are held out")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="wrap prompts in the chat template")
+@click.option("--resume", is_flag=True, help="continue the run in --out")
+@click.option("--layers", type=int, default=TrainConfig.layers, show_default=True)
+@click.option("--block-size", type=int, default=TrainConfig.block_size, show_default=True)
+@click.option("--gru-dim", type=int, default=TrainConfig.gru_dim, show_default=True)
+@click.option("--emb-dim", type=int, default=TrainConfig.emb_dim, show_default=True)
+@click.option("--seq-len", type=int, default=TrainConfig.seq_len, show_default=True)
+@click.option("--corpus-chars", type=int, default=TrainConfig.corpus_chars, show_default=True)
+@click.option("--corpus-rows", type=int, default=TrainConfig.corpus_rows, show_default=True)
+@click.option("--gen-tokens", type=int, default=TrainConfig.gen_tokens, show_default=True)
+@click.option("--steps", type=int, default=TrainConfig.steps, show_default=True)
+@click.option("--batch", type=int, default=TrainConfig.batch, show_default=True)
+@click.option("--anchors", type=int, default=TrainConfig.anchors, show_default=True, help="blocks per row")
+@click.option("--lr", type=float, default=TrainConfig.lr, show_default=True)
+@click.option("--slot-decay", type=float, default=TrainConfig.slot_decay, show_default=True)
+@click.option("--eval-every", type=int, default=TrainConfig.eval_every, show_default=True)
+@click.option("--eval-prompts", type=int, default=TrainConfig.eval_prompts, show_default=True)
+@click.option("--eval-tokens", type=int, default=TrainConfig.eval_tokens, show_default=True)
+@click.option("--save-dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
+def train_drafter_cmd(model, target, model_dir, out, corpus, prompts_file, chat, resume, **opts):
+    """Distil a DFlash drafter and a Domino head from a target into OUT/dflash and OUT/domino."""
+    from dtrt.train.trainer import read_prompts, train_drafter
+
+    cfg = TrainConfig(**opts)
+    if cfg.device.startswith("cuda") and not __import__("torch").cuda.is_available():
+        raise DtrtError(f"--device {cfg.device}: no CUDA device is available")
+    pair = load_pair(model, target, None, model_dir, log=_log)
+    prompts = read_prompts(prompts_file, pair.target, chat) if prompts_file else []
+    state = train_drafter(pair.target, Path(out), cfg, corpus, prompts, resume, log=_log, progress=_progress)
+    click.echo(f"{out}: best held-out tau {state['best']:.2f} after {state['step']} steps")
+
+
+def _progress(what):
+    from tqdm import tqdm
+
+    bar = {}
+
+    def update(i, n, postfix=None):
+        if "bar" not in bar:
+            bar["bar"] = tqdm(total=n, desc=what, file=sys.stderr, leave=False, dynamic_ncols=True)
+        b = bar["bar"]
+        b.update(i - b.n)
+        if postfix:
+            b.set_postfix_str(postfix, refresh=False)
+        if i >= n:
+            b.close()
+
+    return update
+
+
+@cli.command()
+@click.option("--model", help="registry name (default tiny)")
+@click.option("--target", type=click.Path(), help="target checkpoint directory (Hugging Face layout)")
+@click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)")
+@click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")
+@click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True)
+@click.option("--export", "export_dir", type=click.Path(), help="export directory (dtrt export) for onnxruntime")
+@click.option("--methods", help="comma list of methods (default: every one the pair serves); ar is always run")
+@click.option("--datasets", "dataset_names", default="mt-bench,humaneval,math500,aime", show_default=True,
+              help="comma list of mt-bench, humaneval, math500, aime, aime24")
+@click.option("--temperatures", default="0,1", show_default=True, help="comma list")
+@click.option("--prompts", type=int, default=20, show_default=True, help="prompts per dataset (seeded subset)")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--budget", default="16", show_default=True, help="draft budget, or a sweep like 8,16,32")
+@click.option("--seed", type=int, default=0, show_default=True, help="prompt subset and sampling seed")
+@click.option("--quick", is_flag=True, help="2 prompts, 32 new tokens, the first temperature only")
+@click.option("--out", default="bench-results", show_default=True, type=click.Path(),
+              help="directory for bench.json, bench.md, bench.png")
+@click.option("--threads", type=int, help="intra-op threads of torch, ONNX Runtime and llama.cpp")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), help="default fp32 (onnxruntime: the export's)")
+@click.option("--gguf", type=click.Path(), help="GGUF of the same target for a llama.cpp peer row "
+              "(needs llama-cpp-python; smollm2-135m finds its own)")
+def bench(model, target, drafter, model_dir, backend, export_dir, methods, dataset_names, temperatures, prompts,
+          max_new_tokens, budget, seed, quick, out, threads, dtype, gguf):
+    """Time methods x datasets x temperatures in one process against AR; write a JSON, a table and a plot."""
+    from dtrt.bench.main import BenchOptions, bench as run_bench
+
+    opts = BenchOptions(model, target, drafter, model_dir, backend, export_dir, methods, dataset_names,
+                        temperatures, prompts, max_new_tokens, budget, seed, quick, out, threads, dtype, gguf)
+    path = run_bench(opts, _log)
+    click.echo((path / "bench.md").read_text(), nl=False)
+    _log(f"wrote {path / 'bench.json'}, {path / 'bench.md'}"
+         f"{', ' + str(path / 'bench.png') if (path / 'bench.png').is_file() else ''}")
 
 
 def result_json(out, text, draft: DraftConfig, prompt_tokens: int) -> dict:

