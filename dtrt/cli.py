@@ -27,7 +27,7 @@ def cli():
 
 @cli.command()
 @click.argument("prompt", required=False)
-@click.option("--model", help="registry name: tiny, qwen3-4b, qwen3-8b (default tiny)")
+@click.option("--model", help="registry name: tiny, smollm2-135m, qwen3-4b, qwen3-8b (default tiny)")
 @click.option("--target", type=click.Path(), help="target checkpoint directory (Hugging Face layout)")
 @click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)")
 @click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")
@@ -81,7 +81,7 @@ def run(prompt, model, target, drafter, model_dir, method, builder, arm, budget,
 
 
 @cli.command()
-@click.option("--model", help="registry name: tiny, qwen3-4b, qwen3-8b")
+@click.option("--model", help="registry name: tiny, smollm2-135m, qwen3-4b, qwen3-8b")
 @click.option("--target", type=click.Path(), help="target checkpoint directory")
 @click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino)")
 @click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")

@@ -24,7 +24,7 @@ REGISTRY = {
     "qwen3-8b": ModelSpec("qwen3-8b", "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "Huang2020/Qwen3-8B-Domino-b16",
                           4096, 151936, 36),
 }
-LOCAL = ("tiny",)
+LOCAL = ("tiny", "smollm2-135m")
 
 
 @dataclass
@@ -33,9 +33,14 @@ class Pair:
     target: Path
     dflash: Path | None = None
     domino: Path | None = None
+    missing_drafter: str | None = None  # why a named pair lacks a drafter and how to get one ({kind}, {dir})
 
     def drafter_for(self, needs_head: bool) -> Path | None:
-        return (self.domino or None) if needs_head else (self.dflash or self.domino)
+        path = (self.domino or None) if needs_head else (self.dflash or self.domino)
+        if path is None and self.missing_drafter:
+            kind, folder = ("Domino", "domino") if needs_head else ("DFlash", "dflash")
+            raise DtrtError(self.missing_drafter.replace("{kind}", kind).replace("{dir}", folder))
+        return path
 
 
 def names() -> list[str]:
@@ -75,6 +80,10 @@ def find_local(repo_id: str, model_dir: Path | None = None) -> Path | None:
 def resolve(name: str, model_dir: Path | None = None, log=None) -> Pair:
     if name == "tiny":
         return tiny_pair(log)
+    if name == "smollm2-135m":
+        from dtrt.models import smollm2
+
+        return smollm2.pair(cache_dir(), log)
     if name not in REGISTRY:
         raise DtrtError(f"--model {name!r}: unknown model; known: {', '.join(names())} "
                         "(or pass --target DIR --drafter DIR)")

@@ -1,0 +1,151 @@
+"""Convert a llama-architecture GGUF file into a Hugging Face checkpoint directory: fp32 weights in
+model.safetensors, config.json, generation_config.json and the tokenizer with its chat template. Offline;
+the `gguf` package reads and dequantizes the file."""
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dtrt.errors import DtrtError
+
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+# llama.cpp's pre-tokenizer names whose regex splits every digit off first (llama-vocab.cpp)
+DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+
+
+def read_fields(reader) -> dict:
+    return {k: f.contents() for k, f in reader.fields.items()}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")
+    parts = base.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{suffix}"
+    return f"{TOP_TENSORS[base]}.{suffix}" if base in TOP_TENSORS else None
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which reorders each head's Q/K rows from rotate-half pairs (i, i + d/2) to
+    interleaved pairs (2i, 2i + 1) for its RoPE kernel; our RoPE, like transformers', rotates halves."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_config(f: dict, has_output: bool) -> dict:
+    a = f["general.architecture"]
+    if a != "llama":
+        raise DtrtError(f"GGUF architecture {a!r} is not supported (only llama)")
+    if f.get(f"{a}.rope.scaling.type", "none") != "none":
+        raise DtrtError("GGUF file uses RoPE scaling; only plain RoPE is supported")
+    heads, hidden = f[f"{a}.attention.head_count"], f[f"{a}.embedding_length"]
+    theta = float(f.get(f"{a}.rope.freq_base", 10000.0))
+    # GGUF stores eps as float32; its shortest float32 repr is the value the model was configured with
+    eps = float(str(np.float32(f[f"{a}.attention.layer_norm_rms_epsilon"])))
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": int(f.get(f"{a}.vocab_size") or len(f["tokenizer.ggml.tokens"])), "hidden_size": hidden,
+        "intermediate_size": f[f"{a}.feed_forward_length"], "num_hidden_layers": f[f"{a}.block_count"],
+        "num_attention_heads": heads, "num_key_value_heads": f.get(f"{a}.attention.head_count_kv", heads),
+        "head_dim": f.get(f"{a}.attention.key_length", hidden // heads), "hidden_act": "silu",
+        "max_position_embeddings": f[f"{a}.context_length"], "rms_norm_eps": eps, "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "tie_word_embeddings": not has_output, "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+    }
+    for key, gkey in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        if f"tokenizer.ggml.{gkey}_token_id" in f:
+            cfg[f"{key}_token_id"] = int(f[f"tokenizer.ggml.{gkey}_token_id"])
+    return cfg
+
+
+def read_weights(reader, cfg: dict, log=None) -> dict[str, torch.Tensor]:
+    from gguf import dequantize
+
+    state = {}
+    for i, t in enumerate(reader.tensors):
+        name = hf_name(t.name)
+        if name is None:
+            raise DtrtError(f"GGUF tensor {t.name!r} has no Hugging Face Llama counterpart; unsupported model")
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # numpy order = HF [out, in]
+        if name.endswith("q_proj.weight"):
+            w = unpermute_rows(w, cfg["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_rows(w, cfg["num_key_value_heads"])
+        state[name] = torch.from_numpy(np.ascontiguousarray(w))
+        if log and (i + 1) % 50 == 0:
+            log(f"  dequantized {i + 1}/{len(reader.tensors)} tensors")
+    return state
+
+
+def write_tokenizer(f: dict, path: Path):
+    """tokenizer.json rebuilt from the GGUF vocabulary and merges, tokenizer_config.json with the chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    if f.get("tokenizer.ggml.model") != "gpt2":
+        raise DtrtError(f"GGUF tokenizer {f.get('tokenizer.ggml.model')!r} is not supported (only byte-level BPE)")
+    tokens, types = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
+    merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if f.get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    bos = f.get("tokenizer.ggml.bos_token_id")
+    if f.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
+                                                           special_tokens=[(tokens[bos], bos)])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_tokens([AddedToken(tokens[i], special=types[i] == CONTROL, normalized=False)
+                    for i in range(len(tokens)) if types[i] in (CONTROL, USER_DEFINED)])
+    tok.save(str(path / "tokenizer.json"))
+
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+            "add_bos_token": bool(f.get("tokenizer.ggml.add_bos_token", False)),
+            "model_max_length": int(f[f"{f['general.architecture']}.context_length"])}
+    for key, gkey in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        if f"tokenizer.ggml.{gkey}_token_id" in f:
+            tcfg[key] = tokens[f[f"tokenizer.ggml.{gkey}_token_id"]]
+    if "tokenizer.chat_template" in f:
+        tcfg["chat_template"] = f["tokenizer.chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2) + "\n")
+
+
+def convert(gguf_path: Path, out: Path, log=None) -> Path:
+    """Write the HF checkpoint directory `out` from `gguf_path`, atomically: a temporary sibling, then a rename."""
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+
+    reader = GGUFReader(str(gguf_path))
+    f = read_fields(reader)
+    cfg = llama_config(f, has_output=any(t.name == "output.weight" for t in reader.tensors))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)
+        state = read_weights(reader, cfg, log)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        write_tokenizer(f, tmp)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "config.json").is_file():  # not a concurrent conversion that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
