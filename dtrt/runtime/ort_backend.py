@@ -17,6 +17,7 @@ import torch
 from dtrt.errors import DtrtError
 from dtrt.exporter.artifact import MANIFEST, Export
 from dtrt.tree import MarginalScorer, Round, TableScorer
+from dtrt.tree.scorer import greedy_chain_tables
 
 SCORER_STAGES = ("domino.scorer_root", "domino.scorer_setup", "domino.scorer_children", "domino.scorer_advance")
 NUMPY_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -239,7 +240,7 @@ class OrtBackend:
 
         stages = {name.removeprefix("domino."): self.sessions[name] for name in SCORER_STAGES}
         domino = OrtDominoScorer(stages, rnd, k, self.drafter.cfg.pure_draft_prefix_len)
-        return domino if arm == "dominotree" else condstatic(domino)
+        return domino if arm == "dominotree" else TableScorer(domino.round, *greedy_chain_tables(domino))
 
     # cost probes for CaDDTree: they leave the caches as they are
     def time_verify(self, n: int, past: int):
@@ -247,17 +248,3 @@ class OrtBackend:
 
     def time_draft(self):
         self.draft_block(0, self.past)
-
-
-@torch.no_grad()
-def condstatic(domino) -> TableScorer:
-    """The condstatic arm over any Domino scorer: one table per depth along the corrected greedy chain."""
-    s = domino.root_states()[:, None]
-    tokens, logprobs = [], []
-    for d in range(domino.depth):
-        tok, lp = domino.children(s, d)
-        tokens.append(tok[:, 0])
-        logprobs.append(lp[:, 0])
-        if d + 1 < domino.depth:
-            s = domino.advance(s, tok[:, :, 0])
-    return TableScorer(domino.round, torch.stack(tokens, 1), torch.stack(logprobs, 1))

@@ -131,23 +131,30 @@ class DominoScorer:
         return self.head.gru(self.embed(tokens).to(self.dtype), states.to(self.dtype))
 
 
+def greedy_chain_tables(domino):
+    """Per-depth (tokens, logprobs) [bs, D, k] of a Domino scorer along its corrected greedy chain: the root
+    state, then at each depth the argmax child advances the GRU."""
+    s = domino.root_states()[:, None]
+    tokens, logprobs = [], []
+    for d in range(domino.depth):
+        tok, lp = domino.children(s, d)
+        tokens.append(tok[:, 0])
+        logprobs.append(lp[:, 0])
+        if d + 1 < domino.depth:
+            s = domino.advance(s, tok[:, :, 0])
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1)
+
+
 class CondStaticScorer(TableScorer):
     """The `condstatic` arm: Domino's correction evaluated once per depth along the greedy chain
     (each depth's argmax advances the GRU), and that table is shared by every node at the depth."""
 
     @torch.no_grad()
     def __init__(self, round: Round, head: DominoHead, embed: torch.nn.Embedding, k: int, topm: int = 64,
-                 prefix_len: int = 1):
-        domino = DominoScorer(round, head, embed, k, topm, prefix_len)
-        s = domino.root_states()[:, None]
-        tokens, logprobs = [], []
-        for d in range(round.depth):
-            tok, lp = domino.children(s, d)
-            tokens.append(tok[:, 0])
-            logprobs.append(lp[:, 0])
-            if d + 1 < round.depth:
-                s = domino.advance(s, tok[:, :, 0])
-        super().__init__(round, torch.stack(tokens, 1), torch.stack(logprobs, 1))
+                 prefix_len: int = 1, domino=None):
+        """`domino`: any Domino scorer over this round (e.g. the ONNX Runtime one) instead of the torch one."""
+        domino = domino or DominoScorer(round, head, embed, k, topm, prefix_len)
+        super().__init__(round, *greedy_chain_tables(domino))
 
     @property
     def greedy(self) -> torch.Tensor:
