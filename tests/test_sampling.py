@@ -9,8 +9,9 @@ from dtrt.runtime.methods import DraftConfig
 from dtrt.runtime.pipeline import build_pipeline
 from dtrt.runtime.sampling import SamplingConfig, target_probs
 
-PROMPTS = ["The cat sees ", "The moon is very ", "Every king ", "A small "]
-T, TOP_P, N = 1.0, 0.9, 300
+PROMPTS = ["The cat sees ", "The moon is very ", "Every king ", "A small ", "Some old man reads ", "A quick fox ",
+           "The dog ", "One happy child "]
+T, TOP_P, N, PILOT = 1.0, 0.9, 300, 12
 
 
 def exact_triples(target, prompt, temperature):
@@ -51,21 +52,22 @@ def chi_square_pvalue(counts: dict, dist: dict, n: int) -> float:
 
 @pytest.fixture(scope="module")
 def exact(tiny):
-    """The candidate prompt whose first three tokens are most uncertain (the test needs many cells)."""
+    """prompt -> (ids, exact distribution at T, the same at the wrong temperature 2.0), for prompts whose first
+    three tokens are uncertain enough to test (at least 4 possible triples)."""
     pipe = build_pipeline(tiny, DraftConfig("ar"))
-    best = None
+    out = {}
     for prompt in PROMPTS:
         ids = pipe.tokenizer.encode(prompt, add_special_tokens=False)
         dist = exact_triples(pipe.backend.target, ids, T)
-        if best is None or len(dist) > len(best[1]):
-            best = ids, dist
-    assert len(best[1]) >= 8, "the tiny target is too certain for a distribution test"
-    return best[0], best[1], exact_triples(pipe.backend.target, best[0], 1.6)
+        if len(dist) >= 4:
+            out[prompt] = ids, dist, exact_triples(pipe.backend.target, ids, 2.0)
+    assert len(out) >= 2, "the tiny target is too certain for a distribution test"
+    return out
 
 
-def sample(pipe, ids):
+def sample(pipe, ids, n=N, first_seed=0):
     counts, accepted = {}, 0
-    for seed in range(N):
+    for seed in range(first_seed, first_seed + n):
         g = pipe.generate(ids, 3, SamplingConfig(T, TOP_P, seed))
         counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
         accepted += sum(r.accepted - 1 for r in g.rounds)
@@ -74,10 +76,14 @@ def sample(pipe, ids):
 
 @pytest.mark.parametrize("method", ["ar", "dflash", "domino", "ddtree", "caddtree", "dominotree"])
 def test_tokens_follow_target_distribution(tiny, exact, method):
-    ids, dist, wrong = exact
-    counts, accepted = sample(build_pipeline(tiny, DraftConfig(method)), ids)
+    pipe = build_pipeline(tiny, DraftConfig(method))
+    # the prompt where this method's drafts are accepted most often (a short pilot run, other seeds)
+    pilot = {p: sample(pipe, exact[p][0], PILOT, 10_000)[1] for p in exact} if method != "ar" else {}
+    prompt = max(pilot, key=pilot.get) if pilot else next(iter(exact))
+    ids, dist, wrong = exact[prompt]
+    counts, accepted = sample(pipe, ids)
     if method != "ar":
-        assert accepted >= N // 20  # drafts were accepted: committed tokens came from tree nodes below the root
+        assert accepted >= N // 10, (prompt, accepted)  # committed tokens came from tree nodes below the root
     assert chi_square_pvalue(counts, dist, N) > 1e-3
     assert chi_square_pvalue(counts, wrong, N) < 1e-3  # the test has power: a different temperature is rejected
 
