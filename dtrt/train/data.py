@@ -48,7 +48,11 @@ def read_corpus(paths, max_chars: int) -> str:
 
 
 def text_rows(tokenizer, text: str, T: int, max_rows: int) -> torch.Tensor:
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = []
+    for i in range(0, len(text), 4096):  # pieces stay under the tokenizer's model_max_length
+        ids += tokenizer.encode(text[i:i + 4096], add_special_tokens=False)
+        if len(ids) >= T * max_rows:
+            break
     n = min(len(ids) // T, max_rows)
     return torch.tensor(ids[: n * T], dtype=torch.long).reshape(n, T)
 

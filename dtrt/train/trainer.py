@@ -95,10 +95,9 @@ def pick_mask_token(tokenizer, vocab: int) -> int:
 
 def build_data(target: Target, tokenizer, cfg: TrainConfig, corpus, prompts: list[str], progress) -> DrafterData:
     """Corpus rows and the target's continuations of the training prompts, labelled and featurized."""
-    from dtrt.runtime.methods import DraftConfig
+    from dtrt.runtime.methods import DraftConfig, make_method
     from dtrt.runtime.pipeline import Pipeline
     from dtrt.runtime.torch_backend import TorchBackend
-    from dtrt.runtime.methods import make_method
 
     T = cfg.seq_len
     rows = [text_rows(tokenizer, read_corpus(corpus, cfg.corpus_chars), T, cfg.corpus_rows)] if corpus else []
