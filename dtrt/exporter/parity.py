@@ -35,6 +35,7 @@ from dtrt.exporter.artifact import MANIFEST, Export, check_source
 from dtrt.exporter.export import load_sources, pair_stages
 from dtrt.exporter.stages import Stage
 from dtrt.models.checkpoint import parse_dtype
+from dtrt.runtime.ort_backend import cpu_session
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.generate import generate
 from dtrt.runtime.methods import DraftConfig, make_method
@@ -288,13 +289,6 @@ def merge(rows: list[Row], case: str) -> Row:
                all(r.ok for r in rows), notes[0] if notes else "", len(rows), sum(r.tied for r in rows))
 
 
-def _session(path: Path) -> ort.InferenceSession:
-    # Idle onnxruntime threads spin by default and starve the torch runner that alternates with them.
-    opts = ort.SessionOptions()
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
-
-
 def _tied(feed: dict) -> bool:
     """Whether a float input holds equal values within a row. fp16 logits tie often, and a top-k over tied values
     may order them either way (both right); then the indices and everything built from them may differ."""
@@ -325,7 +319,7 @@ def compare_stage(stage: Stage, path: Path, cases: list[tuple[str, dict]], tol: 
     rows = []
     try:
         with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
-            sess = _session(path)
+            sess = cpu_session(path)
             _check_signature(sess, stage, feeds[0], path)
             results = Comparator.run([OnnxrtRunner(sess), TorchRunner(stage, feeds[0])], data_loader=feeds,
                                      streaming=True)

@@ -100,10 +100,10 @@ def drafter_dims(exp: Export, kind: str) -> DrafterDims:
                         f"re-export with `{exp.fix_hint()}`") from None
 
 
-def open_session(exp: Export, name: str, threads: int | None = None):
+def cpu_session(path, threads: int | None = None):
+    """A CPU InferenceSession configured as every dtrt stage runs (also what `dtrt parity` measures)."""
     import onnxruntime as ort
 
-    path = exp.stage(name)
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -113,8 +113,13 @@ def open_session(exp: Export, name: str, threads: int | None = None):
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if threads:
         opts.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def open_session(exp: Export, name: str, threads: int | None = None):
+    path = exp.stage(name)
     try:
-        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        sess = cpu_session(path, threads)
     except Exception as e:  # ONNX Runtime raises its own exception types for unreadable or invalid graphs
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise DtrtError(f"{path}: ONNX Runtime cannot load it ({e.__class__.__name__}: {first}); "
