@@ -32,6 +32,14 @@ class Pipeline:
                         self.draft.budget, on_tokens)
 
 
+def stop_ids(config_eos, tokenizer) -> tuple[int, ...]:
+    """The target config's EOS ids plus the tokenizer's."""
+    eos = set(config_eos)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return tuple(sorted(eos))
+
+
 def load_pair(model: str | None, target: str | None, drafter: str | None, model_dir: str | None, log=None) -> Pair:
     if target is not None:
         if model is not None:
@@ -70,10 +78,8 @@ def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = No
             raise DtrtError(f"{path}: a DFlash checkpoint with no Domino head (prefix_gru.*, embed_proj.*); "
                             f"--method {draft.method} needs a Domino drafter (or use dflash, ddtree, caddtree)")
     tokenizer = load_tokenizer(pair.target)
-    eos = set(target.cfg.eos_token_id)
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return Pipeline(TorchBackend(target, drafter), method, draft, tokenizer, tuple(sorted(eos)))
+    eos = stop_ids(target.cfg.eos_token_id, tokenizer)
+    return Pipeline(TorchBackend(target, drafter), method, draft, tokenizer, eos)
 
 
 def _ort_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None, export, threads: int | None,
@@ -106,7 +112,4 @@ def _ort_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None, expo
     if draft.needs_head:
         backend.prepare_scorer("dominotree" if draft.method == "domino" else draft.arm, draft.topm)
     tokenizer = load_tokenizer(exp.path / "tokenizer")
-    eos = set(exp.manifest["target"]["eos_token_id"])
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return Pipeline(backend, method, draft, tokenizer, tuple(sorted(eos)))
+    return Pipeline(backend, method, draft, tokenizer, stop_ids(exp.manifest["target"]["eos_token_id"], tokenizer))
