@@ -139,6 +139,7 @@ def parity(export_dir, as_json, random_only, prompts):
 @click.option("--corpus-chars", type=int, default=TrainConfig.corpus_chars, show_default=True)
 @click.option("--corpus-rows", type=int, default=TrainConfig.corpus_rows, show_default=True)
 @click.option("--gen-tokens", type=int, default=TrainConfig.gen_tokens, show_default=True)
+@click.option("--gen-batch", type=int, default=TrainConfig.gen_batch, show_default=True, help="prompts continued together")
 @click.option("--steps", type=int, default=TrainConfig.steps, show_default=True)
 @click.option("--batch", type=int, default=TrainConfig.batch, show_default=True)
 @click.option("--anchors", type=int, default=TrainConfig.anchors, show_default=True, help="blocks per row")

@@ -72,3 +72,22 @@ def test_refuses_to_overwrite_and_bad_inputs(inputs, tmp_path, monkeypatch, caps
         cli.main()
     err = capsys.readouterr().err
     assert e.value.code == 2 and "missing.jsonl: not found" in err and err.count("\n") == 1
+
+
+def test_batched_continuations_equal_ar(tiny):
+    """The batched, left-padded greedy decoder that makes training data gives each prompt's AR tokens, and a
+    row stops at a stop token."""
+    from dtrt.train.data import batched_greedy, continuations
+
+    pipe = build_pipeline(tiny, DraftConfig("ar"))
+    ids = [pipe.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:5]]
+    assert len(set(map(len, ids))) > 1  # padding is exercised
+    target = pipe.backend.target
+    batched = batched_greedy(target, ids, 20)
+    for p, got in zip(ids, batched):
+        assert got == pipe.generate(p, 20, SamplingConfig()).tokens
+    stop = batched[0][5]
+    rows, lengths = continuations(target, ids[:1], 20, 64, stop=(stop,))
+    first = batched[0].index(stop)
+    assert lengths.tolist() == [len(ids[0]) + first + 1]
+    assert rows[0, :lengths[0]].tolist() == ids[0] + batched[0][:first + 1]

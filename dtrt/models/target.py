@@ -13,10 +13,11 @@ from dtrt.models.layers import MLP, Projections, RMSNorm, attention, rope_cos_si
 
 
 class KVCache:
-    """Preallocated K/V for every layer, [layers, kv_heads, capacity, head_dim] each, batch 1."""
+    """Preallocated K/V for every layer, [layers, *batch, kv_heads, capacity, head_dim] each (batch () for
+    decoding; a batch of rows for data generation)."""
 
-    def __init__(self, cfg: TargetConfig, capacity: int, dtype=torch.float32, device="cpu"):
-        shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)
+    def __init__(self, cfg: TargetConfig, capacity: int, dtype=torch.float32, device="cpu", batch: tuple = ()):
+        shape = (cfg.num_layers, *batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
@@ -27,9 +28,13 @@ class KVCache:
         end = self.past + k.shape[-2]
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: {end} > capacity {self.capacity}")
-        self.k[layer, :, self.past:end] = k
-        self.v[layer, :, self.past:end] = v
-        return self.k[layer, :, :end], self.v[layer, :, :end]
+        self.k[layer, ..., self.past:end, :] = k
+        self.v[layer, ..., self.past:end, :] = v
+        return self.k[layer, ..., :end, :], self.v[layer, ..., :end, :]
+
+    def past_mask(self, mask):
+        """Which past keys the new tokens (mask [..., N, N]) see: all of them."""
+        return mask.new_ones(*mask.shape[:-1], self.past)
 
     def commit(self, accepted):
         """Move the accepted new entries (indices into the last forward's tokens, ascending) right after the past."""
@@ -86,11 +91,11 @@ class Target(nn.Module):
         return self.lm_head.weight.dtype
 
     def forward(self, ids, positions, mask, cache: KVCache | None = None):
-        """ids/positions [..., N], mask bool [..., N, N]; a cache (batch 1) prepends its whole past to the keys."""
+        """ids/positions [..., N], mask bool [..., N, N]; a cache prepends its past to the keys."""
         x = self.model.embed_tokens(ids)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         if cache is not None:  # every new token sees the whole past
-            mask = torch.cat((mask.new_ones(*mask.shape[:-1], cache.past), mask), dim=-1)
+            mask = torch.cat((cache.past_mask(mask), mask), dim=-1)
         tapped = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, cache, i)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from dtrt.errors import DtrtError
+from dtrt.models.target import KVCache
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".jsonl")
 
@@ -32,19 +33,17 @@ class DrafterData:
 
 
 def read_corpus(paths, max_chars: int) -> str:
-    """Text of the given files or directories (recursively, text-like suffixes), up to max_chars."""
-    out, size = [], 0
+    """Text of the given files or directories (recursively, text-like suffixes): an equal share of max_chars
+    from each file, so that every source is represented."""
+    files = []
     for p in map(Path, paths):
         if not p.exists():
             raise DtrtError(f"--corpus {p}: not found")
-        files = sorted(f for f in p.rglob("*") if f.suffix in TEXT_SUFFIXES) if p.is_dir() else [p]
-        for f in files:
-            text = f.read_text(errors="ignore")
-            out.append(text[: max_chars - size])
-            size += len(out[-1])
-            if size >= max_chars:
-                return "\n".join(out)
-    return "\n".join(out)
+        files += sorted(f for f in p.rglob("*") if f.suffix in TEXT_SUFFIXES) if p.is_dir() else [p]
+    if not files:
+        raise DtrtError(f"--corpus {', '.join(map(str, paths))}: no text files ({', '.join(TEXT_SUFFIXES)})")
+    share = max_chars // len(files)
+    return "\n".join(f.read_text(errors="ignore")[:share] for f in files)
 
 
 def text_rows(tokenizer, text: str, T: int, max_rows: int) -> torch.Tensor:
@@ -77,16 +76,60 @@ def greedy_labels_and_features(target, rows, batch: int, device, log=None):
     return labels, feats
 
 
-@torch.no_grad()
-def continuations(pipeline, prompts: list[list[int]], new_tokens: int, T: int, log=None) -> torch.Tensor:
-    """The target's own greedy continuation of each prompt, cut or padded (with the last token) to T."""
-    from dtrt.runtime.sampling import SamplingConfig
+class PaddedKV(KVCache):
+    """A batch cache over left-padded rows: the new tokens never see another row's padding."""
 
-    rows = []
-    for i, ids in enumerate(prompts):
-        out = pipeline.generate(ids[-(T // 2):], new_tokens, SamplingConfig()).tokens
-        seq = (ids[-(T // 2):] + out)[:T]
-        rows.append(seq + [seq[-1]] * (T - len(seq)))
+    def __init__(self, cfg, capacity: int, valid, dtype, device):
+        super().__init__(cfg, capacity, dtype, device, batch=(valid.shape[0],))
+        self.valid = valid  # bool [b, capacity]
+
+    def past_mask(self, mask):
+        return self.valid[:, None, :self.past].expand(*mask.shape[:-1], self.past)
+
+
+@torch.no_grad()
+def batched_greedy(target, prompts: list[list[int]], new_tokens: int, stop: tuple = (), device="cpu") -> list[list[int]]:
+    """The target's greedy continuation of each prompt, all rows decoded together (left padding), until every
+    row has produced a stop token or new_tokens."""
+    b, L = len(prompts), max(map(len, prompts))
+    pad = torch.tensor([L - len(p) for p in prompts], device=device)
+    ids = torch.zeros(b, L, dtype=torch.long, device=device)
+    valid = torch.ones(b, L + new_tokens, dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, pad[i]:] = torch.tensor(p)
+        valid[i, :pad[i]] = False
+    cache = PaddedKV(target.cfg, L + new_tokens, valid, target.dtype, device)
+    positions = (torch.arange(L, device=device) - pad[:, None]).clamp(min=0)
+    causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+    mask = (causal & valid[:, None, :L]) | torch.eye(L, dtype=torch.bool, device=device)  # pads see themselves
+    out, done = [], torch.zeros(b, dtype=torch.bool, device=device)
+    stop = torch.tensor(stop, dtype=torch.long, device=device)
+    for _ in range(new_tokens):
+        logits, _ = target(ids, positions, mask, cache)
+        cache.past += ids.shape[1]
+        ids = logits[:, -1:].argmax(-1)
+        out.append(ids)
+        done |= torch.isin(ids[:, 0], stop)
+        if done.all():
+            break
+        positions = positions[:, -1:] + 1
+        mask = torch.ones(b, 1, 1, dtype=torch.bool, device=device)
+    return torch.cat(out, dim=1).tolist()
+
+
+def continuations(target, prompts: list[list[int]], new_tokens: int, T: int, stop: tuple = (), batch: int = 32,
+                  log=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the target's own greedy continuations (prompt tail + continuation, cut at a stop token, padded
+    with the last token to T) and their valid lengths. Prompts are decoded in batches of similar length."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    rows, lengths = [None] * len(prompts), [0] * len(prompts)
+    for s in range(0, len(order), batch):
+        chunk = order[s:s + batch]
+        heads = [prompts[i][-(T // 2):] for i in chunk]
+        for i, head, gen in zip(chunk, heads, batched_greedy(target, heads, new_tokens, stop)):
+            cut = next((j + 1 for j, t in enumerate(gen) if t in stop), len(gen))
+            seq = (head + gen[:cut])[:T]
+            rows[i], lengths[i] = seq + [seq[-1]] * (T - len(seq)), len(seq)
         if log:
-            log(i + 1, len(prompts))
-    return torch.tensor(rows, dtype=torch.long)
+            log(min(s + batch, len(order)), len(order))
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(lengths)

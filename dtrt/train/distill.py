@@ -48,20 +48,20 @@ def block_loss(target: Target, drafter: Drafter, tokens, feats, anchors, slot_de
     labels = (tokens if labels is None else labels).gather(1, label_pos.clamp(max=T - 1).reshape(b, -1))
     labels = labels.reshape(b, A, K)
     weight = torch.exp(-torch.arange(K, dtype=torch.float32, device=tokens.device) / slot_decay) * valid
-    scores = target.lm_head(rows.to(target.dtype)).float()                              # [b, A, K, V]
+    W = target.lm_head.weight
+    scores = F.linear(rows.reshape(-1, W.shape[1]).to(W.dtype), W).float().reshape(b, A, K, -1)  # one GEMM
     loss = (F.cross_entropy(scores.flatten(0, 2), labels.flatten(), reduction="none") * weight.flatten()).sum()
 
     head = drafter.head
-    if head is not None:
-        corrected = []
-        s = head.gru(embed(ids[..., 0]).to(head.w2.dtype), head.zero_state(b, A))
+    if head is not None:  # path states along the labels, then every depth's correction in one call
+        states, s = [], head.gru(embed(ids[..., 0]).to(head.w2.dtype), head.zero_state(b, A))
         for d in range(K):
-            if d >= cfg.pure_draft_prefix_len:
-                corrected.append(scores[:, :, d] + head.delta(rows[:, :, d].to(head.w2.dtype), s).float())
-            else:
-                corrected.append(scores[:, :, d])
+            states.append(s)
             s = head.gru(embed(labels[:, :, d]).to(head.w2.dtype), s)
-        scores = torch.stack(corrected, dim=2)
+        delta = head.delta(rows.to(head.w2.dtype).reshape(b * A * K, -1),
+                           torch.stack(states, dim=2).reshape(b * A * K, -1)).float().reshape(b, A, K, -1)
+        corrects = (torch.arange(K, device=tokens.device) >= cfg.pure_draft_prefix_len)[:, None]
+        scores = scores + delta * corrects
         loss = loss + (F.cross_entropy(scores.flatten(0, 2), labels.flatten(), reduction="none")
                        * weight.flatten()).sum()
     acc = ((scores.argmax(-1) == labels) & valid).float().sum((0, 1)) / valid.float().sum((0, 1)).clamp(min=1)

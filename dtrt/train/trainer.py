@@ -30,19 +30,20 @@ from dtrt.train.distill import block_loss, sample_anchors
 @dataclass
 class TrainConfig:
     layers: int = 1
-    block_size: int = 16
+    block_size: int = 8
     gru_dim: int = 256
     emb_dim: int = 128
     seq_len: int = 256
-    corpus_chars: int = 4_000_000
-    corpus_rows: int = 4096
+    corpus_chars: int = 700_000
+    corpus_rows: int = 600
     gen_tokens: int = 128
-    steps: int = 3000
+    gen_batch: int = 32
+    steps: int = 2000
     batch: int = 8
     anchors: int = 8
     lr: float = 1e-3
     slot_decay: float = 4.0
-    eval_every: int = 250
+    eval_every: int = 500
     eval_prompts: int = 8
     eval_tokens: int = 64
     save_dtype: str = "bf16"
@@ -95,19 +96,17 @@ def pick_mask_token(tokenizer, vocab: int) -> int:
 
 def build_data(target: Target, tokenizer, cfg: TrainConfig, corpus, prompts: list[str], progress) -> DrafterData:
     """Corpus rows and the target's continuations of the training prompts, labelled and featurized."""
-    from dtrt.runtime.methods import DraftConfig, make_method
-    from dtrt.runtime.pipeline import Pipeline
-    from dtrt.runtime.torch_backend import TorchBackend
+    from dtrt.runtime.pipeline import stop_ids
 
     T = cfg.seq_len
     rows = [text_rows(tokenizer, read_corpus(corpus, cfg.corpus_chars), T, cfg.corpus_rows)] if corpus else []
     lengths = [torch.full((rows[0].shape[0],), T)] if rows else []
     if prompts:
         ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        pipe = Pipeline(TorchBackend(target), make_method(DraftConfig("ar")), DraftConfig("ar"), tokenizer, ())
-        gen = continuations(pipe, ids, cfg.gen_tokens, T, log=progress("continuations"))
+        gen, gen_lengths = continuations(target, ids, cfg.gen_tokens, T, stop_ids(target.cfg.eos_token_id, tokenizer),
+                                         cfg.gen_batch, log=progress("continuations"))
         rows.append(gen)
-        lengths.append(torch.tensor([min(T, len(i[-(T // 2):]) + cfg.gen_tokens) for i in ids]))
+        lengths.append(gen_lengths)
     if not rows:
         raise DtrtError("no training data: give --corpus PATH and/or --prompts FILE")
     tokens = torch.cat(rows)
