@@ -52,7 +52,8 @@ def load_pair(model: str | None, target: str | None, drafter: str | None, model_
 
 
 def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = None, backend: str = "torch",
-                   export: str | Path | None = None, threads: int | None = None, model: str | None = None) -> Pipeline:
+                   export: str | Path | None = None, threads: int | None = None, model: str | None = None,
+                   log=None) -> Pipeline:
     """A pipeline on `backend`: torch runs the checkpoints of `pair`; onnxruntime runs the `export` directory,
     checked against `pair` (and the registry name `model`) when one is given."""
     if backend not in BACKENDS:
@@ -60,7 +61,7 @@ def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = No
     if threads is not None and threads < 1:
         raise DtrtError(f"--threads {threads}: must be >= 1")
     if backend == "onnxruntime":
-        return _ort_pipeline(pair, draft, dtype, export, threads, model)
+        return _ort_pipeline(pair, draft, dtype, export, threads, model, log)
     if export is not None:
         raise DtrtError("--export DIR is for --backend onnxruntime; the torch backend runs the checkpoints")
     torch_dtype = parse_dtype(dtype or "fp32")
@@ -83,16 +84,21 @@ def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = No
 
 
 def _ort_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None, export, threads: int | None,
-                  model: str | None) -> Pipeline:
+                  model: str | None, log=None) -> Pipeline:
     from dtrt.exporter.artifact import check_source, load_export
     from dtrt.runtime.ort_backend import OrtBackend
 
-    if export is None:
+    if export is None and model is not None:
+        from dtrt.exporter.cache import cached_export
+
+        exp = cached_export(pair, model, log)
+    elif export is None:
         raise DtrtError("--backend onnxruntime needs --export DIR (write one with `dtrt export --model NAME --out "
-                        "DIR`)")
-    exp = load_export(export)
-    if pair is not None:
-        check_source(exp, pair.target, model)
+                        "DIR`) or --model NAME (exported into the cache on first use)")
+    else:
+        exp = load_export(export)
+        if pair is not None:
+            check_source(exp, pair.target, model)
     if dtype is not None and dtype != exp.manifest["dtype"]:
         raise DtrtError(f"--dtype {dtype}: {exp.path} holds {exp.manifest['dtype']} graphs; drop --dtype or "
                         f"re-export with `{exp.fix_hint(dtype=dtype)}`")
