@@ -93,7 +93,8 @@ def dtrt_engines(pair, methods: list[str], budgets: list[int], explicit: bool, d
         for budget in budgets if method in BUDGET_METHODS else budgets[:1]:
             label = f"{method}@{budget}" if method in BUDGET_METHODS else method
             try:
-                pipe = build_pipeline(pair, DraftConfig(method, budget), dtype, backend, export, threads, model)
+                pipe = build_pipeline(pair, DraftConfig(method, budget), dtype, backend, export, threads, model,
+                                      log=log)
             except DtrtError as e:
                 if explicit or method == "ar":
                     raise

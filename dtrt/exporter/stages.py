@@ -29,6 +29,9 @@ class ConcatCache:
         self.new_v.append(v)
         return torch.cat((self.past_k[layer], k), dim=-2), torch.cat((self.past_v[layer], v), dim=-2)
 
+    def past_mask(self, mask):
+        return mask.new_ones(*mask.shape[:-1], self.past)
+
 
 class TargetStage(nn.Module):
     def __init__(self, target: Target):
