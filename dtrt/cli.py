@@ -1,6 +1,7 @@
 """The `dtrt` command line."""
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -11,7 +12,9 @@ from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import DTYPES
 from dtrt.runtime.methods import ARMS, BUILDERS, METHODS, DraftConfig
 from dtrt.runtime.pipeline import BACKENDS, build_pipeline, load_pair
+from dtrt.runtime.requests import Request, check_seed, check_stop, has_chat_template, read_requests
 from dtrt.runtime.sampling import SamplingConfig
+from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
 from dtrt.train.trainer import TrainConfig
 
 
@@ -25,59 +28,153 @@ def cli():
     """dtrt: DominoTree speculative decoding, exact to the target model."""
 
 
-@cli.command()
-@click.argument("prompt", required=False)
-@click.option("--model", help="registry name: tiny, smollm2-135m, qwen3-4b, qwen3-8b (default tiny)")
-@click.option("--target", type=click.Path(), help="target checkpoint directory (Hugging Face layout)")
-@click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)")
-@click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")
-@click.option("--method", type=click.Choice(METHODS), default="dominotree", show_default=True)
-@click.option("--builder", type=click.Choice(BUILDERS), default="heap", show_default=True,
-              help="dominotree tree builder")
-@click.option("--arm", type=click.Choice(ARMS), default="dominotree", show_default=True,
-              help="dominotree scoring: per path (dominotree), per depth on the greedy chain (condstatic), none (marg)")
-@click.option("--budget", type=int, default=16, show_default=True, help="draft nodes per tree (caddtree: the cap)")
-@click.option("--topm", type=int, default=64, show_default=True, help="Domino candidates per depth (0 = full vocab)")
-@click.option("--node-topk", type=int, default=8, show_default=True, help="children per tree node")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--dtype", type=click.Choice(list(DTYPES)), help="default fp32 (onnxruntime: the export's)")
-@click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True)
-@click.option("--export", "export_dir", type=click.Path(), help="export directory (dtrt export) for onnxruntime")
-@click.option("--threads", type=int, help="intra-op threads of torch and ONNX Runtime (default: theirs)")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the text")
-def run(prompt, model, target, drafter, model_dir, method, builder, arm, budget, topm, node_topk, max_new_tokens,
-        temperature, top_p, seed, dtype, backend, export_dir, threads, as_json):
-    """Generate a continuation of PROMPT (or of standard input)."""
-    if prompt is None:
-        prompt = sys.stdin.read()
+def pipeline_options(f):
+    """The flags that choose the model, method and backend, shared by `run` and `serve`."""
+    opts = [
+        click.option("--model", help="registry name: tiny, smollm2-135m, qwen3-4b, qwen3-8b (default tiny)"),
+        click.option("--target", type=click.Path(), help="target checkpoint directory (Hugging Face layout)"),
+        click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)"),
+        click.option("--model-dir", type=click.Path(),
+                     help="where registry checkpoints are looked up before the HF cache"),
+        click.option("--method", type=click.Choice(METHODS), default="dominotree", show_default=True),
+        click.option("--builder", type=click.Choice(BUILDERS), default="heap", show_default=True,
+                     help="dominotree tree builder"),
+        click.option("--arm", type=click.Choice(ARMS), default="dominotree", show_default=True,
+                     help="dominotree scoring: per path (dominotree), per depth on the greedy chain (condstatic), "
+                          "none (marg)"),
+        click.option("--budget", type=int, default=16, show_default=True,
+                     help="draft nodes per tree (caddtree: the cap)"),
+        click.option("--topm", type=int, default=64, show_default=True,
+                     help="Domino candidates per depth (0 = full vocab)"),
+        click.option("--node-topk", type=int, default=8, show_default=True, help="children per tree node"),
+        click.option("--max-new-tokens", type=int, default=128, show_default=True,
+                     help="stop after this many tokens (serve: for requests without max_tokens)"),
+        click.option("--temperature", type=float, default=0.0, show_default=True,
+                     help="0: greedy (serve: for requests without one)"),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True, help="makes T>0 runs reproducible"),
+        click.option("--dtype", type=click.Choice(list(DTYPES)), help="default fp32 (onnxruntime: the export's)"),
+        click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True),
+        click.option("--export", "export_dir", type=click.Path(),
+                     help="export directory (dtrt export) for onnxruntime"),
+        click.option("--threads", type=int, help="intra-op threads of torch and ONNX Runtime (default: theirs)"),
+        click.option("--truncate", is_flag=True,
+                     help="keep the prompt's last tokens when prompt + new tokens exceed the context (else an error)"),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _request_defaults(max_new_tokens, temperature, top_p, seed, stop=()) -> Request:
+    """The request the flags describe, checked before anything loads."""
+    if max_new_tokens < 1:
+        raise DtrtError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+    return Request(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_p, check_seed(seed)),
+                   stop=check_stop(stop, "--stop"))
+
+
+def _load_pipeline(model, target, drafter, model_dir, method, builder, arm, budget, topm, node_topk, dtype, backend,
+                   export_dir, threads):
     draft = DraftConfig(method, budget, builder, arm, topm, node_topk)
-    sampling = SamplingConfig(temperature, top_p, seed)
     # onnxruntime runs the export alone; with --model/--target the export must come from them
     alone = backend == "onnxruntime" and model is None and target is None and drafter is None
     pair = None if alone else load_pair(model, target, drafter, model_dir, log=_log)
-    pipe = build_pipeline(pair, draft, dtype, backend, export_dir, threads, model)
+    pipe = build_pipeline(pair, draft, dtype, backend, export_dir, threads, model, log=_log)
     if threads:
         torch.set_num_threads(threads)
-    ids = pipe.tokenizer.encode(prompt, add_special_tokens=False)
+    return pipe
 
-    streamed = []
 
-    def stream(tokens):  # print the text as it is committed, decoding the whole output to keep UTF-8 intact
-        before = pipe.tokenizer.decode(streamed, skip_special_tokens=True)
-        streamed.extend(tokens)
-        click.echo(pipe.tokenizer.decode(streamed, skip_special_tokens=True)[len(before):], nl=False)
+def _use_chat(pipe, chat: bool | None) -> bool:
+    """--chat/--no-chat, by default the chat template when the tokenizer has one."""
+    if chat and not has_chat_template(pipe.tokenizer):
+        raise DtrtError("--chat: this model's tokenizer has no chat template; drop --chat (the prompt is then "
+                        "used as raw text)")
+    return has_chat_template(pipe.tokenizer) if chat is None else chat
 
-    out = pipe.generate(ids, max_new_tokens, sampling, None if as_json else stream)
-    text = pipe.tokenizer.decode(out.tokens, skip_special_tokens=True)
+
+@cli.command()
+@click.argument("prompt", required=False)
+@pipeline_options
+@click.option("--stop", multiple=True, help="stop string (repeatable): the output ends before it")
+@click.option("--chat/--no-chat", default=None, help="wrap the prompt in the chat template (default: when the "
+              "tokenizer has one)")
+@click.option("--input", "input_file", type=click.Path(allow_dash=True),
+              help="JSONL file of requests ('-' = standard input), one JSON result per line")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the text")
+def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, truncate, input_file, as_json, **load):
+    """Generate a continuation of PROMPT (or of standard input; an interactive prompt at a terminal)."""
+    defaults = _request_defaults(max_new_tokens, temperature, top_p, seed, stop)
+    if prompt is not None and input_file is not None:
+        raise DtrtError("PROMPT and --input exclude each other: pass one")
+    requests = read_requests(input_file, defaults) if input_file is not None else None
+    interactive = prompt is None and requests is None and sys.stdin.isatty()
+    if prompt is None and requests is None and not interactive:
+        prompt = sys.stdin.read()
+    pipe = _load_pipeline(**load)
+    chat = _use_chat(pipe, chat)
+    method = pipe.draft.method
+    if interactive:
+        _log(f"dtrt run ({method}): one prompt per line; Ctrl-C stops a generation, Ctrl-D quits")
+        return repl(pipe, defaults, chat, truncate, input, lambda s: click.echo(s, nl=False), _log)
+    if requests is not None:
+        return _run_jsonl(pipe, requests, chat, truncate, input_file)
+    req = replace(defaults, prompt=prompt)
+    c = generate_one(pipe, req, prompt_ids(pipe, req, chat, truncate),
+                     None if as_json else lambda s: click.echo(s, nl=False))
     if as_json:
-        click.echo(json.dumps(result_json(out, text, draft, len(ids))))
+        click.echo(json.dumps(c.to_json(pipe.draft)))
     else:
         click.echo()
-        _log(f"[{method}] tau {out.tau:.2f}  {out.tokens_per_s:.1f} tok/s  {len(out.tokens)} tokens  "
-             f"{len(out.rounds)} rounds  prefill {out.prefill_s * 1e3:.0f} ms")
+        _log(stats_line(c, method))
+    if c.stop_reason == "cancelled":
+        sys.exit(130)
+
+
+def _run_jsonl(pipe, requests, chat, truncate, source):
+    """Every line is encoded and fitted before the first generation, so a bad line stops the run before any output."""
+    prepared = []
+    for line, rid, req in requests:
+        try:
+            prepared.append((rid, req, prompt_ids(pipe, req, chat, truncate)))
+        except DtrtError as e:
+            raise DtrtError(f"{source}:{line}: {e}") from None
+    for rid, req, ids in prepared:
+        c = generate_one(pipe, req, ids)
+        click.echo(json.dumps(({} if rid is None else {"id": rid}) | c.to_json(pipe.draft)))
+        if c.stop_reason == "cancelled":
+            sys.exit(130)
+
+
+@cli.command()
+@pipeline_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="TCP port (0: any free one, printed at start)")
+@click.option("--name", help="the model id clients send and /v1/models lists (default: --model, or the "
+              "--target / --export directory name)")
+@click.option("--queue-limit", type=int, default=64, show_default=True,
+              help="requests waiting behind the one generating; more are answered 429")
+@click.option("--request-timeout", type=float, default=600.0, show_default=True,
+              help="seconds a request may take, waiting included; then it is cancelled (504)")
+@click.option("--shutdown-grace", type=float, default=30.0, show_default=True,
+              help="seconds the generation in flight may finish after SIGINT/SIGTERM before it is cancelled")
+def serve(max_new_tokens, temperature, top_p, seed, truncate, host, port, name, queue_limit, request_timeout,
+          shutdown_grace, **load):
+    """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    from dtrt.serve.server import ServeConfig, bind, serve_forever
+
+    cfg = ServeConfig(name or load["model"] or Path(load["target"] or load["export_dir"] or "default").name,
+                      _request_defaults(max_new_tokens, temperature, top_p, seed), queue_limit, request_timeout,
+                      shutdown_grace, truncate)
+    sock = bind(host, port)  # a taken port fails before the model loads
+    try:
+        pipe = _load_pipeline(**load)
+    except BaseException:
+        sock.close()
+        raise
+    serve_forever(pipe, cfg, sock, log=_log)
 
 
 @cli.command()
@@ -217,15 +314,30 @@ def bench(model, target, drafter, model_dir, backend, export_dir, methods, datas
          f"{', ' + str(path / 'bench.png') if (path / 'bench.png').is_file() else ''}")
 
 
-def result_json(out, text, draft: DraftConfig, prompt_tokens: int) -> dict:
-    stage = {k: sum(getattr(r, f"{k}_s") for r in out.rounds) for k in ("draft", "build", "verify", "commit")}
-    return {
-        "tokens": out.tokens, "text": text, "tau": out.tau, "tokens_per_s": out.tokens_per_s,
-        "rounds": len(out.rounds), "method": draft.method, "budget": draft.budget, "prompt_tokens": prompt_tokens,
-        "prefill_s": out.prefill_s, "decode_s": out.decode_s, "stop_reason": out.stop_reason,
-        "stage_s": stage, "accepted": [r.accepted for r in out.rounds],
-        "tree_sizes": [r.tree_size for r in out.rounds],
-    }
+@cli.command("build-engine")
+@click.argument("export_dir", type=click.Path())
+@click.option("--out", required=True, type=click.Path(),
+              help="engines root: the plans go to OUT/<gpu>-sm<cc>-trt<version>-cu<cuda>/<model>/")
+@click.option("--max-batch", type=int, default=8, show_default=True, help="largest batch of the frontier stage")
+@click.option("--opt-level", type=int, default=3, show_default=True, help="TensorRT builder optimization level 0..5")
+@click.option("--force", is_flag=True, help="rebuild an existing engine directory")
+def build_engine(export_dir, out, max_batch, opt_level, force):
+    """Build one TensorRT plan per stage of EXPORT_DIR for this GPU (complete or not at all)."""
+    from dtrt.engines.build import BuildConfig, build_engines
+
+    eng = build_engines(export_dir, out, BuildConfig(max_batch, opt_level), force, log=_log)
+    size = sum(m["size"] for m in eng.manifest["files"].values())
+    click.echo(f"{eng.path}: {len(eng.manifest['stages'])} plans, {size / 1e6:.1f} MB")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the report")
+def doctor(as_json):
+    """Report the backends, devices, TensorRT and plugin libraries available here, and why any is not."""
+    from dtrt.engines.doctor import render, run_checks, to_json
+
+    checks, backends = run_checks()
+    click.echo(json.dumps(to_json(checks, backends)) if as_json else render(checks, backends))
 
 
 def main():
@@ -237,6 +349,9 @@ def main():
     except KeyboardInterrupt:
         _log("interrupted")
         sys.exit(130)
+    except click.UsageError as e:  # a bad flag value: one line, like every other bad input
+        _log(f"error: {e.format_message()} (see `{e.ctx.command_path if e.ctx else 'dtrt'} --help`)")
+        sys.exit(2)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

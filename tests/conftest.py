@@ -21,3 +21,17 @@ def tiny_export(tiny, tmp_path_factory):
     from dtrt.exporter.export import export_pair
 
     return export_pair(tiny, tmp_path_factory.mktemp("export") / "tiny", model="tiny", max_context=512)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA GPU, `trt` ones TensorRT as well; elsewhere they skip with the reason."""
+    from dtrt.engines.keys import cuda_status, tensorrt_status
+
+    gpu_why = None if torch.cuda.is_available() else cuda_status()[1]
+    trt_why = gpu_why
+    if any("trt" in item.keywords for item in items) and trt_why is None:
+        trt_why = tensorrt_status()[1] or None
+    for item in items:
+        why = trt_why if "trt" in item.keywords else gpu_why if "gpu" in item.keywords else None
+        if why:
+            item.add_marker(pytest.mark.skip(reason=why))

@@ -25,7 +25,7 @@ class Generation:
     rounds: list[RoundStats] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    stop_reason: str = "length"  # "eos" | "length" | "stop"
+    stop_reason: str = "length"  # "eos" | "length" | whatever on_tokens returned ("stop", "cancelled")
 
     @property
     def tau(self) -> float:
@@ -45,7 +45,8 @@ def capacity_for(prompt_len: int, max_new_tokens: int, budget: int, block_size: 
 @torch.no_grad()
 def generate(backend, method: Method, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,
              eos: tuple[int, ...] = (), budget: int = 16, on_tokens=None) -> Generation:
-    """Generate up to `max_new_tokens` tokens after `prompt`; `on_tokens(list)` streams committed tokens."""
+    """Generate up to `max_new_tokens` tokens after `prompt`; `on_tokens(list)` streams committed tokens and may
+    return a reason (e.g. "stop", "cancelled") to end the generation after this round with that stop_reason."""
     drafter = backend.drafter if method.uses_drafter else None
     block = drafter.cfg.block_size if drafter is not None else 1
     backend.reset(capacity_for(len(prompt), max_new_tokens, budget, block))
@@ -72,10 +73,10 @@ def generate(backend, method: Method, prompt: list[int], max_new_tokens: int, sa
 
     new = emit([root])[:max_new_tokens]
     out.tokens += new
-    if on_tokens:
-        on_tokens(new)
+    if on_tokens and (reason := on_tokens(new)):
+        out.stop_reason = reason
     t_start = time.perf_counter()
-    while len(out.tokens) < max_new_tokens and out.stop_reason != "eos":
+    while len(out.tokens) < max_new_tokens and out.stop_reason == "length":
         t0 = time.perf_counter()
         start = backend.past
         if drafter is not None:
@@ -97,8 +98,8 @@ def generate(backend, method: Method, prompt: list[int], max_new_tokens: int, sa
         out.rounds.append(RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3))
         new = emit(tree.tokens[accepted[1:]].tolist() + [bonus])[: max_new_tokens - len(out.tokens)]
         out.tokens += new
-        if on_tokens:
-            on_tokens(new)
+        if on_tokens and (reason := on_tokens(new)):
+            out.stop_reason = reason
         root = bonus
     out.decode_s = time.perf_counter() - t_start
     return out

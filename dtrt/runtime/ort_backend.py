@@ -139,6 +139,7 @@ def _np(t, dtype) -> np.ndarray:
 
 class OrtBackend:
     name = "onnxruntime"
+    kv_cache = PackedKV  # the TensorRT backend keeps the same layout in device memory
 
     def __init__(self, export: Export, kind: str | None = None, threads: int | None = None):
         self.export, self.kind, self.threads = export, kind, threads
@@ -171,10 +172,10 @@ class OrtBackend:
                             f"re-export with `{self.export.fix_hint(max_context=capacity)}`")
         if self.cache is None or self.cache.capacity < capacity:
             t = self.target_dims
-            self.cache = PackedKV(t["num_layers"], t["num_kv_heads"], t["head_dim"], capacity, self.dtype)
+            self.cache = self.kv_cache(t["num_layers"], t["num_kv_heads"], t["head_dim"], capacity, self.dtype)
             if self.drafter is not None:
                 d = self.drafter.cfg
-                self.draft_cache = PackedKV(d.num_layers, d.num_kv_heads, d.head_dim, capacity, self.dtype)
+                self.draft_cache = self.kv_cache(d.num_layers, d.num_kv_heads, d.head_dim, capacity, self.dtype)
         self.cache.reset()
         if self.draft_cache is not None:
             self.draft_cache.reset()

@@ -4,14 +4,15 @@ from pathlib import Path
 
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import check_pair, load_drafter, load_target, parse_dtype
+from dtrt.models.config import read_json
 from dtrt.models.registry import Pair, resolve
 from dtrt.models.tokenizer import load_tokenizer
-from dtrt.runtime.generate import Generation, generate
+from dtrt.runtime.generate import Generation, capacity_for, generate
 from dtrt.runtime.methods import DraftConfig, Method, make_method
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.torch_backend import TorchBackend
 
-BACKENDS = ("torch", "onnxruntime")
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
 
 
 @dataclass
@@ -21,6 +22,29 @@ class Pipeline:
     draft: DraftConfig
     tokenizer: object
     eos: tuple[int, ...]
+    max_context: int | None = None  # positions the backend holds (prompt + output + one tree); None: no limit
+    context_source: str = ""        # where max_context comes from, for the error message
+    context_fix: object = None      # needed positions -> the command that raises max_context, if there is one
+
+    def prompt_room(self, max_new_tokens: int) -> int | None:
+        """The most prompt tokens that fit with `max_new_tokens` into max_context (None: no limit)."""
+        if self.max_context is None:
+            return None
+        block = self.backend.drafter.cfg.block_size if self.method.uses_drafter else 1
+        return self.max_context - capacity_for(0, max_new_tokens, self.draft.budget, block)
+
+    def check_context(self, prompt_len: int, max_new_tokens: int, flag="--max-new-tokens", truncate="--truncate"):
+        """A prompt that does not fit is an error naming the numbers and the ways out (`flag`, `truncate`)."""
+        room = self.prompt_room(max_new_tokens)
+        if room is None or prompt_len <= room:
+            return
+        need = prompt_len + self.max_context - room
+        ways = (f"shorten the prompt, lower {flag}, or pass {truncate} to keep the prompt's last {room} tokens"
+                if room > 0 else f"lower {flag}")
+        if self.context_fix is not None:
+            ways += f", or raise the limit with `{self.context_fix(need)}`"
+        raise DtrtError(f"the prompt ({prompt_len} tokens) + {flag} {max_new_tokens} + one tree need {need} "
+                        f"positions, but {self.context_source} is {self.max_context}; {ways}")
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
                  on_tokens=None) -> Generation:
@@ -28,6 +52,7 @@ class Pipeline:
             raise DtrtError("the prompt is empty: give some text")
         if max_new_tokens < 1:
             raise DtrtError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+        self.check_context(len(prompt_ids), max_new_tokens)
         return generate(self.backend, self.method, prompt_ids, max_new_tokens, sampling, self.eos,
                         self.draft.budget, on_tokens)
 
@@ -62,6 +87,11 @@ def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = No
         raise DtrtError(f"--threads {threads}: must be >= 1")
     if backend == "onnxruntime":
         return _ort_pipeline(pair, draft, dtype, export, threads, model, log)
+    if backend == "tensorrt":  # the engines' export, checked like onnxruntime's, with TensorRT stages
+        from dtrt.runtime.trt_backend import open_backend
+
+        exp, make_backend = open_backend(export, model)
+        return _ort_pipeline(pair, draft, dtype, exp, threads, model, log, make_backend)
     if export is not None:
         raise DtrtError("--export DIR is for --backend onnxruntime; the torch backend runs the checkpoints")
     torch_dtype = parse_dtype(dtype or "fp32")
@@ -80,12 +110,14 @@ def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = No
                             f"--method {draft.method} needs a Domino drafter (or use dflash, ddtree, caddtree)")
     tokenizer = load_tokenizer(pair.target)
     eos = stop_ids(target.cfg.eos_token_id, tokenizer)
-    return Pipeline(TorchBackend(target, drafter), method, draft, tokenizer, eos)
+    limit = read_json(pair.target / "config.json").get("max_position_embeddings")
+    return Pipeline(TorchBackend(target, drafter), method, draft, tokenizer, eos, limit,
+                    f"max_position_embeddings in {pair.target / 'config.json'}")
 
 
 def _ort_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None, export, threads: int | None,
-                  model: str | None, log=None) -> Pipeline:
-    from dtrt.exporter.artifact import check_source, load_export
+                  model: str | None, log=None, make_backend=None) -> Pipeline:
+    from dtrt.exporter.artifact import Export, check_source, load_export
     from dtrt.runtime.ort_backend import OrtBackend
 
     if export is None and model is not None:
@@ -96,7 +128,7 @@ def _ort_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None, expo
         raise DtrtError("--backend onnxruntime needs --export DIR (write one with `dtrt export --model NAME --out "
                         "DIR`) or --model NAME (exported into the cache on first use)")
     else:
-        exp = load_export(export)
+        exp = export if isinstance(export, Export) else load_export(export)
         if pair is not None:
             check_source(exp, pair.target, model)
     if dtype is not None and dtype != exp.manifest["dtype"]:
@@ -114,8 +146,9 @@ def _ort_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None, expo
             need = "Domino" if draft.needs_head else "DFlash"
             raise DtrtError(f"--method {draft.method}: {exp.path} holds no {need} drafter; re-export with "
                             f"`{exp.fix_hint()}` from a pair that has one")
-    backend = OrtBackend(exp, kind, threads)
+    backend = (make_backend or OrtBackend)(exp, kind, threads)
     if draft.needs_head:
         backend.prepare_scorer("dominotree" if draft.method == "domino" else draft.arm, draft.topm)
     tokenizer = load_tokenizer(exp.path / "tokenizer")
-    return Pipeline(backend, method, draft, tokenizer, stop_ids(exp.manifest["target"]["eos_token_id"], tokenizer))
+    return Pipeline(backend, method, draft, tokenizer, stop_ids(exp.manifest["target"]["eos_token_id"], tokenizer),
+                    backend.max_context, f"the max context of {exp.path}", lambda need: exp.fix_hint(max_context=need))

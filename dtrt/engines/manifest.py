@@ -1,0 +1,113 @@
+"""The engine directory contract (DESIGN.md section 4): one plan per stage, the timing cache and
+manifest.json, checked against the machine before any plan is deserialized."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtrt import __version__
+from dtrt.engines.keys import LABELS, Machine
+from dtrt.errors import DtrtError
+from dtrt.exporter.artifact import MANIFEST, Export, load_export, sha256
+
+FORMAT = "dtrt-engine"
+TIMING_CACHE = "timing.cache"
+
+
+@dataclass
+class Engine:
+    path: Path
+    manifest: dict
+
+    def plan(self, stage: str) -> Path:
+        return self.path / self.manifest["stages"][stage]["plan"]
+
+    @property
+    def root(self) -> Path:
+        """The directory given to `dtrt build-engine --out` (above the machine key)."""
+        return self.path.parent.parent
+
+    @property
+    def export_path(self) -> Path:
+        return Path(self.manifest["export"]["path"])
+
+    def rebuild_hint(self) -> str:
+        b = self.manifest.get("build", {})
+        flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in b.items() if v is not None)
+        return f"dtrt build-engine {self.export_path} --out {self.root}{flags} --force"
+
+
+def export_digest(exp: Export) -> str:
+    return sha256(exp.path / MANIFEST)
+
+
+def read_engine(path) -> Engine:
+    """Read an engine directory's manifest and check that its files are all there, as written."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    build = "build it with `dtrt build-engine EXPORT_DIR --out DIR`"
+    if not mpath.is_file():
+        raise DtrtError(f"{mpath}: not found, so {path} is not a dtrt engine directory; {build}")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DtrtError(f"{mpath}: not valid JSON ({e.__class__.__name__}); {build}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DtrtError(f"{mpath}: not a dtrt engine manifest; {build}")
+    eng = Engine(path, manifest)
+    if manifest.get("dtrt_version") != __version__:
+        raise DtrtError(f"{mpath}: written by dtrt {manifest.get('dtrt_version')}, this is dtrt {__version__}; "
+                        f"rebuild with `{eng.rebuild_hint()}`")
+    for name, meta in manifest["files"].items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != meta["size"]:
+            what = "missing" if not f.is_file() else f"{f.stat().st_size} bytes, the manifest records {meta['size']}"
+            raise DtrtError(f"{f}: {what}; rebuild with `{eng.rebuild_hint()}`")
+    return eng
+
+
+def check_engine(eng: Engine, machine: Machine, plugins_sha256: str) -> Export:
+    """The engine must be built on this machine's GPU, TensorRT and CUDA, with this dtrt's plugin kernels,
+    from its export as it is now; returns that export."""
+    mpath = eng.path / MANIFEST
+    built = eng.manifest["machine"]
+    for field, here in machine.to_json().items():
+        if built.get(field) != here:
+            raise DtrtError(f"{mpath}: {field} {built.get(field)!r} differs from this machine's {here!r} "
+                            f"(the plans only run on the {LABELS[field]} they were built for); "
+                            f"rebuild with `{eng.rebuild_hint()}`")
+    if eng.manifest["plugins"]["sha256"] != plugins_sha256:
+        raise DtrtError(f"{mpath}: plugins.sha256 differs from this dtrt's plugin kernels (they changed since the "
+                        f"build); rebuild with `{eng.rebuild_hint()}`")
+    if not (eng.export_path / MANIFEST).is_file():
+        raise DtrtError(f"{eng.export_path}: the export these engines were built from is missing (the runtime reads "
+                        f"its manifest and tokenizer); restore it, or export again and rebuild with "
+                        f"`{eng.rebuild_hint()}`")
+    exp = load_export(eng.export_path)
+    if export_digest(exp) != eng.manifest["export"]["manifest_sha256"]:
+        raise DtrtError(f"{mpath}: built from another export than {exp.path} holds now (it was re-exported); "
+                        f"rebuild with `{eng.rebuild_hint()}`")
+    return exp
+
+
+def resolve_engine_dir(path, machine: Machine, model: str | None = None) -> Path:
+    """`path` is an engine directory, or the root given to `dtrt build-engine --out`: then this machine's
+    key directory and the model's (or the only one) below it."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    keyed = path / machine.key
+    if not keyed.is_dir():
+        have = sorted(p.name for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
+        others = f" (it has engines for: {', '.join(have)})" if have else ""
+        raise DtrtError(f"{path}: no engines for this machine ({machine.key}){others}; build them with "
+                        f"`dtrt build-engine EXPORT_DIR --out {path}`")
+    models = sorted(p.name for p in keyed.iterdir() if (p / MANIFEST).is_file())
+    if model is not None and model in models:
+        return keyed / model
+    if model is None and len(models) == 1:
+        return keyed / models[0]
+    if not models:
+        raise DtrtError(f"{keyed}: holds no engine directory; build one with "
+                        f"`dtrt build-engine EXPORT_DIR --out {path}`")
+    raise DtrtError(f"{keyed}: holds engines for {', '.join(models)}; pass --export {keyed}/NAME"
+                    + (f" (none is for {model!r})" if model else ""))

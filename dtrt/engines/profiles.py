@@ -1,0 +1,130 @@
+"""Optimization profiles: for every stage, (min, opt, max) of each input shape, from the export's graphs.
+
+The dynamic dims of an export are named (dtrt.exporter.onnx_export): N new tokens or tree nodes, P past
+positions, bs requests. A decode profile covers what a round needs (N up to the largest tree, P up to the
+context); the stages that also read a prompt (the target, the drafters' context) get a second, prefill profile
+with N up to the whole context. The runtime picks the first profile that holds the shapes of a call.
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtrt.errors import DtrtError
+
+Range = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+PREFILL_OPT = 256  # prompt length the prefill profile is tuned for
+
+
+@dataclass(frozen=True)
+class Limits:
+    budget: int       # draft nodes of the tree methods
+    k_draft: int      # the largest drafter depth (chain methods verify k_draft + 1 tokens)
+    node_topk: int    # children per node (the heap advances k states at once)
+    max_context: int  # largest past + new tokens
+    max_batch: int    # requests of the batched stages (the frontier)
+
+    @classmethod
+    def of_export(cls, manifest: dict, max_batch: int) -> "Limits":
+        k_draft = max((d.get("k_draft", 0) for d in manifest.get("drafters", {}).values()), default=0)
+        return cls(manifest["budget"], k_draft, manifest["node_topk"], manifest["max_context"], max_batch)
+
+    @property
+    def tree(self) -> int:
+        """The most tokens one verify (or one context append) carries: the root and the largest tree."""
+        return max(self.budget, self.k_draft) + 1
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    shapes: dict[str, Range]  # input -> (min, opt, max)
+
+    def holds(self, shapes: dict[str, tuple[int, ...]]) -> bool:
+        return all(all(lo <= s <= hi for s, lo, hi in zip(shape, self.shapes[n][0], self.shapes[n][2]))
+                   and len(shape) == len(self.shapes[n][0]) for n, shape in shapes.items())
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shapes": {n: [list(r) for r in rng] for n, rng in self.shapes.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Profile":
+        return cls(d["name"], {n: tuple(tuple(r) for r in rng) for n, rng in d["shapes"].items()})
+
+
+def reads_prompt(stage: str) -> bool:
+    return stage == "target" or stage.endswith(".context")
+
+
+def dim_ranges(stage: str, limits: Limits) -> dict[str, dict[str, tuple[int, int, int]]]:
+    """Profile name -> dim name -> (min, opt, max)."""
+    kind = stage.rsplit(".", 1)[-1]
+    n_max = max(limits.tree, limits.node_topk) if kind.startswith("scorer") else limits.tree
+    n_opt = {"scorer_children": 1, "scorer_advance": limits.node_topk}.get(kind, limits.budget + 1)
+    ctx = limits.max_context
+    decode = {"N": (1, min(n_opt, n_max), n_max), "P": (0, ctx // 2, ctx), "bs": (1, 1, limits.max_batch)}
+    ranges = {"decode": decode}
+    if reads_prompt(stage):
+        ranges["prefill"] = {"N": (1, min(PREFILL_OPT, ctx), ctx), "P": (0, 0, ctx)}
+    return ranges
+
+
+def stage_profiles(stage: str, inputs: dict[str, dict], limits: Limits) -> list[Profile]:
+    """inputs: name -> {"dims": [int | dim name], ...} as in the ONNX graph."""
+    profiles = []
+    for name, dims in dim_ranges(stage, limits).items():
+        shapes = {}
+        for inp, meta in inputs.items():
+            rng = []
+            for d in meta["dims"]:
+                if isinstance(d, int):
+                    rng.append((d, d, d))
+                elif d in dims:
+                    rng.append(dims[d])
+                else:
+                    raise DtrtError(f"stage {stage}: input {inp} has a dynamic dim {d!r} that no profile covers "
+                                    f"(known: N, P, bs); re-export it with this dtrt's `dtrt export`")
+            shapes[inp] = tuple(tuple(r[i] for r in rng) for i in range(3))
+        profile = Profile(name, shapes)
+        if not profiles or profile.shapes != profiles[0].shapes:
+            profiles.append(profile)
+    return profiles
+
+
+def select_profile(profiles: list[Profile], shapes: dict[str, tuple[int, ...]]) -> int:
+    """Index of the first profile that holds `shapes`; ValueError naming the input that fits none."""
+    for i, p in enumerate(profiles):
+        if p.holds(shapes):
+            return i
+    bad = next(n for n, s in shapes.items() if not any(p.holds({n: s}) for p in profiles))
+    ranges = " or ".join(f"{list(p.shapes[bad][0])}..{list(p.shapes[bad][2])}" for p in profiles)
+    raise ValueError(f"input {bad} of shape {list(shapes[bad])} is outside the engine's profiles ({ranges})")
+
+
+def max_shape(dims: list, profiles: list[Profile], inputs: dict[str, dict]) -> tuple[int, ...] | None:
+    """The largest shape an output with `dims` takes over `profiles` (None when a dim is not an input's)."""
+    largest: dict[str, int] = {}
+    for p in profiles:
+        for name, meta in inputs.items():
+            for d, hi in zip(meta["dims"], p.shapes[name][2]):
+                if isinstance(d, str):
+                    largest[d] = max(largest.get(d, 0), hi)
+    if any(isinstance(d, str) and d not in largest for d in dims):
+        return None
+    return tuple(d if isinstance(d, int) else largest[d] for d in dims)
+
+
+def onnx_signature(path: Path) -> tuple[dict, dict]:
+    """(inputs, outputs) of an ONNX graph, name -> {"dims": [int | dim name], "dtype": ONNX type name},
+    read without its external weights."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+
+    def describe(values) -> dict:
+        out = {}
+        for v in values:
+            t = v.type.tensor_type
+            dims = [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]
+            out[v.name] = {"dims": dims, "dtype": onnx.TensorProto.DataType.Name(t.elem_type)}
+        return out
+
+    return describe(graph.input), describe(graph.output)

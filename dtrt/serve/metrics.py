@@ -1,0 +1,72 @@
+"""What /metrics reports: requests by outcome, queue length, and over the last requests tau, tok/s and time to
+first token, as Prometheus text (or JSON)."""
+import math
+import threading
+from collections import Counter, deque
+
+WINDOW = 256  # requests the rates and percentiles are taken over
+OUTCOMES = ("ok", "cancelled", "timeout", "rejected", "error")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[max(0, math.ceil(q * len(s)) - 1)]
+
+
+class Metrics:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.outcomes = Counter()
+        self.tokens_total = 0
+        self.recent = deque(maxlen=WINDOW)  # (ttft_s, tokens, rounds, accepted, decode_s) of finished generations
+
+    def finished(self, outcome: str, completion=None, ttft_s: float | None = None):
+        with self._lock:
+            self.outcomes[outcome] += 1
+            if completion is not None:
+                gen = completion.generation
+                self.tokens_total += len(gen.tokens)
+                self.recent.append((ttft_s, len(gen.tokens), len(gen.rounds), sum(r.accepted for r in gen.rounds),
+                                    gen.decode_s))
+
+    def snapshot(self, waiting: int, running: int) -> dict:
+        with self._lock:
+            recent = list(self.recent)
+            outcomes = {k: self.outcomes[k] for k in OUTCOMES}
+            tokens_total = self.tokens_total
+        ttft = [r[0] for r in recent if r[0] is not None]
+        rounds, decode_s = sum(r[2] for r in recent), sum(r[4] for r in recent)
+        return {
+            "requests": outcomes, "queue_length": waiting, "in_flight": running, "generated_tokens": tokens_total,
+            "window": len(recent),
+            "tau": sum(r[3] for r in recent) / rounds if rounds else 0.0,
+            "tokens_per_s": sum(r[1] for r in recent) / decode_s if decode_s > 0 else 0.0,
+            "ttft_s": {"p50": percentile(ttft, 0.5), "p99": percentile(ttft, 0.99), "sum": sum(ttft),
+                       "count": len(ttft)},
+        }
+
+
+def prometheus(snap: dict) -> str:
+    lines = ["# HELP dtrt_requests_total Finished requests by outcome.", "# TYPE dtrt_requests_total counter"]
+    lines += [f'dtrt_requests_total{{outcome="{k}"}} {v}' for k, v in snap["requests"].items()]
+    gauges = (
+        ("queue_length", "Requests waiting behind the one generating.", snap["queue_length"]),
+        ("in_flight", "Requests generating now (0 or 1).", snap["in_flight"]),
+        ("tau", f"Mean tokens committed per verify round over the last {WINDOW} requests.", snap["tau"]),
+        ("tokens_per_second", f"Generated tokens over decode time, last {WINDOW} requests.", snap["tokens_per_s"]),
+    )
+    for name, doc, value in gauges:
+        lines += [f"# HELP dtrt_{name} {doc}", f"# TYPE dtrt_{name} gauge", f"dtrt_{name} {value}"]
+    lines += ["# HELP dtrt_generated_tokens_total Tokens generated.", "# TYPE dtrt_generated_tokens_total counter",
+              f"dtrt_generated_tokens_total {snap['generated_tokens']}",
+              "# HELP dtrt_time_to_first_token_seconds Queue wait + prefill, last requests.",
+              "# TYPE dtrt_time_to_first_token_seconds summary"]
+    ttft = snap["ttft_s"]
+    lines += [f'dtrt_time_to_first_token_seconds{{quantile="{q}"}} {ttft[k]}' for q, k in (("0.5", "p50"),
+                                                                                            ("0.99", "p99"))]
+    lines += [f"dtrt_time_to_first_token_seconds_sum {ttft['sum']}",
+              f"dtrt_time_to_first_token_seconds_count {ttft['count']}"]
+    return "\n".join(lines) + "\n"
