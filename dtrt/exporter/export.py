@@ -14,6 +14,7 @@ from dtrt.exporter.onnx_export import OPSET, export_stage
 from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.exporter.stages import drafter_stages, target_stage
 from dtrt.models.checkpoint import check_pair, load_drafter, load_target, parse_dtype
+from dtrt.models.config import HybridConfig
 from dtrt.models.registry import Pair
 
 EXPORT_DTYPES = ("fp32", "fp16")  # ONNX Runtime has no bf16 CPU kernels
@@ -102,7 +103,8 @@ def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "f
                                     for k, (p, _) in drafters.items()}},
             "target": {"arch": cfg.arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
                        "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-                       "taps": target.taps, "eos_token_id": list(cfg.eos_token_id)},
+                       "taps": target.taps, "eos_token_id": list(cfg.eos_token_id),
+                       **(cfg.recurrent_dims() if isinstance(cfg, HybridConfig) else {})},
             "drafters": {k: drafter_dims(d) for k, (_, d) in drafters.items()},
             "stages": stage_meta,
         }

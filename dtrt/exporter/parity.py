@@ -35,6 +35,7 @@ from dtrt.exporter.artifact import MANIFEST, Export, check_source
 from dtrt.exporter.export import load_sources, pair_stages
 from dtrt.exporter.stages import Stage
 from dtrt.models.checkpoint import parse_dtype
+from dtrt.models.hybrid import HybridCache, tree_parents
 from dtrt.runtime.ort_backend import cpu_session
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.generate import generate
@@ -151,8 +152,11 @@ class Recorder(TorchBackend):
 
     def target_forward(self, ids, positions, mask):
         p = self.cache.past
-        self.keep("target", {"ids": ids, "positions": positions, "mask": mask,
-                             "past_k": self.cache.k[:, :, :p], "past_v": self.cache.v[:, :, :p]})
+        inputs = {"ids": ids, "positions": positions, "mask": mask,
+                  "past_k": self.cache.k[:, :, :p], "past_v": self.cache.v[:, :, :p]}
+        if isinstance(self.cache, HybridCache):
+            inputs.update(parents=tree_parents(mask), state=self.cache.state, conv=self.cache.conv)
+        self.keep("target", inputs)
         return super().target_forward(ids, positions, mask)
 
     def draft_context(self, hidden, positions):

@@ -4,6 +4,9 @@ These wrappers are what gets exported and what `dtrt parity` compares ONNX Runti
 
     target          ids [N], positions [N], mask [N, N], past_k/past_v [L, KVH, P, HD]
                     -> logits [N, V] fp32, hidden [N, taps*H], new_k/new_v [L, KVH, N, HD]
+                    hybrid: L counts the full-attention layers; also parents [N] (-1 for the root),
+                    state [R, Hv, dk, dv] fp32, conv [R, C, K-1] in (R Gated-DeltaNet layers)
+                    -> also states [R, N, Hv, dk, dv], windows [R, N, C, K-1] (after each node)
     drafter_context hidden [n, taps*H], positions [n] -> ctx_k/ctx_v [Ld, KVHd, n, HDd]
     drafter_block   root [1], start [1], cache_k/cache_v [Ld, KVHd, C, HDd] -> ph [D, H], base [D, V] fp32
 """
@@ -13,6 +16,7 @@ import torch
 from torch import nn
 
 from dtrt.models.drafter import Drafter
+from dtrt.models.hybrid import HybridTarget, tree_parents
 from dtrt.models.target import Target
 
 
@@ -42,6 +46,31 @@ class TargetStage(nn.Module):
         cache = ConcatCache(past_k, past_v)
         logits, hidden = self.target(ids, positions, mask, cache)
         return logits, hidden, torch.stack(cache.new_k), torch.stack(cache.new_v)
+
+
+class ConcatHybridCache(ConcatCache):
+    """A hybrid target's exported cache: also the committed recurrent states and conv windows come in, and every
+    node's state and window go out (the runtime's commit picks the last accepted node's)."""
+
+    def __init__(self, past_k, past_v, state, conv):
+        super().__init__(past_k, past_v)
+        self.state, self.conv = state, conv
+        self.node_states, self.node_windows = [], []
+
+    def recurrent(self, layer):
+        return self.state[layer], self.conv[layer]
+
+    def keep(self, layer, states, windows):
+        self.node_states.append(states)
+        self.node_windows.append(windows)
+
+
+class HybridTargetStage(TargetStage):
+    def forward(self, ids, positions, mask, parents, past_k, past_v, state, conv):
+        cache = ConcatHybridCache(past_k, past_v, state, conv)
+        logits, hidden = self.target(ids, positions, mask, cache, parents)
+        return (logits, hidden, torch.stack(cache.new_k), torch.stack(cache.new_v), torch.stack(cache.node_states),
+                torch.stack(cache.node_windows))
 
 
 class DrafterContextStage(nn.Module):
@@ -99,13 +128,24 @@ def random_tree_mask(n, gen):
     return torch.tensor(depth), mask
 
 
-def _target_example(stage, n, p, gen):
+def _target_example(stage, n, p, gen, kv_layers: int | None = None):
     t = stage.module.target
     cfg, dtype = t.cfg, t.dtype
     depth, mask = random_tree_mask(n, gen)
-    kv = (cfg.num_layers, cfg.num_kv_heads, p, cfg.head_dim)
+    kv = (cfg.num_layers if kv_layers is None else kv_layers, cfg.num_kv_heads, p, cfg.head_dim)
     return {"ids": torch.randint(0, cfg.vocab_size, (n,), generator=gen), "positions": p + depth, "mask": mask,
             "past_k": torch.randn(kv, generator=gen).to(dtype), "past_v": torch.randn(kv, generator=gen).to(dtype)}
+
+
+def _hybrid_target_example(stage, n, p, gen):
+    t = stage.module.target
+    cfg = t.cfg
+    example = _target_example(stage, n, p, gen, kv_layers=len(cfg.attention_layers))
+    layers = len(cfg.recurrent_layers)
+    state = (layers, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    conv = (layers, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
+    return example | {"parents": tree_parents(example["mask"]), "state": torch.randn(state, generator=gen),
+                      "conv": torch.randn(conv, generator=gen).to(t.dtype)}
 
 
 def _context_example(stage, n, p, gen):
@@ -123,6 +163,12 @@ def _block_example(stage, n, p, gen):
 
 
 def target_stage(target: Target) -> Stage:
+    if isinstance(target, HybridTarget):
+        return Stage("target", HybridTargetStage(target),
+                     ["ids", "positions", "mask", "parents", "past_k", "past_v", "state", "conv"],
+                     ["logits", "hidden", "new_k", "new_v", "states", "windows"],
+                     {"ids": {0: "N"}, "positions": {0: "N"}, "mask": {0: "N", 1: "N"}, "parents": {0: "N"},
+                      "past_k": {2: "P"}, "past_v": {2: "P"}}, _hybrid_target_example)
     return Stage("target", TargetStage(target), ["ids", "positions", "mask", "past_k", "past_v"],
                  ["logits", "hidden", "new_k", "new_v"],
                  {"ids": {0: "N"}, "positions": {0: "N"}, "mask": {0: "N", 1: "N"},

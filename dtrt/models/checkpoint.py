@@ -8,9 +8,10 @@ import torch
 from safetensors import safe_open
 
 from dtrt.errors import DtrtError
-from dtrt.models.config import DrafterConfig, TargetConfig
+from dtrt.models.config import DrafterConfig, HybridConfig, TargetConfig
 from dtrt.models.domino import HEAD_TENSORS, DominoHead
 from dtrt.models.drafter import Drafter
+from dtrt.models.hybrid import HybridTarget
 from dtrt.models.target import Target
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -92,7 +93,7 @@ def load_target(path, dtype=torch.float32) -> Target:
     cfg = TargetConfig.from_json(path / "config.json")
     ckpt = Checkpoint(path)
     with torch.device("meta"):
-        model = Target(cfg)
+        model = HybridTarget(cfg) if isinstance(cfg, HybridConfig) else Target(cfg)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     ckpt.check(expected, optional)

@@ -34,7 +34,7 @@ def _require(cfg: dict, key: str, path: Path):
 
 @dataclass
 class TargetConfig:
-    arch: str  # "qwen3" | "llama"
+    arch: str  # "qwen3" | "llama" | "qwen3_next" (HybridConfig)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -57,28 +57,110 @@ class TargetConfig:
     def from_json(cls, path: Path) -> "TargetConfig":
         cfg = read_json(path)
         arch = cfg.get("model_type")
+        if arch in HYBRID_ARCHS:
+            return HybridConfig.from_dict(cfg, path)
         if arch not in TARGET_ARCHS:
-            raise DtrtError(f"{path}: model_type {arch!r} is not a supported target (supported: {', '.join(TARGET_ARCHS)})")
-        heads = _require(cfg, "num_attention_heads", path)
-        hidden = _require(cfg, "hidden_size", path)
-        eos = cfg.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-        return cls(
-            arch=arch,
-            vocab_size=_require(cfg, "vocab_size", path),
-            hidden_size=hidden,
-            intermediate_size=_require(cfg, "intermediate_size", path),
-            num_layers=_require(cfg, "num_hidden_layers", path),
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(cfg, 10000.0),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            eos_token_id=eos,
-        )
+            raise DtrtError(f"{path}: model_type {arch!r} is not a supported target "
+                            f"(supported: {', '.join((*TARGET_ARCHS, *HYBRID_ARCHS))})")
+        return cls(**_target_fields(cfg, path))
+
+
+def _target_fields(cfg: dict, path: Path, head_dim: int | None = None) -> dict:
+    """The TargetConfig fields of a config.json (head_dim: the architecture's default when the key is absent)."""
+    heads = _require(cfg, "num_attention_heads", path)
+    hidden = _require(cfg, "hidden_size", path)
+    eos = cfg.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return dict(
+        arch=cfg.get("model_type"),
+        vocab_size=_require(cfg, "vocab_size", path),
+        hidden_size=hidden,
+        intermediate_size=_require(cfg, "intermediate_size", path),
+        num_layers=_require(cfg, "num_hidden_layers", path),
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or head_dim or hidden // heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg, 10000.0),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        eos_token_id=eos,
+    )
+
+
+HYBRID_ARCHS = ("qwen3_next",)
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass
+class HybridConfig(TargetConfig):
+    """A Qwen3-Next hybrid target: Gated-DeltaNet ("linear_attention") layers interleaved with gated
+    full-attention layers by `layer_types`; dense MLPs only (num_experts 0 or every layer in mlp_only_layers)."""
+
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 0.25
+
+    @property
+    def qk_norm(self) -> bool:
+        return True
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q, k and v of every head."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+    def recurrent_dims(self) -> dict:
+        """What a runtime needs to hold the recurrent caches (also recorded in an export's manifest)."""
+        return {"kv_layers": len(self.attention_layers), "recurrent_layers": len(self.recurrent_layers),
+                "linear_num_value_heads": self.linear_num_value_heads, "linear_key_head_dim": self.linear_key_head_dim,
+                "linear_value_head_dim": self.linear_value_head_dim, "conv_dim": self.conv_dim,
+                "linear_conv_kernel_dim": self.linear_conv_kernel_dim}
+
+    @classmethod
+    def from_dict(cls, cfg: dict, path: Path) -> "HybridConfig":
+        layers = _require(cfg, "num_hidden_layers", path)
+        types = cfg.get("layer_types")
+        if types is None:  # transformers' default pattern: every `full_attention_interval`-th layer attends
+            interval = int(cfg.get("full_attention_interval", 4))
+            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+        if len(types) != layers or any(t not in LAYER_TYPES for t in types):
+            raise DtrtError(f"{path}: layer_types must list {layers} entries of {' / '.join(LAYER_TYPES)}")
+        experts, step = int(cfg.get("num_experts", 512)), int(cfg.get("decoder_sparse_step", 1)) or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = [i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0]
+        if sparse:
+            raise DtrtError(f"{path}: layer {sparse[0]} is a sparse MoE layer (num_experts {experts}); only dense "
+                            "Qwen3-Next targets are supported (num_experts 0 or every layer in mlp_only_layers)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise DtrtError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
+        linear = {k: int(cfg.get(k, cls.__dataclass_fields__[k].default))
+                  for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                            "linear_value_head_dim", "linear_conv_kernel_dim")}
+        if linear["linear_num_value_heads"] % linear["linear_num_key_heads"] or linear["linear_conv_kernel_dim"] < 2:
+            raise DtrtError(f"{path}: linear_num_value_heads must be a multiple of linear_num_key_heads and "
+                            "linear_conv_kernel_dim at least 2")
+        rotary = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25))
+        return cls(**_target_fields(cfg, path, head_dim=256), layer_types=tuple(types), **linear,
+                   partial_rotary_factor=float(rotary))
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

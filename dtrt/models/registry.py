@@ -24,7 +24,7 @@ REGISTRY = {
     "qwen3-8b": ModelSpec("qwen3-8b", "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "Huang2020/Qwen3-8B-Domino-b16",
                           4096, 151936, 36),
 }
-LOCAL = ("tiny", "smollm2-135m")
+LOCAL = ("tiny", "tiny-hybrid", "smollm2-135m")
 
 
 @dataclass
@@ -80,6 +80,8 @@ def find_local(repo_id: str, model_dir: Path | None = None) -> Path | None:
 def resolve(name: str, model_dir: Path | None = None, log=None) -> Pair:
     if name == "tiny":
         return tiny_pair(log)
+    if name == "tiny-hybrid":
+        return tiny_hybrid_pair(log)
     if name == "smollm2-135m":
         from dtrt.models import smollm2
 
@@ -97,13 +99,27 @@ def resolve(name: str, model_dir: Path | None = None, log=None) -> Pair:
     return Pair(target, find_local(spec.dflash, model_dir), find_local(spec.domino, model_dir))
 
 
+def _built_once(name: str, build, log=None) -> Path:
+    """<cache>/<name>, made by build(path) on first use (a finished pair has a README.md)."""
+    path = cache_dir() / name
+    if not (path / "README.md").is_file():
+        if log:
+            log(f"creating the {name.rsplit('-v', 1)[0]} pair in {path} (once, about a minute)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build(path, log=log)
+    return path
+
+
 def tiny_pair(log=None) -> Pair:
     from dtrt.models import tiny
 
-    path = cache_dir() / f"tiny-v{tiny.TINY_VERSION}"
-    if not (path / "README.md").is_file():
-        if log:
-            log(f"creating the tiny pair in {path} (once, about a minute)")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tiny.build(path, log=log)
+    path = _built_once(f"tiny-v{tiny.TINY_VERSION}", tiny.build, log)
     return Pair(path / "target", path / "dflash", path / "domino")
+
+
+def tiny_hybrid_pair(log=None) -> Pair:
+    """The tiny hybrid (Gated-DeltaNet) target with a Domino drafter, which also serves the DFlash methods."""
+    from dtrt.models import tiny_hybrid
+
+    path = _built_once(f"tiny-hybrid-v{tiny_hybrid.TINY_HYBRID_VERSION}", tiny_hybrid.build, log)
+    return Pair(path / "target", None, path / "domino")

@@ -41,8 +41,8 @@ class KVCache:
         accepted = torch.as_tensor(accepted, dtype=torch.long, device=self.k.device)
         n = accepted.numel()
         src = self.past + accepted
-        self.k[:, :, self.past:self.past + n] = self.k[:, :, src]  # advanced indexing copies before writing
-        self.v[:, :, self.past:self.past + n] = self.v[:, :, src]
+        self.k[..., self.past:self.past + n, :] = self.k[..., src, :]  # advanced indexing copies before writing
+        self.v[..., self.past:self.past + n, :] = self.v[..., src, :]
         self.past += n
 
     def reset(self):
@@ -77,10 +77,10 @@ class Decoder(nn.Module):
 
 
 class Target(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, decoder: nn.Module | None = None):
         super().__init__()
         self.cfg = cfg
-        self.model = Decoder(cfg)
+        self.model = decoder if decoder is not None else Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -89,6 +89,10 @@ class Target(nn.Module):
     @property
     def dtype(self):
         return self.lm_head.weight.dtype
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """An empty cache for one generation of at most `capacity` positions."""
+        return KVCache(self.cfg, capacity, self.dtype, self.lm_head.weight.device)
 
     def forward(self, ids, positions, mask, cache: KVCache | None = None):
         """ids/positions [..., N], mask bool [..., N, N]; a cache prepends its past to the keys."""

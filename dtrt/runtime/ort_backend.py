@@ -16,6 +16,7 @@ import torch
 
 from dtrt.errors import DtrtError
 from dtrt.exporter.artifact import MANIFEST, Export
+from dtrt.models.hybrid import recurrent_parents
 from dtrt.tree import MarginalScorer, Round, TableScorer
 from dtrt.tree.scorer import greedy_chain_tables
 
@@ -140,6 +141,8 @@ def _np(t, dtype) -> np.ndarray:
 class OrtBackend:
     name = "onnxruntime"
     kv_cache = PackedKV  # the TensorRT backend keeps the same layout in device memory
+    recurrent = False  # a hybrid target's stage, which also carries recurrent states and conv windows
+    flatten_tree = False  # the negative control for hybrid targets (tests and benchmarks only): dtrt.models.hybrid
 
     def __init__(self, export: Export, kind: str | None = None, threads: int | None = None):
         self.export, self.kind, self.threads = export, kind, threads
@@ -155,6 +158,9 @@ class OrtBackend:
         self.cache: PackedKV | None = None
         self.draft_cache: PackedKV | None = None
         self._new_kv = None  # the last target forward's new K/V, until commit
+        self.recurrent = "state" in {i.name for i in self.sessions["target"].get_inputs()}
+        self.state = self.conv = None  # per Gated-DeltaNet layer, carried between rounds
+        self._new_states = None
 
     @property
     def past(self) -> int:
@@ -172,7 +178,8 @@ class OrtBackend:
                             f"re-export with `{self.export.fix_hint(max_context=capacity)}`")
         if self.cache is None or self.cache.capacity < capacity:
             t = self.target_dims
-            self.cache = self.kv_cache(t["num_layers"], t["num_kv_heads"], t["head_dim"], capacity, self.dtype)
+            self.cache = self.kv_cache(t.get("kv_layers", t["num_layers"]), t["num_kv_heads"], t["head_dim"], capacity,
+                                       self.dtype)
             if self.drafter is not None:
                 d = self.drafter.cfg
                 self.draft_cache = self.kv_cache(d.num_layers, d.num_kv_heads, d.head_dim, capacity, self.dtype)
@@ -180,18 +187,28 @@ class OrtBackend:
         if self.draft_cache is not None:
             self.draft_cache.reset()
         self._new_kv = None
+        if self.recurrent:
+            t = self.target_dims
+            layers = t["recurrent_layers"]
+            self.state = np.zeros((layers, t["linear_num_value_heads"], t["linear_key_head_dim"],
+                                   t["linear_value_head_dim"]), np.float32)
+            self.conv = np.zeros((layers, t["conv_dim"], t["linear_conv_kernel_dim"] - 1), self.dtype)
 
     # target stages
     def _target(self, ids, positions, mask, past: int):
         past_k, past_v = self.cache.view(past)
-        return self.sessions["target"].run(None, {
-            "ids": _np(ids, np.int64), "positions": _np(positions, np.int64), "mask": _np(mask, np.bool_),
-            "past_k": past_k, "past_v": past_v})
+        feed = {"ids": _np(ids, np.int64), "positions": _np(positions, np.int64), "mask": _np(mask, np.bool_),
+                "past_k": past_k, "past_v": past_v}
+        if self.recurrent:
+            feed.update(parents=_np(recurrent_parents(feed["mask"], self.flatten_tree), np.int64), state=self.state,
+                        conv=self.conv)
+        return self.sessions["target"].run(None, feed)
 
     def target_forward(self, ids, positions, mask):
         """Logits [N, V] fp32 and tapped hidden states [N, taps*H]; the new K/V are kept until commit."""
-        logits, hidden, new_k, new_v = self._target(ids, positions, mask, self.cache.length)
+        logits, hidden, new_k, new_v, *states = self._target(ids, positions, mask, self.cache.length)
         self._new_kv = (new_k, new_v)
+        self._new_states = states  # hybrid: every node's recurrent states and conv windows
         return torch.from_numpy(logits), torch.from_numpy(hidden)
 
     def commit(self, accepted):
@@ -200,6 +217,10 @@ class OrtBackend:
         new_k, new_v = self._new_kv
         self.cache.append(new_k[:, :, idx], new_v[:, :, idx])
         self._new_kv = None
+        if self.recurrent:  # the last accepted node's state already holds the whole accepted path
+            states, windows = self._new_states
+            self.state, self.conv = np.ascontiguousarray(states[:, idx[-1]]), np.ascontiguousarray(windows[:, idx[-1]])
+            self._new_states = None
 
     # drafter stages
     def draft_context(self, hidden, positions):

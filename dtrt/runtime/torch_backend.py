@@ -22,7 +22,7 @@ class TorchBackend:
     def reset(self, capacity: int):
         """Fresh caches for one generation of at most `capacity` positions (prompt + output + one tree)."""
         if self.cache is None or self.cache.capacity < capacity:
-            self.cache = KVCache(self.target.cfg, capacity, self.target.dtype)
+            self.cache = self.target.new_cache(capacity)
             if self.drafter is not None:
                 self.draft_cache = DraftCache(self.drafter.cfg, capacity, self.drafter.dtype)
         self.cache.reset()

@@ -14,6 +14,7 @@ from dtrt.engines.manifest import Engine, check_engine, read_engine, resolve_eng
 from dtrt.engines.profiles import Profile, max_shape, select_profile
 from dtrt.errors import DtrtError
 from dtrt.exporter.artifact import Export
+from dtrt.models.hybrid import recurrent_parents
 from dtrt.plugins import sources_sha256
 from dtrt.runtime.ort_backend import SCORER_STAGES, ExportedDrafter, OrtBackend, PackedKV, drafter_dims
 
@@ -181,17 +182,26 @@ class TrtBackend(OrtBackend):
         self.cache: DevicePackedKV | None = None
         self.draft_cache: DevicePackedKV | None = None
         self._new_kv = None
+        self.recurrent = "state" in stages["target"]["inputs"]
+        self.state = self.conv = self._new_states = None
 
     def _target(self, ids, positions, mask, past: int):
         past_k, past_v = self.cache.view(past)
-        return self.sessions["target"](ids=_dev(ids, torch.long), positions=_dev(positions, torch.long),
-                                       mask=_dev(mask, torch.bool), past_k=past_k, past_v=past_v)
+        feeds = dict(ids=_dev(ids, torch.long), positions=_dev(positions, torch.long), mask=_dev(mask, torch.bool),
+                     past_k=past_k, past_v=past_v)
+        if self.recurrent:  # as on ONNX Runtime: parents from the mask, the committed state and conv window
+            parents = recurrent_parents(torch.as_tensor(mask).cpu(), self.flatten_tree)
+            feeds.update(parents=_dev(parents, torch.long), state=_dev(self.state, torch.float32),
+                         conv=_dev(self.conv, self.dtype))
+        return self.sessions["target"](**feeds)
 
     def target_forward(self, ids, positions, mask):
         """Logits [N, V] fp32 on the host (sampling and acceptance run there) and tapped hidden states on the
         device; the new K/V stay in the stage's buffers until commit."""
         out = self._target(ids, positions, mask, self.cache.length)
         self._new_kv = (out["new_k"], out["new_v"])
+        if self.recurrent:
+            self._new_states = (out["states"], out["windows"])
         return out["logits"].cpu(), out["hidden"]
 
     def commit(self, accepted):
@@ -199,6 +209,10 @@ class TrtBackend(OrtBackend):
         new_k, new_v = self._new_kv
         self.cache.append(new_k.index_select(2, idx), new_v.index_select(2, idx))
         self._new_kv = None
+        if self.recurrent:  # the last accepted node's state already holds the whole accepted path
+            states, windows = self._new_states
+            self.state, self.conv = states[:, idx[-1]].clone(), windows[:, idx[-1]].clone()
+            self._new_states = None
 
     def draft_context(self, hidden, positions):
         out = self.sessions[f"{self.kind}.context"](hidden=_dev(hidden, self.dtype),

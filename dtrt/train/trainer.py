@@ -21,6 +21,7 @@ from dtrt.models.checkpoint import drafter_state, load_target, save_checkpoint
 from dtrt.models.config import DrafterConfig, default_target_layer_ids
 from dtrt.models.domino import DominoHead
 from dtrt.models.drafter import Drafter
+from dtrt.models.hybrid import HybridTarget
 from dtrt.models.target import Target
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.train.data import DrafterData, continuations, greedy_labels_and_features, read_corpus, text_rows
@@ -35,17 +36,17 @@ class TrainConfig:
     emb_dim: int = 128
     seq_len: int = 256
     corpus_chars: int = 700_000
-    corpus_rows: int = 600
-    gen_tokens: int = 128
+    corpus_rows: int = 400
+    gen_tokens: int = 96
     gen_batch: int = 32
-    steps: int = 2000
+    steps: int = 1500
     batch: int = 8
     anchors: int = 8
     lr: float = 1e-3
     slot_decay: float = 4.0
-    eval_every: int = 500
-    eval_prompts: int = 8
-    eval_tokens: int = 64
+    eval_every: int = 300
+    eval_prompts: int = 6
+    eval_tokens: int = 48
     save_dtype: str = "bf16"
     seed: int = 0
     device: str = "cpu"
@@ -154,11 +155,14 @@ def train_drafter(target_path: Path, out: Path, cfg: TrainConfig, corpus=(), pro
     work = out / ".train"
     if out.exists() and not resume and any(out.iterdir()):
         raise DtrtError(f"--out {out}: already holds a run; pass --resume to continue it or choose another --out")
+    target = load_target(target_path).to(cfg.device).requires_grad_(False)
+    if isinstance(target, HybridTarget):  # the draft layers start from the target's, and data rows are left-padded
+        raise DtrtError(f"{target_path}: dtrt train-drafter trains drafters for dense targets (Qwen3, Llama); "
+                        "hybrid Gated-DeltaNet targets are not supported yet")
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     torch.manual_seed(cfg.seed)
     progress = progress or (lambda what: None)
-    target = load_target(target_path).to(cfg.device).requires_grad_(False)
     tokenizer = load_tokenizer(target_path)
     prompts = list(prompts)
     held_out = prompts[-cfg.eval_prompts:] if len(prompts) > cfg.eval_prompts else []
