@@ -11,7 +11,7 @@ from dtrt import __version__
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import DTYPES
 from dtrt.runtime.methods import ARMS, BUILDERS, METHODS, DraftConfig
-from dtrt.runtime.pipeline import BACKENDS, build_pipeline, load_pair
+from dtrt.runtime.pipeline import BACKENDS, DEFAULT_MODEL, build_pipeline, load_pair, source_defaults
 from dtrt.runtime.requests import Request, check_seed, check_stop, has_chat_template, read_requests
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
@@ -31,7 +31,8 @@ def cli():
 def pipeline_options(f):
     """The flags that choose the model, method and backend, shared by `run` and `serve`."""
     opts = [
-        click.option("--model", help="registry name: tiny, smollm2-135m, qwen3-4b, qwen3-8b (default tiny)"),
+        click.option("--model", help=f"registry name: smollm2-135m, tiny, tiny-hybrid, qwen3-4b, qwen3-8b (default "
+                                     f"{DEFAULT_MODEL} when no --target or --export is given)"),
         click.option("--target", type=click.Path(), help="target checkpoint directory (Hugging Face layout)"),
         click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)"),
         click.option("--model-dir", type=click.Path(),
@@ -54,7 +55,8 @@ def pipeline_options(f):
         click.option("--top-p", type=float, default=1.0, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True, help="makes T>0 runs reproducible"),
         click.option("--dtype", type=click.Choice(list(DTYPES)), help="default fp32 (onnxruntime: the export's)"),
-        click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True),
+        click.option("--backend", type=click.Choice(BACKENDS),
+                     help="default: onnxruntime for the default model or an --export, torch for --model/--target"),
         click.option("--export", "export_dir", type=click.Path(),
                      help="export directory (dtrt export) for onnxruntime"),
         click.option("--threads", type=int, help="intra-op threads of torch and ONNX Runtime (default: theirs)"),
@@ -77,6 +79,7 @@ def _request_defaults(max_new_tokens, temperature, top_p, seed, stop=()) -> Requ
 def _load_pipeline(model, target, drafter, model_dir, method, builder, arm, budget, topm, node_topk, dtype, backend,
                    export_dir, threads):
     draft = DraftConfig(method, budget, builder, arm, topm, node_topk)
+    model, backend = source_defaults(model, target, drafter, backend, export_dir)
     # onnxruntime runs the export alone; with --model/--target the export must come from them
     alone = backend == "onnxruntime" and model is None and target is None and drafter is None
     pair = None if alone else load_pair(model, target, drafter, model_dir, log=_log)
@@ -178,7 +181,7 @@ def serve(max_new_tokens, temperature, top_p, seed, truncate, host, port, name, 
 
 
 @cli.command()
-@click.option("--model", help="registry name: tiny, smollm2-135m, qwen3-4b, qwen3-8b")
+@click.option("--model", help="registry name: smollm2-135m, tiny, tiny-hybrid, qwen3-4b, qwen3-8b")
 @click.option("--target", type=click.Path(), help="target checkpoint directory")
 @click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino)")
 @click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")
@@ -280,11 +283,12 @@ def _progress(what):
 
 
 @cli.command()
-@click.option("--model", help="registry name (default tiny)")
+@click.option("--model", help=f"registry name (default {DEFAULT_MODEL} when no --target or --export is given)")
 @click.option("--target", type=click.Path(), help="target checkpoint directory (Hugging Face layout)")
 @click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)")
 @click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")
-@click.option("--backend", type=click.Choice(BACKENDS), default="torch", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS),
+              help="default: onnxruntime for the default model or an --export, torch for --model/--target")
 @click.option("--export", "export_dir", type=click.Path(), help="export directory (dtrt export) for onnxruntime")
 @click.option("--methods", help="comma list of methods (default: every one the pair serves); ar is always run")
 @click.option("--datasets", "dataset_names", default="mt-bench,humaneval,math500,aime", show_default=True,

@@ -128,23 +128,23 @@ def test_prompt_beyond_the_context(tiny, tiny_export, tmp_path, monkeypatch, cap
 
 
 def test_max_new_tokens_beyond_the_context(server, monkeypatch, capsys):
-    expect_error(monkeypatch, capsys, "run", "--max-new-tokens", "5000", PROMPT,
+    expect_error(monkeypatch, capsys, "run", "--model", "tiny", "--max-new-tokens", "5000", PROMPT,
                  fragments=("--max-new-tokens 5000", "is 4096", "lower --max-new-tokens"))
     expect_http_error(f"{server.url}/v1/completions", 400, {"prompt": PROMPT, "max_tokens": 5000},
                       param="max_tokens", fragments=("lower max_tokens",))
 
 
 def test_empty_prompt(server, monkeypatch, capsys):
-    expect_error(monkeypatch, capsys, "run", "", fragments=("the prompt is empty",))
+    expect_error(monkeypatch, capsys, "run", "--model", "tiny", "", fragments=("the prompt is empty",))
     expect_http_error(f"{server.url}/v1/completions", 400, {"prompt": ""}, param="prompt",
                       fragments=("the prompt is empty",))
 
 
 def test_chat_without_a_template(server, tmp_path, monkeypatch, capsys):
-    expect_error(monkeypatch, capsys, "run", "--chat", PROMPT, fragments=("--chat", "no chat template"))
+    expect_error(monkeypatch, capsys, "run", "--model", "tiny", "--chat", PROMPT, fragments=("--chat", "no chat template"))
     requests = tmp_path / "chat.jsonl"
     requests.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    expect_error(monkeypatch, capsys, "run", "--input", str(requests),
+    expect_error(monkeypatch, capsys, "run", "--model", "tiny", "--input", str(requests),
                  fragments=(f"{requests}:1: messages", "no chat template"))
     expect_http_error(f"{server.url}/v1/chat/completions", 400, {"messages": [{"role": "user", "content": "hi"}]},
                       param="messages", fragments=("no chat template", "/v1/completions"))
@@ -167,11 +167,11 @@ def test_chat_without_a_template(server, tmp_path, monkeypatch, capsys):
     (("serve", "--request-timeout", "0"), "--request-timeout 0.0: must be > 0"),
 ])
 def test_invalid_flag_values(args, fragment, monkeypatch, capsys):
-    expect_error(monkeypatch, capsys, *args, *(["x"] if args[0] == "run" else []), fragments=(fragment,))
+    expect_error(monkeypatch, capsys, *args, *(["--model", "tiny", "x"] if args[0] == "run" else []), fragments=(fragment,))
 
 
 def test_bad_jsonl_input(tiny, tmp_path, monkeypatch, capsys):
-    expect_error(monkeypatch, capsys, "run", "--input", str(tmp_path / "none.jsonl"),
+    expect_error(monkeypatch, capsys, "run", "--model", "tiny", "--input", str(tmp_path / "none.jsonl"),
                  fragments=(f"--input {tmp_path / 'none.jsonl'}: not found",))
     path = tmp_path / "requests.jsonl"
     for lines, fragment in (([{"prompt": PROMPT}, "{oops"], f"{path}:2: not valid JSON"),
@@ -181,8 +181,8 @@ def test_bad_jsonl_input(tiny, tmp_path, monkeypatch, capsys):
                             ([{"prompt": "x" * 5000}], f"{path}:1: the prompt (5000 tokens)"),
                             ([], f"--input {path}: no requests in it")):
         path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
-        expect_error(monkeypatch, capsys, "run", "--input", str(path), fragments=(fragment,))
-    expect_error(monkeypatch, capsys, "run", "--input", str(path), PROMPT, fragments=("exclude each other",))
+        expect_error(monkeypatch, capsys, "run", "--model", "tiny", "--input", str(path), fragments=(fragment,))
+    expect_error(monkeypatch, capsys, "run", "--model", "tiny", "--input", str(path), PROMPT, fragments=("exclude each other",))
 
 
 def test_port_in_use(monkeypatch, capsys):

@@ -112,9 +112,9 @@ def test_cli_mismatched_pair(tiny, tmp_path, monkeypatch, capsys):
 
 
 def test_cli_bad_flags(monkeypatch, capsys):
-    code, _, err = run_cli(monkeypatch, capsys, "run", "--budget", "0", "x")
+    code, _, err = run_cli(monkeypatch, capsys, "run", "--model", "tiny", "--budget", "0", "x")
     assert code == 2 and "--budget 0" in err
-    code, _, err = run_cli(monkeypatch, capsys, "run", "--top-p", "1.5", "x")
+    code, _, err = run_cli(monkeypatch, capsys, "run", "--model", "tiny", "--top-p", "1.5", "x")
     assert code == 2 and "--top-p" in err
     code, _, err = run_cli(monkeypatch, capsys, "run", "--model", "nope", "x")
     assert code == 2 and "unknown model" in err and "tiny" in err

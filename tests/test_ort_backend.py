@@ -242,9 +242,10 @@ def test_bad_options(tiny_export, monkeypatch, capsys):
                      args=("--max-new-tokens", "600"))
     expect_cli_error(monkeypatch, capsys, tiny_export.path, "--dtype fp16", "fp32", args=("--dtype", "fp16"))
     expect_cli_error(monkeypatch, capsys, tiny_export.path, "--threads 0", args=("--threads", "0"))
-    code, _, err = run_cli(monkeypatch, capsys, "run", "--backend", "onnxruntime", "x")
+    target = tiny_export.manifest["source"]["target"]
+    code, _, err = run_cli(monkeypatch, capsys, "run", "--backend", "onnxruntime", "--target", target, "x")
     assert code == 2 and "needs --export DIR" in err and err.count("\n") == 1
-    code, _, err = run_cli(monkeypatch, capsys, "run", "--export", str(tiny_export.path), "x")
+    code, _, err = run_cli(monkeypatch, capsys, "run", "--backend", "torch", "--export", str(tiny_export.path), "x")
     assert code == 2 and "--export DIR is for --backend onnxruntime" in err and err.count("\n") == 1
 
 
@@ -252,3 +253,32 @@ def test_export_without_drafter(broken):
     edit_manifest(broken, lambda m: m["drafters"].pop("dflash"))
     with pytest.raises(DtrtError, match="no dflash drafter"):
         OrtBackend(load_export(broken), "dflash")
+
+
+def test_default_sources():
+    from dtrt.runtime.pipeline import DEFAULT_MODEL, source_defaults
+
+    assert source_defaults(None, None, None, None, None) == (DEFAULT_MODEL, "onnxruntime")
+    assert source_defaults(None, None, None, None, "exp") == (None, "onnxruntime")
+    assert source_defaults("tiny", None, None, None, None) == ("tiny", "torch")
+    assert source_defaults(None, "dir", None, None, None) == (None, "torch")
+    assert source_defaults(None, None, None, "torch", None) == (DEFAULT_MODEL, "torch")
+
+
+def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(tiny, tiny_export, tmp_path, monkeypatch):
+    from dtrt import __version__
+    from dtrt.exporter import cache, export
+    from dtrt.models.registry import Pair
+
+    monkeypatch.setenv("DTRT_CACHE", str(tmp_path))
+    shutil.copytree(tiny_export.path, tmp_path / "exports" / f"tiny-{__version__}")
+    made = []
+    monkeypatch.setattr(export, "export_pair", lambda pair, out, model, **kw: made.append((pair, out)) or "new")
+    exp = cache.cached_export(tiny, "tiny")
+    assert exp.path == tmp_path / "exports" / f"tiny-{__version__}" and not made
+    other = tmp_path / "target"
+    shutil.copytree(tiny.target, other)
+    (other / "config.json").write_text((other / "config.json").read_text() + "\n")
+    logs = []
+    assert cache.cached_export(Pair(other, tiny.dflash, tiny.domino), "tiny", logs.append) == "new"
+    assert made and any("out of date" in m for m in logs)

@@ -51,8 +51,14 @@ def tiny_chat(tiny, tmp_path_factory):
     return tiny_variant(tiny, tmp_path_factory.mktemp("chat") / "target", CHAT_TEMPLATE)
 
 
+def on_tiny(*args):
+    """`dtrt run` arguments on the tiny pair unless they name checkpoints or an export."""
+    named = {"--model", "--target", "--export"} & set(args)
+    return args if named else ("--model", "tiny", *args)
+
+
 def run_json(monkeypatch, capsys, *args):
-    code, out, err = run_cli(monkeypatch, capsys, "run", *args, "--json")
+    code, out, err = run_cli(monkeypatch, capsys, "run", *on_tiny(*args), "--json")
     assert code == 0, err
     return json.loads(out)
 
@@ -118,7 +124,7 @@ def test_streamed_text_is_the_json_text(tiny, monkeypatch, capsys):
     full = run_json(monkeypatch, capsys, "--max-new-tokens", "64", PROMPT)["text"]
     stops = ("at", a_stop_word(full))
     for args in (("--max-new-tokens", "64"), ("--max-new-tokens", "64", "--stop", stops[0], "--stop", stops[1])):
-        code, out, err = run_cli(monkeypatch, capsys, "run", *args, PROMPT)
+        code, out, err = run_cli(monkeypatch, capsys, "run", *on_tiny(*args), PROMPT)
         assert code == 0 and "tau" in err and "Traceback" not in err
         res = run_json(monkeypatch, capsys, *args, PROMPT)
         assert out == res["text"] + "\n"
@@ -136,7 +142,7 @@ def test_standard_input_and_jsonl(tiny, tiny_chat, tmp_path, monkeypatch, capsys
     requests = tmp_path / "requests.jsonl"
     requests.write_text(json.dumps({"id": "a", "prompt": PROMPT, "max_tokens": 24}) + "\n\n"
                         + json.dumps({"prompt": "Some old man ", "max_tokens": 12, "temperature": 0}) + "\n")
-    code, out, err = run_cli(monkeypatch, capsys, "run", "--stop", "far", "--input", str(requests))
+    code, out, err = run_cli(monkeypatch, capsys, "run", *on_tiny("--stop", "far", "--input", str(requests)))
     assert code == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
     assert [r["text"] for r in lines] == expected and lines[0]["id"] == "a" and "id" not in lines[1]
@@ -190,7 +196,8 @@ def interrupt_at_first_text(monkeypatch):
 def test_ctrl_c_ends_the_generation_and_exits_130(tiny, monkeypatch, capsys):
     interrupt_at_first_text(monkeypatch)
     handler = signal.getsignal(signal.SIGINT)
-    code, out, err = run_cli(monkeypatch, capsys, "run", "--method", "ar", "--max-new-tokens", "2000", PROMPT)
+    code, out, err = run_cli(monkeypatch, capsys, "run", *on_tiny("--method", "ar", "--max-new-tokens", "2000"),
+                             PROMPT)
     assert code == 130 and "(cancelled)" in err and "Traceback" not in err
     assert out.endswith("\n") and 0 < len(out) - 1 < 2000
     assert signal.getsignal(signal.SIGINT) is handler  # restored

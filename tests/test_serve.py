@@ -104,7 +104,8 @@ async def wait_until(session, base, cond, what, timeout=60.0):
 
 def test_responses_equal_dtrt_run(tiny, tiny_chat, server, monkeypatch, capsys):  # noqa: F811
     def dtrt_run(*args):
-        code, out, err = run_cli(monkeypatch, capsys, "run", "--threads", "1", *args, "--json")
+        pair = () if "--target" in args else ("--model", "tiny")
+        code, out, err = run_cli(monkeypatch, capsys, "run", *pair, "--threads", "1", *args, "--json")
         assert code == 0, err
         return json.loads(out)
 

@@ -38,6 +38,7 @@ def fake_cache(tmp_path):
 
 
 def test_missing_drafter_is_one_line_and_shipped_drafters_plug_in(monkeypatch, tmp_path):
+    monkeypatch.setattr(smollm2, "ASSETS", tmp_path / "no-assets")
     pair = smollm2.pair(fake_cache(tmp_path))  # a converted checkpoint is reused without the package
     assert pair.target == tmp_path / smollm2.CACHE_NAME
     for needs_head, kind in ((True, "Domino"), (False, "DFlash")):
@@ -151,3 +152,28 @@ def test_greedy_ar_equals_transformers_generate(pair, hf, chat_ids):
     ref = ref[0, len(chat_ids):].tolist()
     assert out.tokens == ref and len(ref) >= 8
     assert "Paris" in pipe.tokenizer.decode(out.tokens)
+
+
+def test_a_drafter_ships_in_the_released_layout():
+    from dtrt.models.checkpoint import load_drafter
+
+    for kind in ("dflash", "domino"):
+        path = smollm2.shipped_drafter(kind)
+        assert path is not None, f"no {kind} drafter in {smollm2.ASSETS}"
+        drafter = load_drafter(path)
+        assert (drafter.head is not None) == (kind == "domino") and drafter.cfg.vocab_size == 49152
+    size = sum(f.stat().st_size for f in smollm2.ASSETS.rglob("*") if f.is_file())
+    assert size <= 40e6
+
+
+@needs_packages
+def test_shipped_drafter_is_exact_and_accepted(pair, chat_ids):
+    from dtrt.runtime.methods import DraftConfig
+    from dtrt.runtime.pipeline import build_pipeline
+    from dtrt.runtime.sampling import SamplingConfig
+
+    assert pair.domino == smollm2.shipped_drafter("domino")
+    ar = build_pipeline(pair, DraftConfig("ar")).generate(chat_ids, 24, SamplingConfig()).tokens
+    for method in ("dflash", "dominotree"):
+        out = build_pipeline(pair, DraftConfig(method)).generate(chat_ids, 24, SamplingConfig())
+        assert out.tokens == ar and out.tau > 1, method

@@ -1,7 +1,7 @@
 """`dtrt bench` from parsed options to the three output files."""
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -10,7 +10,7 @@ from dtrt import __version__
 from dtrt.bench import datasets, engines, report, runner
 from dtrt.errors import DtrtError
 from dtrt.runtime.methods import METHODS
-from dtrt.runtime.pipeline import load_pair
+from dtrt.runtime.pipeline import load_pair, source_defaults
 
 QUICK_PROMPTS, QUICK_TOKENS = 2, 32
 
@@ -21,7 +21,7 @@ class BenchOptions:
     target: str | None = None
     drafter: str | None = None
     model_dir: str | None = None
-    backend: str = "torch"
+    backend: str | None = None  # None: as `dtrt run` (source_defaults)
     export: str | None = None
     methods: str | None = None       # comma list; None = every method the pair serves
     datasets: str = "mt-bench,humaneval,math500,aime"
@@ -65,6 +65,8 @@ def bench(o: BenchOptions, log) -> Path:
     if n < 1 or max_new < 2:
         raise DtrtError("--prompts must be >= 1 and --max-new-tokens >= 2 (the first token comes from prefill)")
     prompts = {d: datasets.load(d, n, o.seed) for d in names}  # missing packages fail before any model loads
+    model, backend = source_defaults(o.model, o.target, o.drafter, o.backend, o.export)
+    o = replace(o, model=model, backend=backend)
     gguf = engines.find_gguf(o.gguf, o.model)
 
     if o.threads:

@@ -13,6 +13,7 @@ from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.torch_backend import TorchBackend
 
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
+DEFAULT_MODEL = "smollm2-135m"  # the embedded default: SmolLM2-135M-Instruct with the drafter that ships for it
 
 
 @dataclass
@@ -65,6 +66,19 @@ def stop_ids(config_eos, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(eos))
 
 
+def source_defaults(model: str | None, target: str | None, drafter: str | None, backend: str | None,
+                    export) -> tuple[str | None, str]:
+    """(model, backend) after the defaults: no --model, --target or --export runs the embedded default model on
+    ONNX Runtime (exported into the cache on first use); --export alone runs on ONNX Runtime; checkpoints named by
+    --model or --target run on torch unless --backend says otherwise."""
+    named = model is not None or target is not None or drafter is not None
+    if backend is None:
+        backend = "onnxruntime" if export is not None or not named else "torch"
+    if not named and export is None:
+        model = DEFAULT_MODEL
+    return model, backend
+
+
 def load_pair(model: str | None, target: str | None, drafter: str | None, model_dir: str | None, log=None) -> Pair:
     if target is not None:
         if model is not None:
@@ -73,7 +87,7 @@ def load_pair(model: str | None, target: str | None, drafter: str | None, model_
         return Pair(Path(target), d, d)
     if drafter is not None:
         raise DtrtError("--drafter needs --target DIR (a --model name brings its own drafters)")
-    return resolve(model or "tiny", Path(model_dir) if model_dir else None, log=log)
+    return resolve(model or DEFAULT_MODEL, Path(model_dir) if model_dir else None, log=log)
 
 
 def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = None, backend: str = "torch",

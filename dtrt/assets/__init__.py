@@ -1,0 +1,1 @@
+"""Checkpoints that ship with dtrt (the drafters trained for the embedded default target)."""
