@@ -81,7 +81,7 @@ def _load_pipeline(model, target, drafter, model_dir, method, builder, arm, budg
     draft = DraftConfig(method, budget, builder, arm, topm, node_topk)
     model, backend = source_defaults(model, target, drafter, backend, export_dir)
     # onnxruntime runs the export alone; with --model/--target the export must come from them
-    alone = backend == "onnxruntime" and model is None and target is None and drafter is None
+    alone = export_dir is not None and model is None and target is None and drafter is None
     pair = None if alone else load_pair(model, target, drafter, model_dir, log=_log)
     pipe = build_pipeline(pair, draft, dtype, backend, export_dir, threads, model, log=_log)
     if threads:

@@ -71,7 +71,7 @@ def bench(o: BenchOptions, log) -> Path:
 
     if o.threads:
         torch.set_num_threads(o.threads)
-    alone = o.backend == "onnxruntime" and o.model is None and o.target is None and o.drafter is None
+    alone = o.export is not None and o.model is None and o.target is None and o.drafter is None
     pair = None if alone else load_pair(o.model, o.target, o.drafter, o.model_dir, log=log)
     engs = engines.dtrt_engines(pair, methods, budgets, o.methods is not None, o.dtype, o.backend, o.export,
                                 o.threads, o.model, log)
