@@ -11,7 +11,7 @@ from dtrt import __version__
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import DTYPES
 from dtrt.runtime.methods import ARMS, BUILDERS, METHODS, DraftConfig
-from dtrt.runtime.pipeline import BACKENDS, DEFAULT_MODEL, build_pipeline, load_pair, source_defaults
+from dtrt.runtime.pipeline import BACKENDS, DEFAULT_MODEL, build_pipeline, load_pair, load_sources
 from dtrt.runtime.requests import Request, check_seed, check_stop, has_chat_template, read_requests
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
@@ -79,10 +79,7 @@ def _request_defaults(max_new_tokens, temperature, top_p, seed, stop=()) -> Requ
 def _load_pipeline(model, target, drafter, model_dir, method, builder, arm, budget, topm, node_topk, dtype, backend,
                    export_dir, threads):
     draft = DraftConfig(method, budget, builder, arm, topm, node_topk)
-    model, backend = source_defaults(model, target, drafter, backend, export_dir)
-    # onnxruntime runs the export alone; with --model/--target the export must come from them
-    alone = export_dir is not None and model is None and target is None and drafter is None
-    pair = None if alone else load_pair(model, target, drafter, model_dir, log=_log)
+    pair, model, backend = load_sources(model, target, drafter, model_dir, backend, export_dir, log=_log)
     pipe = build_pipeline(pair, draft, dtype, backend, export_dir, threads, model, log=_log)
     if threads:
         torch.set_num_threads(threads)

@@ -10,7 +10,7 @@ from dtrt import __version__
 from dtrt.bench import datasets, engines, report, runner
 from dtrt.errors import DtrtError
 from dtrt.runtime.methods import METHODS
-from dtrt.runtime.pipeline import load_pair, source_defaults
+from dtrt.runtime.pipeline import load_sources
 
 QUICK_PROMPTS, QUICK_TOKENS = 2, 32
 
@@ -65,14 +65,12 @@ def bench(o: BenchOptions, log) -> Path:
     if n < 1 or max_new < 2:
         raise DtrtError("--prompts must be >= 1 and --max-new-tokens >= 2 (the first token comes from prefill)")
     prompts = {d: datasets.load(d, n, o.seed) for d in names}  # missing packages fail before any model loads
-    model, backend = source_defaults(o.model, o.target, o.drafter, o.backend, o.export)
+    pair, model, backend = load_sources(o.model, o.target, o.drafter, o.model_dir, o.backend, o.export, log)
     o = replace(o, model=model, backend=backend)
     gguf = engines.find_gguf(o.gguf, o.model)
 
     if o.threads:
         torch.set_num_threads(o.threads)
-    alone = o.export is not None and o.model is None and o.target is None and o.drafter is None
-    pair = None if alone else load_pair(o.model, o.target, o.drafter, o.model_dir, log=log)
     engs = engines.dtrt_engines(pair, methods, budgets, o.methods is not None, o.dtype, o.backend, o.export,
                                 o.threads, o.model, log)
     peer = engines.llamacpp_engine(gguf, engs[0].tokenizer, o.threads, max_new, log)

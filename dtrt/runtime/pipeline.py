@@ -79,6 +79,15 @@ def source_defaults(model: str | None, target: str | None, drafter: str | None, 
     return model, backend
 
 
+def load_sources(model: str | None, target: str | None, drafter: str | None, model_dir: str | None,
+                 backend: str | None, export, log=None) -> tuple[Pair | None, str | None, str]:
+    """(pair, model, backend) after source_defaults; no pair when an --export runs alone (with --model/--target
+    the export must come from those checkpoints)."""
+    model, backend = source_defaults(model, target, drafter, backend, export)
+    alone = model is None and target is None and drafter is None
+    return (None if alone else load_pair(model, target, drafter, model_dir, log)), model, backend
+
+
 def load_pair(model: str | None, target: str | None, drafter: str | None, model_dir: str | None, log=None) -> Pair:
     if target is not None:
         if model is not None:
