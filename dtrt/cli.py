@@ -188,14 +188,16 @@ def serve(max_new_tokens, temperature, top_p, seed, truncate, host, port, name, 
 @click.option("--budget", type=int, default=16, show_default=True, help="tree budget of the fixed-shape stages")
 @click.option("--topm", type=int, default=64, show_default=True)
 @click.option("--node-topk", type=int, default=8, show_default=True)
+@click.option("--drafter-quant", type=click.Choice(["none", "int8"]), default="none", show_default=True,
+              help="int8 weights in the drafters' block stages (ONNX Runtime CPU; drafts only, output unchanged)")
 @click.option("--force", is_flag=True, help="replace an existing export directory")
-def export(model, target, drafter, model_dir, out, dtype, max_context, budget, topm, node_topk, force):
+def export(model, target, drafter, model_dir, out, dtype, max_context, budget, topm, node_topk, drafter_quant, force):
     """Export every stage to ONNX, with manifest.json, into OUT (complete or not at all)."""
     from dtrt.exporter.export import export_pair
 
     pair = load_pair(model, target, drafter, model_dir, log=_log)
     exp = export_pair(pair, Path(out), model if target is None else None, dtype, max_context, budget, topm,
-                      node_topk, force, log=_log)
+                      node_topk, force, drafter_quant, log=_log)
     size = sum(m["size"] for m in exp.manifest["files"].values())
     click.echo(f"{exp.path}: {len(exp.manifest['stages'])} stages, {size / 1e6:.1f} MB")
 

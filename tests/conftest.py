@@ -23,6 +23,26 @@ def tiny_export(tiny, tmp_path_factory):
     return export_pair(tiny, tmp_path_factory.mktemp("export") / "tiny", model="tiny", max_context=512)
 
 
+@pytest.fixture(scope="session")
+def tiny_export_int8(tiny_export, tmp_path_factory):
+    """tiny_export with its drafters' block stages quantized as `dtrt export --drafter-quant int8` does."""
+    import json
+    import shutil
+
+    from dtrt.exporter.artifact import MANIFEST, load_export
+    from dtrt.exporter.export import write_manifest
+    from dtrt.exporter.quantize import quantize_stage, quantized_stages
+
+    path = tmp_path_factory.mktemp("export") / "tiny-int8"
+    shutil.copytree(tiny_export.path, path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["drafter_quant"], manifest["quantized_stages"] = "int8", quantized_stages(manifest["stages"], "int8")
+    for name in manifest["quantized_stages"]:
+        quantize_stage(path / manifest["stages"][name]["file"])
+    write_manifest(path, manifest)
+    return load_export(path)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need a CUDA GPU, `trt` ones TensorRT as well; elsewhere they skip with the reason."""
     from dtrt.engines.keys import cuda_status, tensorrt_status

@@ -265,17 +265,25 @@ def test_default_sources():
     assert source_defaults(None, None, None, "torch", None) == (DEFAULT_MODEL, "torch")
 
 
-def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(tiny, tiny_export, tmp_path, monkeypatch):
+def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(tiny, tiny_export, tiny_export_int8, tmp_path,
+                                                                        monkeypatch):
     from dtrt import __version__
     from dtrt.exporter import cache, export
     from dtrt.models.registry import Pair
 
     monkeypatch.setenv("DTRT_CACHE", str(tmp_path))
-    shutil.copytree(tiny_export.path, tmp_path / "exports" / f"tiny-{__version__}")
+    cached = tmp_path / "exports" / f"tiny-{__version__}"
     made = []
-    monkeypatch.setattr(export, "export_pair", lambda pair, out, model, **kw: made.append((pair, out)) or "new")
+    monkeypatch.setattr(export, "export_pair", lambda pair, out, model, **kw: made.append((pair, out, kw)) or "new")
+    shutil.copytree(tiny_export.path, cached)  # made by an earlier dtrt with fp32 drafters: made again, int8
+    logs = []
+    assert cache.cached_export(tiny, "tiny", logs.append) == "new"
+    assert made[-1][2]["drafter_quant"] == "int8" and any("drafter_quant" in m for m in logs)
+    made.clear()
+    shutil.rmtree(cached)
+    shutil.copytree(tiny_export_int8.path, cached)
     exp = cache.cached_export(tiny, "tiny")
-    assert exp.path == tmp_path / "exports" / f"tiny-{__version__}" and not made
+    assert exp.path == cached and not made
     other = tmp_path / "target"
     shutil.copytree(tiny.target, other)
     (other / "config.json").write_text((other / "config.json").read_text() + "\n")

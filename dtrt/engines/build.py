@@ -62,6 +62,10 @@ def engine_manifest(exp: Export, machine: Machine, cfg: BuildConfig, stages: dic
 def build_engines(export_dir, out_root, cfg: BuildConfig = BuildConfig(), force: bool = False, log=None) -> Engine:
     log = log or (lambda msg: None)
     exp = load_export(export_dir)
+    if exp.manifest.get("quantized_stages"):
+        raise DtrtError(f"{exp.path}: its drafter stages have int8 weights (--drafter-quant "
+                        f"{exp.manifest['drafter_quant']}), which run on ONNX Runtime only; for TensorRT re-export "
+                        f"with `{exp.fix_hint(drafter_quant='none')}`")
     machine = probe_machine("dtrt build-engine")
     out = engine_dir(out_root, machine, model_name(exp))
     if out.exists() and not force:

@@ -43,7 +43,8 @@ class Export:
         src = m.get("source", {})
         how = f"--model {src['model']}" if src.get("model") else "--target DIR --drafter DIR"
         flags = {"dtype": m.get("dtype"), "max_context": m.get("max_context"), "budget": m.get("budget"),
-                 "topm": m.get("topm"), "node_topk": m.get("node_topk")} | changes
+                 "topm": m.get("topm"), "node_topk": m.get("node_topk"),
+                 "drafter_quant": None if m.get("drafter_quant", "none") == "none" else m["drafter_quant"]} | changes
         opts = "".join(f" --{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None)
         return f"dtrt export {how}{opts} --out {self.path} --force"
 

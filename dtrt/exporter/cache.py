@@ -1,12 +1,15 @@
-"""The export a registry model runs from when no --export is given: made on first use with `dtrt export`'s
-defaults under <cache>/exports/<model>-<dtrt version>, checked against the checkpoints on every load and made
-again when they changed (a new shipped drafter, a re-converted target)."""
+"""The export a registry model runs from when no --export is given: made on first use under
+<cache>/exports/<model>-<dtrt version> with `dtrt export`'s defaults and `--drafter-quant int8` (this export only
+ever runs on ONNX Runtime's CPU kernels, where int8 drafter weights cut the draft time and leave the output
+unchanged), checked against the checkpoints on every load and made again when they or those options changed."""
 from pathlib import Path
 
 from dtrt import __version__
 from dtrt.errors import DtrtError
-from dtrt.exporter.artifact import Export, check_source, load_export
+from dtrt.exporter.artifact import MANIFEST, Export, check_source, load_export
 from dtrt.models.registry import Pair, cache_dir
+
+DRAFTER_QUANT = "int8"
 
 
 def cached_export(pair: Pair, model: str, log=None) -> Export:
@@ -17,10 +20,12 @@ def cached_export(pair: Pair, model: str, log=None) -> Export:
         try:
             exp = load_export(path)
             check_source(exp, pair.target, model, drafters)
+            if exp.manifest.get("drafter_quant", "none") != DRAFTER_QUANT:
+                raise DtrtError(f"{path / MANIFEST}: drafter_quant is not {DRAFTER_QUANT}")
             return exp
         except DtrtError as e:
             log(f"{path}: out of date ({e}); exporting again")
     from dtrt.exporter.export import export_pair
 
     log(f"exporting {model} to ONNX in {path} (first use only)")
-    return export_pair(pair, Path(path), model, force=True, log=log)
+    return export_pair(pair, Path(path), model, force=True, drafter_quant=DRAFTER_QUANT, log=log)

@@ -11,6 +11,7 @@ from dtrt import __version__
 from dtrt.errors import DtrtError
 from dtrt.exporter.artifact import FORMAT, MANIFEST, Export, checkpoint_hashes, load_export, sha256
 from dtrt.exporter.onnx_export import OPSET, export_stage
+from dtrt.exporter.quantize import check_drafter_quant, quantize_stage, quantized_stages
 from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.exporter.stages import drafter_stages, target_stage
 from dtrt.models.checkpoint import check_pair, load_drafter, load_target, parse_dtype
@@ -67,11 +68,13 @@ def pair_stages(target, drafters: dict, budget: int, topm: int, node_topk: int) 
 
 
 def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "fp32", max_context: int = 4096,
-                budget: int = 16, topm: int = 64, node_topk: int = 8, force: bool = False, log=None) -> Export:
+                budget: int = 16, topm: int = 64, node_topk: int = 8, force: bool = False, drafter_quant: str = "none",
+                log=None) -> Export:
     log = log or (lambda msg: None)
     out = Path(out)
     if dtype not in EXPORT_DTYPES:
         raise DtrtError(f"--dtype {dtype}: export supports {', '.join(EXPORT_DTYPES)}")
+    check_drafter_quant(drafter_quant, dtype)
     if max_context < 2 or budget < 1:
         raise DtrtError("--max-context must be >= 2 and --budget >= 1")
     if out.exists() and not force:
@@ -89,6 +92,10 @@ def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "f
             export_stage(stage, tmp / f"{stage.name}.onnx", max_context, max_context)
             stage_meta[stage.name] = {"file": f"{stage.name}.onnx", "inputs": stage.inputs, "outputs": stage.outputs}
             log(f"[{i}/{len(stages)}] {stage.name} done in {time.perf_counter() - t0:.1f}s")
+        quantized = quantized_stages(stage_meta, drafter_quant)
+        for name in quantized:
+            log(f"quantizing {name} to {drafter_quant}")
+            quantize_stage(tmp / stage_meta[name]["file"])
         (tmp / "tokenizer").mkdir()
         for name in TOKENIZER_FILES:
             if (pair.target / name).is_file():
@@ -97,6 +104,7 @@ def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "f
         manifest = {
             "format": FORMAT, "dtrt_version": __version__, "opset": OPSET, "op_flavour": "dtrt-functions",
             "dtype": dtype, "max_context": max_context, "budget": budget, "topm": topm, "node_topk": node_topk,
+            "drafter_quant": drafter_quant, "quantized_stages": quantized,
             "source": {"model": model, "target": str(pair.target.resolve()),
                        "target_hashes": checkpoint_hashes(pair.target),
                        "drafters": {k: {"path": str(p.resolve()), "hashes": checkpoint_hashes(p)}
@@ -108,16 +116,21 @@ def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "f
             "drafters": {k: drafter_dims(d) for k, (_, d) in drafters.items()},
             "stages": stage_meta,
         }
-        manifest["files"] = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256(f)}
-                             for f in sorted(tmp.rglob("*")) if f.is_file()}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        for f in tmp.rglob("*"):
-            f.chmod(0o755 if f.is_dir() else 0o644)
-        tmp.chmod(0o755)
+        write_manifest(tmp, manifest)
         _replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return load_export(out)
+
+
+def write_manifest(tmp: Path, manifest: dict):
+    """manifest.json with the size and sha256 of every file under `tmp`; everything made world-readable."""
+    manifest["files"] = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256(f)}
+                         for f in sorted(tmp.rglob("*")) if f.is_file() and f != tmp / MANIFEST}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    for f in tmp.rglob("*"):
+        f.chmod(0o755 if f.is_dir() else 0o644)
+    tmp.chmod(0o755)
 
 
 def _replace(tmp: Path, out: Path):

@@ -1,0 +1,56 @@
+"""`dtrt export --drafter-quant int8`: the drafters' block stages with int8 weights, for ONNX Runtime on the CPU.
+
+A block stage is one draft layer and the target's lm_head over the block's positions. At batch 1 its cost is
+reading the weights, and the lm_head ([vocab, hidden], 113 MB in fp32 for SmolLM2) is most of them, so int8
+weights make the stage about 2.5x faster. Drafts need not be exact: the target, which stays in the export's
+dtype, verifies every drafted token, so the output is unchanged and only acceptance can move.
+
+ONNX Runtime's dynamic quantization: weights int8 per output channel, activations uint8 per tensor, measured at
+run time (MatMulInteger). The context stages, the scorer stages and the target are left as exported.
+"""
+import os
+from pathlib import Path
+
+from dtrt.errors import DtrtError
+
+DRAFTER_QUANT = ("none", "int8")
+QUANT_STAGES = ("block",)  # per drafter kind
+
+
+def check_drafter_quant(quant: str, dtype: str):
+    if quant not in DRAFTER_QUANT:
+        raise DtrtError(f"--drafter-quant {quant!r}: use one of {', '.join(DRAFTER_QUANT)}")
+    if quant != "none" and dtype != "fp32":
+        raise DtrtError(f"--drafter-quant {quant} quantizes fp32 weights; use it with --dtype fp32")
+
+
+def quantized_stages(stage_names, quant: str) -> list[str]:
+    """The stages `quant` rewrites: every drafter kind's block stage."""
+    if quant == "none":
+        return []
+    return [name for name in stage_names if name.partition(".")[2] in QUANT_STAGES]
+
+
+def quantize_stage(path: Path):
+    """Replace the stage at `path` (and its .data file) by its dynamically quantized int8 version."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    path = Path(path)
+    tmp = path.with_name(f".q-{path.name}")
+    tmp_data = tmp.with_name(tmp.name + ".data")
+    try:
+        quantize_dynamic(path, tmp, weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul", "Gemm"], use_external_data_format=True,
+                         extra_options={"MatMulConstBOnly": True})
+        import onnx
+
+        model = onnx.load(str(tmp))  # the weights, renamed to the stage's own .data file
+        data = path.with_name(path.name + ".data")
+        for f in (path, data):
+            f.unlink(missing_ok=True)
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=1024)
+    finally:
+        for f in (tmp, tmp_data):
+            if f.exists():
+                os.remove(f)
