@@ -8,6 +8,7 @@ dtype, verifies every drafted token, so the output is unchanged and only accepta
 ONNX Runtime's dynamic quantization: weights int8 per output channel, activations uint8 per tensor, measured at
 run time (MatMulInteger). The context stages, the scorer stages and the target are left as exported.
 """
+import logging
 import os
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def quantize_stage(path: Path):
     path = Path(path)
     tmp = path.with_name(f".q-{path.name}")
     tmp_data = tmp.with_name(tmp.name + ".data")
+    logging.disable(logging.WARNING)  # its advice to pre-process (shape inference) is for conv nets
     try:
         quantize_dynamic(path, tmp, weight_type=QuantType.QInt8, per_channel=True,
                          op_types_to_quantize=["MatMul", "Gemm"], use_external_data_format=True,
@@ -51,6 +53,7 @@ def quantize_stage(path: Path):
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=data.name, size_threshold=1024)
     finally:
+        logging.disable(logging.NOTSET)
         for f in (tmp, tmp_data):
             if f.exists():
                 os.remove(f)
