@@ -233,3 +233,37 @@ def test_interactive_loop(tiny, monkeypatch):
     assert "(cancelled)" in logged[0] and shown[0] == "> " and shown[-1] == "\n"
     assert logged[1].startswith("error: the prompt (5000 tokens)")  # an error is one line; the loop goes on
     assert len(logged) == 2 and shown.count("> ") == 3
+
+
+def test_interactive_loop_is_one_conversation_through_the_chat_template(tiny, monkeypatch):
+    pipe = build_pipeline(tiny, DraftConfig("dominotree"))
+    monkeypatch.setattr(pipe.tokenizer, "chat_template", "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n"
+                        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}", raising=False)
+    prompts, shown, logged = [], [], []
+    real = terminal.prompt_ids
+    monkeypatch.setattr(terminal, "prompt_ids", lambda p, req, chat, truncate: prompts.append(req.messages) or
+                        real(p, req, chat, truncate))
+    lines = iter(["Some old man ", "The cat sees ", "/new", "Water boils at ", EOFError()])
+
+    def read_line(prompt):
+        item = next(lines)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    terminal.repl(pipe, Request(max_new_tokens=8), True, False, read_line, shown.append, logged.append)
+    first_reply = "".join(shown).split("\n")[0].removeprefix("> ")
+    assert prompts[0] == [{"role": "user", "content": "Some old man "}]
+    assert prompts[1] == [{"role": "user", "content": "Some old man "},
+                          {"role": "assistant", "content": first_reply},
+                          {"role": "user", "content": "The cat sees "}]
+    assert prompts[2] == [{"role": "user", "content": "Water boils at "}] and "(new conversation)" in logged
+
+    # the oldest exchanges are dropped when the conversation outgrows the context
+    room = pipe.prompt_room(8)
+    monkeypatch.setattr(pipe, "prompt_room", lambda n: 60)
+    prompts.clear(), logged.clear()
+    lines = iter(["a " * 20, "b " * 20, "c " * 20, EOFError()])
+    terminal.repl(pipe, Request(max_new_tokens=8), True, False, read_line, shown.append, logged.append)
+    assert room > 60 and [m["content"] for m in prompts[-1] if m["role"] == "user"][0] != "a " * 20
+    assert any("oldest exchanges no longer fit" in m for m in logged)

@@ -5,7 +5,9 @@ import threading
 from dataclasses import replace
 
 from dtrt.errors import DtrtError
-from dtrt.runtime.requests import Completion, Request, complete, encode, fit_prompt
+from dtrt.runtime.requests import Completion, Request, RequestError, complete, encode, fit_prompt, has_chat_template
+
+NEW_CHAT = "/new"
 
 
 class Interrupt:
@@ -56,8 +58,12 @@ def generate_one(pipe, req: Request, ids: list[int], write=None) -> Completion:
 
 
 def repl(pipe, defaults: Request, chat: bool, truncate: bool, read_line, write, log):
-    """One prompt per line, each generated and streamed in turn. Ctrl-C during a generation ends it and returns to
-    the prompt; Ctrl-D or Ctrl-C at the prompt ends the loop. `read_line(prompt)` is `input` at a terminal."""
+    """One prompt per line, each generated and streamed in turn. Through the chat template the lines are one
+    conversation: each prompt carries the earlier turns and replies (the oldest dropped when they no longer fit,
+    `/new` starts over); raw prompts (--no-chat, or no template) stand alone. Ctrl-C during a generation ends it
+    and returns to the prompt; Ctrl-D or Ctrl-C at the prompt ends the loop. `read_line(prompt)` is `input` at a
+    terminal."""
+    history: list[dict] | None = [] if chat and has_chat_template(pipe.tokenizer) else None
     while True:
         try:
             line = read_line("> ")
@@ -66,11 +72,37 @@ def repl(pipe, defaults: Request, chat: bool, truncate: bool, read_line, write, 
             return
         if not line.strip():
             continue
-        req = replace(defaults, prompt=line)
+        if history is not None and line.strip() == NEW_CHAT:
+            history.clear()
+            log("(new conversation)")
+            continue
         try:
-            c = generate_one(pipe, req, prompt_ids(pipe, req, chat, truncate), write)
+            req, ids = _turn(pipe, defaults, line, history, chat, truncate, log)
+            c = generate_one(pipe, req, ids, write)
         except DtrtError as e:
             log(f"error: {e}")
             continue
         write("\n")
         log(stats_line(c, pipe.draft.method))
+        if history is not None:
+            history += [{"role": "user", "content": line}, {"role": "assistant", "content": c.text}]
+
+
+def _turn(pipe, defaults: Request, line: str, history: list[dict] | None, chat: bool, truncate: bool, log):
+    """The request of one interactive line and its prompt ids, dropping the oldest exchanges that do not fit."""
+    if history is None:
+        req = replace(defaults, prompt=line)
+        return req, prompt_ids(pipe, req, chat, truncate)
+    user = {"role": "user", "content": line}
+    for start in range(0, len(history) + 1, 2):
+        req = replace(defaults, messages=[*history[start:], user])
+        try:
+            ids = prompt_ids(pipe, req, chat, truncate=False)
+        except RequestError:
+            if start == len(history):  # the line alone does not fit
+                return req, prompt_ids(pipe, req, chat, truncate)
+            continue
+        if start:
+            log(f"(the {start // 2} oldest exchanges no longer fit the context and were dropped)")
+            del history[:start]
+        return req, ids
