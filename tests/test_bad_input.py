@@ -80,6 +80,12 @@ def test_missing_or_corrupt_export(tiny_export, tmp_path, monkeypatch, capsys):
                  fragments=(str(broken / "target.onnx.data"), "truncated", "dtrt export"))
 
 
+def test_int8_drafter_on_an_fp16_export(tiny, tmp_path, monkeypatch, capsys):
+    expect_error(monkeypatch, capsys, "export", "--model", "tiny", "--dtype", "fp16", "--drafter-quant", "int8",
+                 "--out", str(tmp_path / "exp"), fragments=("--drafter-quant int8", "--dtype fp32"))
+    assert not (tmp_path / "exp").exists()
+
+
 def test_mismatched_target_and_drafter(tiny, tmp_path, monkeypatch, capsys):
     wide = write_drafter(tmp_path / "wide", drafter_json(hidden=64, vocab=128))
     for cmd, *rest in (("run", "x"), ("serve", "--port", "0")):
