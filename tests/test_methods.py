@@ -16,7 +16,7 @@ VARIANTS = [
     DraftConfig("dflash"), DraftConfig("domino"), DraftConfig("ddtree"), DraftConfig("caddtree", budget=32),
     DraftConfig("dominotree"), DraftConfig("dominotree", builder="frontier"),
     DraftConfig("dominotree", arm="condstatic"), DraftConfig("dominotree", arm="marg", builder="frontier"),
-    DraftConfig("dominotree", budget=4, node_topk=2, topm=0),
+    DraftConfig("dominotree", budget=4, node_topk=2, topm=0), DraftConfig("cadominotree", budget=32),
 ]
 
 
@@ -33,7 +33,7 @@ def ar_tokens(tiny):
 @pytest.mark.parametrize("draft", VARIANTS, ids=lambda d: f"{d.method}-{d.builder}-{d.arm}-b{d.budget}")
 def test_exact_ar_tokens_with_accepted_drafts(tiny, ar_tokens, draft):
     pipe = build_pipeline(tiny, draft)
-    if draft.method == "caddtree":  # a fixed cost curve: a measured one varies with machine load
+    if draft.method in ("caddtree", "cadominotree"):  # a fixed cost curve: a measured one varies with load
         pipe.method.curve = LINEAR_COST
     gens = generate_all(pipe)
     assert [g.tokens for g in gens] == ar_tokens
@@ -50,8 +50,9 @@ def test_exact_ar_tokens_with_accepted_drafts(tiny, ar_tokens, draft):
 LINEAR_COST = CostCurve.fit({0: [(0, 1.0), (32, 2.0)]}, draft_cost=0.5)
 
 
-def test_caddtree_measures_its_cost_curve_and_adapts_the_budget(tiny):
-    pipe = build_pipeline(tiny, DraftConfig("caddtree", budget=32))
+@pytest.mark.parametrize("method", ["caddtree", "cadominotree"])
+def test_cost_aware_methods_measure_their_cost_curve_and_adapt_the_budget(tiny, method):
+    pipe = build_pipeline(tiny, DraftConfig(method, budget=32))
     ids = pipe.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     pipe.generate(ids, 4, SamplingConfig())
     curve = pipe.method.curve  # measured on this backend during the first generation
@@ -63,6 +64,7 @@ def test_caddtree_measures_its_cost_curve_and_adapts_the_budget(tiny):
         pipe.method.curve = c
         sizes[name] = [r.tree_size for r in pipe.generate(ids, 48, SamplingConfig()).rounds]
     assert max(sizes["steep"]) < min(sizes["cheap"]), sizes
+    assert max(sizes["cheap"]) <= 33
     assert measure_cost_curve(pipe.backend, 8).contexts[0] >= len(ids)
 
 

@@ -22,7 +22,7 @@ from test_methods import generate_all
 VARIANTS = [DraftConfig("dflash"), DraftConfig("ddtree"), DraftConfig("caddtree", budget=32),
             DraftConfig("dominotree", arm="marg"), DraftConfig("dominotree", arm="marg", builder="frontier")]
 DOMINO_VARIANTS = [DraftConfig("domino"), DraftConfig("dominotree"), DraftConfig("dominotree", builder="frontier"),
-                   DraftConfig("dominotree", arm="condstatic")]
+                   DraftConfig("dominotree", arm="condstatic"), DraftConfig("cadominotree", budget=32)]
 
 
 def ids(d: DraftConfig) -> str:

@@ -182,6 +182,30 @@ def test_heap_does_not_expand_the_last_pop():
     assert len(calls) == 4  # the root and the first three pops; the fourth pop is never expanded
 
 
+@pytest.mark.parametrize("n", [0, 1, 5, 11])
+def test_heap_with_a_stop_is_a_prefix_of_the_full_heap(n):
+    """cadominotree's stop: the tree is the first n pops of the fixed-budget heap, and the rule saw the scores of
+    those pops (non-increasing) and of the one it refused."""
+    model, rnd = make_model(), make_round(1, 5, seed=4)
+
+    class StopAfter:
+        def start(self):
+            self.seen = []
+
+        def admit(self, n_nodes, logw):
+            self.seen.append((n_nodes, logw))
+            return n_nodes < n
+
+    full = build_heap(DominoScorer(rnd, *model, 3, 8, 1), 16, 5)
+    stop = StopAfter()
+    cut = build_heap(DominoScorer(rnd, *model, 3, 8, 1), 16, 5, stop)
+    assert len(cut) == n + 1
+    for a, b in ((cut.tokens, full.tokens), (cut.parents, full.parents), (cut.scores, full.scores)):
+        assert torch.equal(a, b[: n + 1])
+    assert [m for m, _ in stop.seen] == list(range(n + 1))
+    assert [w for _, w in stop.seen] == full.scores[1 : n + 2].tolist()
+
+
 def test_frontier_positions_and_packed_mask():
     ft = build_frontier(MarginalScorer(make_round(3, 4, seed=2), 2), 6, 4, MASK)
     past = torch.tensor([10, 20, 30])

