@@ -11,7 +11,8 @@ from dtrt import __version__
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import DTYPES
 from dtrt.runtime.methods import ARMS, BUILDERS, METHODS, DraftConfig
-from dtrt.runtime.pipeline import BACKENDS, DEFAULT_MODEL, build_pipeline, load_pair, load_sources
+from dtrt.runtime.pipeline import (BACKENDS, DEFAULT_BUDGET, DEFAULT_MODEL, build_pipeline, default_budget, load_pair,
+                                   load_sources)
 from dtrt.runtime.requests import Request, check_seed, check_stop, has_chat_template, read_requests
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
@@ -43,8 +44,8 @@ def pipeline_options(f):
         click.option("--arm", type=click.Choice(ARMS), default="dominotree", show_default=True,
                      help="dominotree scoring: per path (dominotree), per depth on the greedy chain (condstatic), "
                           "none (marg)"),
-        click.option("--budget", type=int, default=16, show_default=True,
-                     help="draft nodes per tree (caddtree: the cap)"),
+        click.option("--budget", type=int,
+                     help="draft nodes per tree (caddtree, cadominotree: the cap); default 16, for smollm2-135m 4"),
         click.option("--topm", type=int, default=64, show_default=True,
                      help="Domino candidates per depth (0 = full vocab)"),
         click.option("--node-topk", type=int, default=8, show_default=True, help="children per tree node"),
@@ -78,8 +79,10 @@ def _request_defaults(max_new_tokens, temperature, top_p, seed, stop=()) -> Requ
 
 def _load_pipeline(model, target, drafter, model_dir, method, builder, arm, budget, topm, node_topk, dtype, backend,
                    export_dir, threads):
-    draft = DraftConfig(method, budget, builder, arm, topm, node_topk)
+    draft = DraftConfig(method, DEFAULT_BUDGET if budget is None else budget, builder, arm, topm, node_topk)
     pair, model, backend = load_sources(model, target, drafter, model_dir, backend, export_dir, log=_log)
+    if budget is None:
+        draft = replace(draft, budget=default_budget(model))
     pipe = build_pipeline(pair, draft, dtype, backend, export_dir, threads, model, log=_log)
     if threads:
         torch.set_num_threads(threads)
@@ -295,7 +298,7 @@ def _progress(what):
 @click.option("--temperatures", default="0,1", show_default=True, help="comma list")
 @click.option("--prompts", type=int, default=20, show_default=True, help="prompts per dataset (seeded subset)")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--budget", default="16", show_default=True, help="draft budget, or a sweep like 8,16,32")
+@click.option("--budget", help="draft budget, or a sweep like 8,16,32 (default 16, for smollm2-135m 4)")
 @click.option("--seed", type=int, default=0, show_default=True, help="prompt subset and sampling seed")
 @click.option("--quick", is_flag=True, help="2 prompts, 32 new tokens, the first temperature only")
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(),

@@ -267,3 +267,14 @@ def test_interactive_loop_is_one_conversation_through_the_chat_template(tiny, mo
     terminal.repl(pipe, Request(max_new_tokens=8), True, False, read_line, shown.append, logged.append)
     assert room > 60 and [m["content"] for m in prompts[-1] if m["role"] == "user"][0] != "a " * 20
     assert any("oldest exchanges no longer fit" in m for m in logged)
+
+
+def test_budget_defaults_to_the_models_measured_one(tiny, monkeypatch, capsys):
+    from dtrt.runtime import pipeline
+
+    assert pipeline.default_budget("smollm2-135m") == 4 and pipeline.default_budget(None) == 16
+    assert run_json(monkeypatch, capsys, "--max-new-tokens", "4", PROMPT)["budget"] == 16
+    monkeypatch.setitem(pipeline.MODEL_BUDGETS, "tiny", 3)
+    out = run_json(monkeypatch, capsys, "--max-new-tokens", "24", PROMPT)
+    assert out["budget"] == 3 and max(out["tree_sizes"]) == 4
+    assert run_json(monkeypatch, capsys, "--budget", "5", "--max-new-tokens", "4", PROMPT)["budget"] == 5

@@ -10,7 +10,7 @@ from dtrt import __version__
 from dtrt.bench import datasets, engines, report, runner
 from dtrt.errors import DtrtError
 from dtrt.runtime.methods import METHODS
-from dtrt.runtime.pipeline import load_sources
+from dtrt.runtime.pipeline import default_budget, load_sources
 
 QUICK_PROMPTS, QUICK_TOKENS = 2, 32
 
@@ -28,7 +28,7 @@ class BenchOptions:
     temperatures: str = "0,1"
     prompts: int = 20
     max_new_tokens: int = 128
-    budget: str = "16"
+    budget: str | None = None
     seed: int = 0
     quick: bool = False
     out: str = "bench-results"
@@ -56,7 +56,7 @@ def bench(o: BenchOptions, log) -> Path:
     methods = _split("--methods", o.methods, str, METHODS) if o.methods else list(METHODS)
     names = _split("--datasets", o.datasets, str, datasets.DATASETS)
     temps = _split("--temperatures", o.temperatures, float)
-    budgets = _split("--budget", o.budget, int)
+    budgets = _split("--budget", o.budget, int) if o.budget is not None else []
     if any(t < 0 for t in temps) or any(b < 1 for b in budgets):
         raise DtrtError("--temperatures must be >= 0 and --budget >= 1")
     n, max_new = (QUICK_PROMPTS, QUICK_TOKENS) if o.quick else (o.prompts, o.max_new_tokens)
@@ -67,6 +67,7 @@ def bench(o: BenchOptions, log) -> Path:
     prompts = {d: datasets.load(d, n, o.seed) for d in names}  # missing packages fail before any model loads
     pair, model, backend = load_sources(o.model, o.target, o.drafter, o.model_dir, o.backend, o.export, log)
     o = replace(o, model=model, backend=backend)
+    budgets = budgets or [default_budget(model)]
     gguf = engines.find_gguf(o.gguf, o.model)
 
     if o.threads:
