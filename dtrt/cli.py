@@ -9,6 +9,7 @@ import torch
 
 from dtrt import __version__
 from dtrt.errors import DtrtError
+from dtrt.exporter.quantize import DRAFTER_QUANTS
 from dtrt.models.checkpoint import DTYPES
 from dtrt.runtime.methods import ARMS, BUILDERS, METHODS, DraftConfig
 from dtrt.runtime.pipeline import (BACKENDS, DEFAULT_BUDGET, DEFAULT_MODEL, build_pipeline, default_budget, load_pair,
@@ -191,7 +192,7 @@ def serve(max_new_tokens, temperature, top_p, seed, truncate, host, port, name, 
 @click.option("--budget", type=int, default=16, show_default=True, help="tree budget of the fixed-shape stages")
 @click.option("--topm", type=int, default=64, show_default=True)
 @click.option("--node-topk", type=int, default=8, show_default=True)
-@click.option("--drafter-quant", type=click.Choice(["none", "int8"]), default="none", show_default=True,
+@click.option("--drafter-quant", type=click.Choice(DRAFTER_QUANTS), default="none", show_default=True,
               help="int8 weights in the drafters' block stages (ONNX Runtime CPU; drafts only, output unchanged)")
 @click.option("--force", is_flag=True, help="replace an existing export directory")
 def export(model, target, drafter, model_dir, out, dtype, max_context, budget, topm, node_topk, drafter_quant, force):

@@ -385,8 +385,8 @@ class Report:
                    f"{self.tol.rel:g} x max|torch| (rel); integer outputs exact"
                    + (" (tied: differ on inputs with equal values in a row)" if self.tol.ties else ""))
         if self.quantized:
-            summary += (f"\nint8 drafter stages {', '.join(self.quantized)}: cosine >= {QUANT_TOLERANCE.cosine} and rel "
-                        f"<= {QUANT_TOLERANCE.rel:g} (drafts only; the target verifies every token)")
+            summary += (f"\nint8 drafter stages {', '.join(self.quantized)}: cosine >= {QUANT_TOLERANCE.cosine} "
+                        f"and rel <= {QUANT_TOLERANCE.rel:g} (drafts only; the target verifies every token)")
         verdict = ("all stages pass" if self.ok else f"FAILED: {', '.join(self.failed)}")
         return "\n".join([summary, fmt.format(*head), *(fmt.format(*x) for x in lines), verdict])
 

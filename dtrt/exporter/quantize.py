@@ -14,13 +14,13 @@ from pathlib import Path
 
 from dtrt.errors import DtrtError
 
-DRAFTER_QUANT = ("none", "int8")
+DRAFTER_QUANTS = ("none", "int8")
 QUANT_STAGES = ("block",)  # per drafter kind
 
 
 def check_drafter_quant(quant: str, dtype: str):
-    if quant not in DRAFTER_QUANT:
-        raise DtrtError(f"--drafter-quant {quant!r}: use one of {', '.join(DRAFTER_QUANT)}")
+    if quant not in DRAFTER_QUANTS:
+        raise DtrtError(f"--drafter-quant {quant!r}: use one of {', '.join(DRAFTER_QUANTS)}")
     if quant != "none" and dtype != "fp32":
         raise DtrtError(f"--drafter-quant {quant} quantizes fp32 weights; use it with --dtype fp32")
 

@@ -63,6 +63,10 @@ class Method:
     def build(self, backend, rnd: Round) -> Tree:
         raise NotImplementedError
 
+    def stop(self, backend):
+        """A best-first builder's stopping rule for this round (None: the fixed budget)."""
+        return None
+
 
 class AR(Method):
     uses_drafter = False
@@ -86,9 +90,6 @@ class DDTree(Method):
     def build(self, backend, rnd):
         logprobs = torch.log_softmax(rnd.base[0], dim=-1)
         return build_ddtree(logprobs, self.cfg.budget, self.stop(backend), root=int(rnd.root[0]))
-
-    def stop(self, backend):
-        return None
 
 
 class CostAware:
@@ -116,9 +117,6 @@ class DominoTree(Method):
         if c.builder == "heap":
             return build_heap(scorer, c.budget, self.max_depth, self.stop(backend))
         return build_frontier(scorer, c.budget, self.max_depth, backend.drafter.cfg.mask_token_id).tree(0)
-
-    def stop(self, backend):
-        return None
 
 
 class CaDominoTree(CostAware, DominoTree):
