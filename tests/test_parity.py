@@ -106,8 +106,14 @@ def test_perturbed_reference_fails_only_its_stage(tiny_export):
     stages = reference_stages(tiny_export)
     drafter = stages["domino.block"].module.drafter
     assert stages["domino.context"].module.drafter is drafter
+    down = drafter.layers[0].mlp.down_proj.weight
     with torch.no_grad():  # the block runs the MLP, the context stage only the K/V projections
-        drafter.layers[0].mlp.down_proj.weight[0, 0] += 0.5
+        down[0, 0] += 0.5  # one weight: caught in the hidden rows (rel ~1e-3; the logits behind the lm_head move less)
+    report = run_parity(tiny_export, prompts=0, stages={k: stages[k] for k in ("domino.context", "domino.block")})
+    assert report.failed == ["domino.block"]
+    assert "ph" in {r.output for r in report.rows if not r.ok}
+    with torch.no_grad():
+        down[0] += 0.5  # one row: caught in both outputs
     report = run_parity(tiny_export, prompts=0, stages={k: stages[k] for k in ("domino.context", "domino.block")})
     assert report.failed == ["domino.block"]
     assert {r.output for r in report.rows if not r.ok} == {"ph", "base"}
