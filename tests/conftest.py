@@ -31,14 +31,13 @@ def tiny_export_int8(tiny_export, tmp_path_factory):
 
     from dtrt.exporter.artifact import MANIFEST, load_export
     from dtrt.exporter.export import write_manifest
-    from dtrt.exporter.quantize import quantize_stage, quantized_stages
+    from dtrt.exporter.quantize import quantize_drafters
 
     path = tmp_path_factory.mktemp("export") / "tiny-int8"
     shutil.copytree(tiny_export.path, path)
     manifest = json.loads((path / MANIFEST).read_text())
-    manifest["drafter_quant"], manifest["quantized_stages"] = "int8", quantized_stages(manifest["stages"], "int8")
-    for name in manifest["quantized_stages"]:
-        quantize_stage(path / manifest["stages"][name]["file"])
+    manifest["drafter_quant"] = "int8"
+    manifest["quantized_stages"] = quantize_drafters(path, manifest["stages"], "int8")
     write_manifest(path, manifest)
     return load_export(path)
 

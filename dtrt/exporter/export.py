@@ -11,7 +11,7 @@ from dtrt import __version__
 from dtrt.errors import DtrtError
 from dtrt.exporter.artifact import FORMAT, MANIFEST, Export, checkpoint_hashes, load_export, sha256
 from dtrt.exporter.onnx_export import OPSET, export_stage
-from dtrt.exporter.quantize import check_drafter_quant, quantize_stage, quantized_stages
+from dtrt.exporter.quantize import check_drafter_quant, quantize_drafters
 from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.exporter.stages import drafter_stages, target_stage
 from dtrt.models.checkpoint import check_pair, load_drafter, load_target, parse_dtype
@@ -92,10 +92,7 @@ def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "f
             export_stage(stage, tmp / f"{stage.name}.onnx", max_context, max_context)
             stage_meta[stage.name] = {"file": f"{stage.name}.onnx", "inputs": stage.inputs, "outputs": stage.outputs}
             log(f"[{i}/{len(stages)}] {stage.name} done in {time.perf_counter() - t0:.1f}s")
-        quantized = quantized_stages(stage_meta, drafter_quant)
-        for name in quantized:
-            log(f"quantizing {name} to {drafter_quant}")
-            quantize_stage(tmp / stage_meta[name]["file"])
+        quantized = quantize_drafters(tmp, stage_meta, drafter_quant, log)
         (tmp / "tokenizer").mkdir()
         for name in TOKENIZER_FILES:
             if (pair.target / name).is_file():

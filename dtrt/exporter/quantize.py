@@ -32,6 +32,16 @@ def quantized_stages(stage_names, quant: str) -> list[str]:
     return [name for name in stage_names if name.partition(".")[2] in QUANT_STAGES]
 
 
+def quantize_drafters(root: Path, stages: dict, quant: str, log=None) -> list[str]:
+    """Rewrite, under `root`, the stages of `stages` (name -> {"file", ...}) that `quant` covers; their names."""
+    names = quantized_stages(stages, quant)
+    for name in names:
+        if log:
+            log(f"quantizing {name} to {quant}")
+        quantize_stage(Path(root) / stages[name]["file"])
+    return names
+
+
 def quantize_stage(path: Path):
     """Replace the stage at `path` (and its .data file) by its dynamically quantized int8 version."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
