@@ -4,7 +4,8 @@ Each op is defined once: an eager PyTorch implementation (the reference, also re
 `torch.ops.dtrt.<name>`), and an ONNX function `dtrt::<Name>` of standard ops. During `torch.onnx.export`
 the models emit a `dtrt` domain node instead of the eager math, and the exporter attaches the function
 bodies as model-local functions, so ONNX Runtime runs the node as is and TensorRT can map it to a plugin
-of the same name, version and namespace.
+of the same name, version and namespace. Called eagerly, an op runs its Triton kernel (dtrt.plugins) on a
+CUDA device and its reference elsewhere (dtrt.ops.kernels).
 """
 from dtrt.ops.base import DOMAIN, VERSION, emit, onnx_functions
 from dtrt.ops.ledger_select import ledger_select

@@ -15,6 +15,7 @@ from onnxscript import BOOL, FLOAT, INT64
 from onnxscript import opset20 as op
 
 from dtrt.ops.base import OPSET, emit, register_function
+from dtrt.ops.kernels import kernel
 
 
 def ledger_select_ref(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, root: torch.Tensor,
@@ -53,13 +54,16 @@ torch.library.custom_op("dtrt::ledger_select", mutates_args=())(ledger_select_re
 
 
 def ledger_select(scores, tokens, parents, root, budget: int, mask_token_id: int):
-    """A `dtrt::LedgerSelect` node during ONNX export, the eager reference otherwise."""
+    """A `dtrt::LedgerSelect` node during ONNX export; eagerly the Triton kernel or the reference
+    (dtrt.ops.kernels)."""
     if torch.onnx.is_in_onnx_export():
         bs, n = scores.shape[0], budget + 1
         return emit("LedgerSelect", (scores, tokens, parents, root),
                     (torch.int64, torch.int64, torch.int64, torch.float32, torch.bool),
                     ((bs, n), (bs, n), (bs, n), (bs, n), (bs, n, n)),
                     {"budget": budget, "mask_token_id": mask_token_id})
+    if (run := kernel("ledger_select", scores)) is not None:
+        return run(scores, tokens, parents, root, budget, mask_token_id)
     return ledger_select_ref(scores, tokens, parents, root, budget, mask_token_id)
 
 

@@ -15,6 +15,7 @@ from onnxscript import FLOAT
 from onnxscript import opset20 as op
 
 from dtrt.ops.base import OPSET, emit, register_function
+from dtrt.ops.kernels import kernel
 
 
 def topm_corrected_score_ref(zproj: torch.Tensor, states: torch.Tensor, w1s: torch.Tensor, basec: torch.Tensor,
@@ -27,10 +28,13 @@ torch.library.custom_op("dtrt::topm_corrected_score", mutates_args=())(topm_corr
 
 
 def topm_corrected_score(zproj, states, w1s, basec, w2c):
-    """A `dtrt::TopMCorrectedScore` node during ONNX export, the eager reference otherwise."""
+    """A `dtrt::TopMCorrectedScore` node during ONNX export; eagerly the Triton kernel or the reference
+    (dtrt.ops.kernels)."""
     if torch.onnx.is_in_onnx_export():
         shape = (*states.shape[:-1], basec.shape[-1])
         return emit("TopMCorrectedScore", (zproj, states, w1s, basec, w2c), (torch.float32,), (shape,))
+    if (run := kernel("topm_corrected_score", states, zproj, w1s, basec, w2c)) is not None:
+        return run(zproj, states, w1s, basec, w2c)
     return topm_corrected_score_ref(zproj, states, w1s, basec, w2c)
 
 

@@ -10,6 +10,7 @@ from onnxscript import BOOL, FLOAT
 from onnxscript import opset20 as op
 
 from dtrt.ops.base import OPSET, emit, register_function
+from dtrt.ops.kernels import kernel
 
 
 def tree_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -29,9 +30,13 @@ torch.library.custom_op("dtrt::tree_attention", mutates_args=())(tree_attention_
 
 def tree_attention(q, k, v, mask=None):
     """The models' entry point: a `dtrt::TreeAttention` node during ONNX export (batch-free 3-D inputs with a
-    mask), the eager reference otherwise (which also serves batched training)."""
-    if torch.onnx.is_in_onnx_export() and mask is not None and q.dim() == 3:
-        return emit("TreeAttention", (q, k, v, mask), (q.dtype,), (q.shape,))
+    mask); eagerly the Triton kernel or the reference (dtrt.ops.kernels; the reference also serves batched
+    training and mask-free calls)."""
+    if mask is not None and q.dim() == 3:
+        if torch.onnx.is_in_onnx_export():
+            return emit("TreeAttention", (q, k, v, mask), (q.dtype,), (q.shape,))
+        if (run := kernel("tree_attention", q, k, v)) is not None:
+            return run(q, k, v, mask)
     return tree_attention_ref(q, k, v, mask)
 
 

@@ -15,6 +15,7 @@ from onnxscript import FLOAT, INT64
 from onnxscript import opset20 as op
 
 from dtrt.ops.base import OPSET, emit, register_function
+from dtrt.ops.kernels import kernel
 
 
 def window_index(parents: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -41,11 +42,15 @@ torch.library.custom_op("dtrt::tree_causal_conv1d", mutates_args=())(tree_causal
 
 
 def tree_causal_conv1d(x, parents, conv_state, weight):
-    """A `dtrt::TreeCausalConv1d` node during ONNX export (batch-free inputs), the eager reference otherwise."""
-    if torch.onnx.is_in_onnx_export() and x.dim() == 2:
-        n, c = x.shape
-        return emit("TreeCausalConv1d", (x, parents, conv_state, weight), (x.dtype, x.dtype),
-                    ((n, c), (n, c, weight.shape[-1] - 1)))
+    """A `dtrt::TreeCausalConv1d` node during ONNX export (batch-free inputs); eagerly the Triton kernel
+    or the reference (dtrt.ops.kernels)."""
+    if x.dim() == 2:
+        if torch.onnx.is_in_onnx_export():
+            n, c = x.shape
+            return emit("TreeCausalConv1d", (x, parents, conv_state, weight), (x.dtype, x.dtype),
+                        ((n, c), (n, c, weight.shape[-1] - 1)))
+        if (run := kernel("tree_causal_conv1d", x, conv_state, weight)) is not None:
+            return run(x, parents, conv_state, weight)
     return tree_causal_conv1d_ref(x, parents, conv_state, weight)
 
 

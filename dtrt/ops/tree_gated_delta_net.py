@@ -16,6 +16,7 @@ from onnxscript import FLOAT, INT64
 from onnxscript import opset20 as op
 
 from dtrt.ops.base import OPSET, emit, register_function
+from dtrt.ops.kernels import kernel
 
 
 def tree_gated_delta_net_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -62,11 +63,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk: int = 16):
 
 
 def tree_gated_delta_net(q, k, v, g, beta, parents, state0):
-    """A `dtrt::TreeGatedDeltaNet` node during ONNX export (batch-free inputs), the eager reference otherwise."""
-    if torch.onnx.is_in_onnx_export() and q.dim() == 3:
-        n, h, dk = q.shape
-        return emit("TreeGatedDeltaNet", (q, k, v, g, beta, parents, state0), (torch.float32, torch.float32),
-                    ((n, h, v.shape[-1]), (n, h, dk, v.shape[-1])))
+    """A `dtrt::TreeGatedDeltaNet` node during ONNX export (batch-free inputs); eagerly the Triton kernel
+    or the reference (dtrt.ops.kernels)."""
+    if q.dim() == 3:
+        if torch.onnx.is_in_onnx_export():
+            n, h, dk = q.shape
+            return emit("TreeGatedDeltaNet", (q, k, v, g, beta, parents, state0), (torch.float32, torch.float32),
+                        ((n, h, v.shape[-1]), (n, h, dk, v.shape[-1])))
+        if (run := kernel("tree_gated_delta_net", q, k, v, g, beta, state0)) is not None:
+            return run(q, k, v, g, beta, parents, state0)
     return tree_gated_delta_net_ref(q, k, v, g, beta, parents, state0)
 
 

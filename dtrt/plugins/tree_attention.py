@@ -74,8 +74,9 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -
     heads, n_q, head_dim = q.shape
     kv_heads, n_kv, _ = k.shape
     launch = config(head_dim, heads // kv_heads, q.dtype)
-    out = torch.empty_like(q)
+    q, k, v, mask = (t.contiguous() for t in (q, k, v, mask))
+    out = torch.empty_like(q)  # after .contiguous(): empty_like keeps a transposed input's strides
     grid = (triton.cdiv(n_q, launch.block_n), heads)
-    tree_attention_kernel[grid](q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous(), n_q, n_kv, out,
+    tree_attention_kernel[grid](q, k, v, mask, n_q, n_kv, out,
                                 **launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out

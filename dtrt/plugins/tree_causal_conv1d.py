@@ -65,9 +65,10 @@ def run(x, parents, conv_state, weight):
     n, channels = x.shape
     kernel = weight.shape[-1]
     launch = config(channels, kernel)
-    out = torch.empty_like(x)
+    x = x.contiguous()
+    out = torch.empty_like(x)  # after .contiguous(): empty_like keeps a transposed input's strides
     windows = torch.empty(n, channels, kernel - 1, dtype=x.dtype, device=x.device)
     tree_causal_conv1d_kernel[(n, triton.cdiv(channels, launch.block_c))](
-        x.contiguous(), parents.contiguous(), conv_state.contiguous(), weight.contiguous(), n, out, windows,
+        x, parents.contiguous(), conv_state.contiguous(), weight.contiguous(), n, out, windows,
         **launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out, windows

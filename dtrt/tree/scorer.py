@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dtrt.models.domino import DominoHead
+from dtrt.ops.topm_corrected_score import topm_corrected_score
 
 
 @dataclass
@@ -117,11 +118,12 @@ class DominoScorer:
             shape = (bs, n, self.k)
             return (self.prefix_tokens[:, depth, None].expand(shape),
                     self.prefix_logprobs[:, depth, None].expand(shape))
-        h = self.bottleneck(states, depth)
         if self.topm:
-            corrected = self.basec[:, depth, None] + h @ self.w2c[:, depth].transpose(-1, -2)  # [bs, n, M]
-            lp, local = torch.topk(torch.log_softmax(corrected, dim=-1), self.k, dim=-1)
+            logprobs = topm_corrected_score(self.zp[:, depth], states, self.w1s, self.basec[:, depth],
+                                            self.w2c[:, depth])  # [bs, n, M]
+            lp, local = torch.topk(logprobs, self.k, dim=-1)
             return torch.gather(self.cand[:, depth, None].expand(bs, n, self.topm), -1, local), lp
+        h = self.bottleneck(states, depth)
         corrected = self.round.base[:, depth, None].float() + F.linear(h.to(self.dtype), self.head.w2).float()
         lp, tok = torch.topk(torch.log_softmax(corrected, dim=-1), self.k, dim=-1)
         return tok, lp
