@@ -1,11 +1,12 @@
-"""DominoTree build time per round: heap vs frontier, side by side in one process, on the CPU.
+"""DominoTree build time per round: heap vs frontier, side by side in one process.
 
 Random weights at Qwen3-4B Domino shapes by default (V=151936, H=2560, G=1024, E=256; M=64, k=8, D=16).
 A round is the scorer's per-round setup plus the build, on fresh random drafter rows and base logits; the
 two builders alternate who goes first, and "same tree" counts rounds where both chose the same nodes.
 On a CPU both builders are bound by streaming the GRU weights: the heap streams them once per pop (B times,
-k rows each), the frontier once per depth (D - 1 times, W = B rows each). GPU behaviour differs (host syncs
-per pop against W*D lane corrections) and is not measured here.
+k rows each), the frontier once per depth (D - 1 times, W = B rows each). With --device cuda the builders run
+on the GPU, and the Domino scores and the frontier's selection on their Triton kernels (dtrt.ops.kernels;
+DTRT_KERNELS=ref times the PyTorch references instead): there the heap pays a host sync per pop.
 
     python benchmarks/tree_build.py
     python benchmarks/tree_build.py --vocab 32000 --hidden 1024 --gru 512 --emb 128 --rounds 10 --json out.json

@@ -12,8 +12,8 @@ from dtrt.errors import DtrtError
 from dtrt.exporter.quantize import DRAFTER_QUANTS
 from dtrt.models.checkpoint import DTYPES
 from dtrt.runtime.methods import ARMS, BUILDERS, METHODS, DraftConfig
-from dtrt.runtime.pipeline import (BACKENDS, DEFAULT_BUDGET, DEFAULT_MODEL, build_pipeline, default_budget, load_pair,
-                                   load_sources)
+from dtrt.runtime.pipeline import (BACKENDS, DEFAULT_BUDGET, DEFAULT_MODEL, build_pipeline, default_budget,
+                                   default_builder, load_pair, load_sources)
 from dtrt.runtime.requests import Request, check_seed, check_stop, has_chat_template, read_requests
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
@@ -40,8 +40,8 @@ def pipeline_options(f):
         click.option("--model-dir", type=click.Path(),
                      help="where registry checkpoints are looked up before the HF cache"),
         click.option("--method", type=click.Choice(METHODS), default="dominotree", show_default=True),
-        click.option("--builder", type=click.Choice(BUILDERS), default="heap", show_default=True,
-                     help="dominotree tree builder"),
+        click.option("--builder", type=click.Choice(BUILDERS),
+                     help="dominotree tree builder (default: frontier on --device cuda, else heap)"),
         click.option("--arm", type=click.Choice(ARMS), default="dominotree", show_default=True,
                      help="dominotree scoring: per path (dominotree), per depth on the greedy chain (condstatic), "
                           "none (marg)"),
@@ -62,6 +62,8 @@ def pipeline_options(f):
         click.option("--export", "export_dir", type=click.Path(),
                      help="export directory (dtrt export) for onnxruntime"),
         click.option("--threads", type=int, help="intra-op threads of torch and ONNX Runtime (default: theirs)"),
+        click.option("--device", help="torch backend: cpu (default), cuda or cuda:N (the ops run their Triton "
+                                      "kernels there)"),
         click.option("--truncate", is_flag=True,
                      help="keep the prompt's last tokens when prompt + new tokens exceed the context (else an error)"),
     ]
@@ -79,12 +81,14 @@ def _request_defaults(max_new_tokens, temperature, top_p, seed, stop=()) -> Requ
 
 
 def _load_pipeline(model, target, drafter, model_dir, method, builder, arm, budget, topm, node_topk, dtype, backend,
-                   export_dir, threads):
-    draft = DraftConfig(method, DEFAULT_BUDGET if budget is None else budget, builder, arm, topm, node_topk)
-    pair, model, backend = load_sources(model, target, drafter, model_dir, backend, export_dir, log=_log)
+                   export_dir, threads, device):
+    draft = DraftConfig(method, DEFAULT_BUDGET if budget is None else budget,
+                        builder or default_builder(method, device), arm, topm, node_topk)
+    pair, model, backend = load_sources(model, target, drafter, model_dir, backend, export_dir, log=_log,
+                                        device=device)
     if budget is None:
         draft = replace(draft, budget=default_budget(model))
-    pipe = build_pipeline(pair, draft, dtype, backend, export_dir, threads, model, log=_log)
+    pipe = build_pipeline(pair, draft, dtype, backend, export_dir, threads, model, log=_log, device=device)
     if threads:
         torch.set_num_threads(threads)
     return pipe
@@ -305,16 +309,17 @@ def _progress(what):
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(),
               help="directory for bench.json, bench.md, bench.png")
 @click.option("--threads", type=int, help="intra-op threads of torch, ONNX Runtime and llama.cpp")
+@click.option("--device", help="torch backend: cpu (default), cuda or cuda:N (dominotree then builds with the frontier)")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), help="default fp32 (onnxruntime: the export's)")
 @click.option("--gguf", type=click.Path(), help="GGUF of the same target for a llama.cpp peer row "
               "(needs llama-cpp-python; smollm2-135m finds its own)")
 def bench(model, target, drafter, model_dir, backend, export_dir, methods, dataset_names, temperatures, prompts,
-          max_new_tokens, budget, seed, quick, out, threads, dtype, gguf):
+          max_new_tokens, budget, seed, quick, out, threads, device, dtype, gguf):
     """Time methods x datasets x temperatures in one process against AR; write a JSON, a table and a plot."""
     from dtrt.bench.main import BenchOptions, bench as run_bench
 
     opts = BenchOptions(model, target, drafter, model_dir, backend, export_dir, methods, dataset_names,
-                        temperatures, prompts, max_new_tokens, budget, seed, quick, out, threads, dtype, gguf)
+                        temperatures, prompts, max_new_tokens, budget, seed, quick, out, threads, dtype, gguf, device)
     path = run_bench(opts, _log)
     click.echo((path / "bench.md").read_text(), nl=False)
     _log(f"wrote {path / 'bench.json'}, {path / 'bench.md'}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One-command GPU check (PyTorch with CUDA and Triton; TensorRT not needed): every `gpu`-marked test, then the
-# DominoTree tree-build time per round at Qwen3-4B shapes (V=151936, H=2560, G=1024, E=256, budget 32, M=64,
-# k=8, D=16, random weights), sequential heap vs frontier side by side, and a short summary.
+# One-command GPU check (PyTorch with CUDA and Triton; TensorRT not needed): every `gpu`- and `kernels`-marked
+# test, then the DominoTree tree-build time per round at Qwen3-4B shapes (V=151936, H=2560, G=1024, E=256,
+# budget 32, M=64, k=8, D=16, random weights), sequential heap vs frontier side by side, and a short summary.
 #
 #   bash scripts/gpu_check.sh            # results also go to gpu-check/ (or $GPU_CHECK_OUT)
 set -euo pipefail
@@ -24,7 +24,7 @@ PY
 
 start=$SECONDS
 set +e
-python -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
+python -m pytest -q -m "gpu or kernels" tests -p no:cacheprovider --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 set -e
 tests_s=$((SECONDS - start))

@@ -1,7 +1,14 @@
+import os
+
 import pytest
 import torch
 
-from dtrt.models.registry import tiny_pair
+# Without a CUDA GPU the Triton kernels run in Triton's CPU interpreter. It is chosen when a kernel is defined,
+# so before any test imports dtrt.plugins.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dtrt.models.registry import tiny_pair  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import sys
 import urllib.request
 
 import pytest
+import torch
 
 from dtrt.runtime.methods import DraftConfig
 from dtrt.runtime.pipeline import build_pipeline
@@ -174,6 +175,23 @@ def test_chat_without_a_template(server, tmp_path, monkeypatch, capsys):
 ])
 def test_invalid_flag_values(args, fragment, monkeypatch, capsys):
     expect_error(monkeypatch, capsys, *args, *(["--model", "tiny", "x"] if args[0] == "run" else []), fragments=(fragment,))
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("run", "--model", "tiny", "--device", "tpu", "x"), "--device 'tpu': use cpu, cuda or cuda:N"),
+    (("run", "--model", "tiny", "--backend", "onnxruntime", "--device", "cuda", "x"),
+     "--device cuda: only the torch backend takes a device (--backend onnxruntime runs on the CPU)"),
+    (("bench", "--model", "tiny", "--datasets", "humaneval", "--quick", "--device", "cuda:x"),
+     "--device 'cuda:x': use cpu, cuda or cuda:N"),
+])
+def test_unusable_device(args, fragment, monkeypatch, capsys):
+    expect_error(monkeypatch, capsys, *args, fragments=(fragment,))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a CUDA GPU")
+def test_cuda_device_without_a_gpu(tiny, monkeypatch, capsys):
+    expect_error(monkeypatch, capsys, "serve", "--model", "tiny", "--device", "cuda",
+                 fragments=("--device cuda: torch ", "CPU-only build" if torch.version.cuda is None else "no CUDA"))
 
 
 def test_bad_jsonl_input(tiny, tmp_path, monkeypatch, capsys):

@@ -9,7 +9,7 @@ from pathlib import Path
 from dtrt.bench.datasets import package_file
 from dtrt.errors import DtrtError
 from dtrt.runtime.methods import DraftConfig
-from dtrt.runtime.pipeline import Pipeline, build_pipeline
+from dtrt.runtime.pipeline import Pipeline, build_pipeline, default_builder
 from dtrt.runtime.sampling import SamplingConfig
 
 BUDGET_METHODS = ("ddtree", "caddtree", "dominotree", "cadominotree")
@@ -85,16 +85,16 @@ class LlamaCppEngine:
 
 
 def dtrt_engines(pair, methods: list[str], budgets: list[int], explicit: bool, dtype, backend, export, threads,
-                 model, log) -> list[DtrtEngine]:
-    """One pipeline per method (per budget for the budget methods), AR first. Methods the pair cannot serve are
-    skipped with a note when they were not asked for by name."""
+                 model, log, device: str | None = None) -> list[DtrtEngine]:
+    """One pipeline per method (per budget for the budget methods), AR first, each with the default builder of
+    `device`. Methods the pair cannot serve are skipped with a note when they were not asked for by name."""
     engines = []
     for method in ["ar", *[m for m in methods if m != "ar"]]:
         for budget in budgets if method in BUDGET_METHODS else budgets[:1]:
             label = f"{method}@{budget}" if method in BUDGET_METHODS else method
             try:
-                pipe = build_pipeline(pair, DraftConfig(method, budget), dtype, backend, export, threads, model,
-                                      log=log)
+                draft = DraftConfig(method, budget, default_builder(method, device))
+                pipe = build_pipeline(pair, draft, dtype, backend, export, threads, model, log=log, device=device)
             except DtrtError as e:
                 if explicit or method == "ar":
                     raise

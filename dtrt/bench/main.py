@@ -35,6 +35,7 @@ class BenchOptions:
     threads: int | None = None
     dtype: str | None = None
     gguf: str | None = None
+    device: str | None = None  # torch backend: cpu or cuda[:N]
 
 
 def _split(flag: str, text: str, convert, allowed=None) -> list:
@@ -65,7 +66,8 @@ def bench(o: BenchOptions, log) -> Path:
     if n < 1 or max_new < 2:
         raise DtrtError("--prompts must be >= 1 and --max-new-tokens >= 2 (the first token comes from prefill)")
     prompts = {d: datasets.load(d, n, o.seed) for d in names}  # missing packages fail before any model loads
-    pair, model, backend = load_sources(o.model, o.target, o.drafter, o.model_dir, o.backend, o.export, log)
+    pair, model, backend = load_sources(o.model, o.target, o.drafter, o.model_dir, o.backend, o.export, log,
+                                        o.device)
     o = replace(o, model=model, backend=backend)
     budgets = budgets or [default_budget(model)]
     gguf = engines.find_gguf(o.gguf, o.model)
@@ -73,7 +75,7 @@ def bench(o: BenchOptions, log) -> Path:
     if o.threads:
         torch.set_num_threads(o.threads)
     engs = engines.dtrt_engines(pair, methods, budgets, o.methods is not None, o.dtype, o.backend, o.export,
-                                o.threads, o.model, log)
+                                o.threads, o.model, log, o.device)
     peer = engines.llamacpp_engine(gguf, engs[0].tokenizer, o.threads, max_new, log)
     engs += [peer] if peer else []
     log(f"bench: {', '.join(e.label for e in engs)} on {', '.join(f'{d} ({len(p)})' for d, p in prompts.items())}"
@@ -85,7 +87,8 @@ def bench(o: BenchOptions, log) -> Path:
     rows = report.summarize(records, o.seed)
 
     model = o.model or (Path(o.target).name if o.target else Path(o.export).name if o.export else "tiny")
-    title = f"dtrt bench: {model}, {o.backend}, {max_new} new tokens"
+    where = f" on {o.device}" if o.device and o.device != "cpu" else ""
+    title = f"dtrt bench: {model}, {o.backend}{where}, {max_new} new tokens"
     config = {**vars(o), "datasets": names, "temperatures": temps, "budgets": budgets, "prompts": n,
               "max_new_tokens": max_new, "methods": [e.label for e in engs], "gguf": str(gguf) if peer else None,
               "dtrt": __version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),

@@ -50,7 +50,8 @@ def generate(backend, method: Method, prompt: list[int], max_new_tokens: int, sa
     drafter = backend.drafter if method.uses_drafter else None
     block = drafter.cfg.block_size if drafter is not None else 1
     backend.reset(capacity_for(len(prompt), max_new_tokens, budget, block))
-    gen = torch.Generator().manual_seed(sampling.seed)
+    # samples are drawn where the logits are (a CUDA torch backend keeps them on the device)
+    gen = torch.Generator(getattr(backend, "device", "cpu")).manual_seed(sampling.seed)
     out = Generation(tokens=[])
 
     t0 = time.perf_counter()
@@ -82,7 +83,7 @@ def generate(backend, method: Method, prompt: list[int], max_new_tokens: int, sa
         if drafter is not None:
             ph, base = backend.draft_block(root, start)
             t1 = time.perf_counter()
-            tree = method.build(backend, Round(ph[None], base[None], torch.tensor([root])))
+            tree = method.build(backend, Round(ph[None], base[None], torch.tensor([root], device=ph.device)))
         else:
             t1 = time.perf_counter()
             tree = Tree.chain([], root=root)

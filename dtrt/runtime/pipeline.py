@@ -2,6 +2,8 @@
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import read_json
@@ -77,24 +79,58 @@ def default_budget(model: str | None) -> int:
     return MODEL_BUDGETS.get(model, DEFAULT_BUDGET)
 
 
+def check_device(device: str | None, backend: str) -> torch.device:
+    """--device as a torch device: cpu for every backend, cuda[:N] for the torch backend on a visible GPU."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise DtrtError(f"--device {device!r}: use cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if backend != "torch":
+            raise DtrtError(f"--device {device}: only the torch backend takes a device (--backend {backend} "
+                            f"{'runs its engines on the GPU by itself' if backend == 'tensorrt' else 'runs on the CPU'})")
+        from dtrt.engines.keys import cuda_status
+
+        devices, why = cuda_status()
+        if why:
+            raise DtrtError(f"--device {device}: {why}")
+        if (dev.index or 0) >= len(devices):
+            raise DtrtError(f"--device {device}: torch sees {len(devices)} CUDA device(s), numbered from 0")
+    return dev
+
+
+def default_builder(method: str, device: str | None) -> str:
+    """The frontier builder on a CUDA device (no host synchronization per node), the heap on the CPU;
+    cadominotree always grows its tree on the host heap."""
+    cuda = device is not None and device.startswith("cuda")
+    return "frontier" if cuda and method != "cadominotree" else "heap"
+
+
 def source_defaults(model: str | None, target: str | None, drafter: str | None, backend: str | None,
-                    export) -> tuple[str | None, str]:
+                    export, device: str | None = None) -> tuple[str | None, str]:
     """(model, backend) after the defaults: no --model, --target or --export runs the embedded default model on
     ONNX Runtime (exported into the cache on first use); --export alone runs on ONNX Runtime; checkpoints named by
-    --model or --target run on torch unless --backend says otherwise."""
+    --model or --target, and any --device cuda, run on torch unless --backend says otherwise."""
     named = model is not None or target is not None or drafter is not None
     if backend is None:
-        backend = "onnxruntime" if export is not None or not named else "torch"
+        cuda = device is not None and device.startswith("cuda")
+        backend = "onnxruntime" if (export is not None or not named) and not cuda else "torch"
     if not named and export is None:
         model = DEFAULT_MODEL
     return model, backend
 
 
 def load_sources(model: str | None, target: str | None, drafter: str | None, model_dir: str | None,
-                 backend: str | None, export, log=None) -> tuple[Pair | None, str | None, str]:
+                 backend: str | None, export, log=None, device: str | None = None
+                 ) -> tuple[Pair | None, str | None, str]:
     """(pair, model, backend) after source_defaults; no pair when an --export runs alone (with --model/--target
     the export must come from those checkpoints)."""
-    model, backend = source_defaults(model, target, drafter, backend, export)
+    model, backend = source_defaults(model, target, drafter, backend, export, device)
+    check_device(device, backend)
     alone = model is None and target is None and drafter is None
     return (None if alone else load_pair(model, target, drafter, model_dir, log)), model, backend
 
@@ -112,13 +148,14 @@ def load_pair(model: str | None, target: str | None, drafter: str | None, model_
 
 def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = None, backend: str = "torch",
                    export: str | Path | None = None, threads: int | None = None, model: str | None = None,
-                   log=None) -> Pipeline:
-    """A pipeline on `backend`: torch runs the checkpoints of `pair`; onnxruntime runs the `export` directory,
-    checked against `pair` (and the registry name `model`) when one is given."""
+                   log=None, device: str | None = None) -> Pipeline:
+    """A pipeline on `backend`: torch runs the checkpoints of `pair` on `device`; onnxruntime runs the `export`
+    directory, checked against `pair` (and the registry name `model`) when one is given."""
     if backend not in BACKENDS:
         raise DtrtError(f"--backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if threads is not None and threads < 1:
         raise DtrtError(f"--threads {threads}: must be >= 1")
+    dev = check_device(device, backend)
     if backend == "onnxruntime":
         return _ort_pipeline(pair, draft, dtype, export, threads, model, log)
     if backend == "tensorrt":  # the engines' export, checked like onnxruntime's, with TensorRT stages
@@ -145,7 +182,7 @@ def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = No
     tokenizer = load_tokenizer(pair.target)
     eos = stop_ids(target.cfg.eos_token_id, tokenizer)
     limit = read_json(pair.target / "config.json").get("max_position_embeddings")
-    return Pipeline(TorchBackend(target, drafter), method, draft, tokenizer, eos, limit,
+    return Pipeline(TorchBackend(target, drafter, dev), method, draft, tokenizer, eos, limit,
                     f"max_position_embeddings in {pair.target / 'config.json'}")
 
 

@@ -1,4 +1,6 @@
-"""The PyTorch backend: the reference implementation of every stage of DESIGN.md section 2."""
+"""The PyTorch backend: the reference implementation of every stage of DESIGN.md section 2, on the CPU or a CUDA
+device. On CUDA the dtrt ops run their Triton kernels (dtrt.ops.kernels); the decode loop hands in host tensors
+and gets logits and drafter rows back on the device."""
 import torch
 
 from dtrt.models.drafter import DraftCache, Drafter
@@ -9,8 +11,11 @@ from dtrt.tree import CondStaticScorer, DominoScorer, MarginalScorer, Round
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, target: Target, drafter: Drafter | None = None):
-        self.target, self.drafter = target, drafter
+    def __init__(self, target: Target, drafter: Drafter | None = None, device: str | torch.device | None = None):
+        """The models are moved to `device` (default: where the target is)."""
+        self.device = torch.device(device) if device is not None else target.lm_head.weight.device
+        self.target = target.to(self.device)
+        self.drafter = drafter.to(self.device) if drafter is not None else None
         target.taps = list(drafter.cfg.target_layer_ids) if drafter is not None else []
         self.cache: KVCache | None = None
         self.draft_cache: DraftCache | None = None
@@ -24,7 +29,7 @@ class TorchBackend:
         if self.cache is None or self.cache.capacity < capacity:
             self.cache = self.target.new_cache(capacity)
             if self.drafter is not None:
-                self.draft_cache = DraftCache(self.drafter.cfg, capacity, self.drafter.dtype)
+                self.draft_cache = DraftCache(self.drafter.cfg, capacity, self.drafter.dtype, self.device)
         self.cache.reset()
         if self.draft_cache is not None:
             self.draft_cache.reset()
@@ -33,7 +38,8 @@ class TorchBackend:
     @torch.no_grad()
     def target_forward(self, ids, positions, mask):
         """Logits [N, V] fp32 and tapped hidden states [N, taps*H]; the new K/V sit after the past, uncommitted."""
-        return self.target(ids, positions, mask, self.cache)
+        dev = self.device
+        return self.target(ids.to(dev), positions.to(dev), mask.to(dev), self.cache)
 
     def commit(self, accepted):
         self.cache.commit(accepted)
@@ -41,7 +47,8 @@ class TorchBackend:
     # drafter stages
     @torch.no_grad()
     def draft_context(self, hidden, positions):
-        self.draft_cache.append(self.drafter.context_kv(hidden.to(self.drafter.dtype), positions))
+        self.draft_cache.append(self.drafter.context_kv(hidden.to(self.device, self.drafter.dtype),
+                                                        positions.to(self.device)))
 
     @torch.no_grad()
     def draft_block(self, root: int, start: int):
@@ -49,8 +56,8 @@ class TorchBackend:
         cfg = self.drafter.cfg
         ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long)
         ids[0] = root
-        x = self.target.model.embed_tokens(ids).to(self.drafter.dtype)
-        positions = torch.arange(start, start + cfg.block_size)
+        x = self.target.model.embed_tokens(ids.to(self.device)).to(self.drafter.dtype)
+        positions = torch.arange(start, start + cfg.block_size, device=self.device)
         ctx = [self.draft_cache.layer(i) for i in range(cfg.num_layers)]
         ph = self.drafter.proposal_rows(self.drafter.block(x, positions, ctx))
         return ph, self.target.lm_head(ph.to(self.target.dtype)).float()
@@ -74,8 +81,15 @@ class TorchBackend:
         try:
             mask = torch.ones(n, n, dtype=torch.bool).tril()
             self.target_forward(torch.zeros(n, dtype=torch.long), torch.arange(past, past + n), mask)
+            self.synchronize()
         finally:
             self.cache.past = saved
 
     def time_draft(self):
         self.draft_block(0, self.past)
+        self.synchronize()
+
+    def synchronize(self):
+        """Wait for the device's queued work (the cost probes time it from the host)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
