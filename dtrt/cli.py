@@ -309,7 +309,8 @@ def _progress(what):
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(),
               help="directory for bench.json, bench.md, bench.png")
 @click.option("--threads", type=int, help="intra-op threads of torch, ONNX Runtime and llama.cpp")
-@click.option("--device", help="torch backend: cpu (default), cuda or cuda:N (dominotree then builds with the frontier)")
+@click.option("--device", help="torch backend: cpu (default), cuda or cuda:N (dominotree builds with the frontier "
+                                "there)")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), help="default fp32 (onnxruntime: the export's)")
 @click.option("--gguf", type=click.Path(), help="GGUF of the same target for a llama.cpp peer row "
               "(needs llama-cpp-python; smollm2-135m finds its own)")

@@ -18,7 +18,8 @@ def backends(probes):
 def test_everything_present():
     b = backends(GPU)
     assert all(c.ok for c in b.values())
-    assert b["torch"].detail == "cpu, cuda" and b["tensorrt"].detail == "engines from `dtrt build-engine`"
+    assert b["torch"].detail == "cpu, cuda (the ops run their Triton kernels)"
+    assert b["tensorrt"].detail == "engines from `dtrt build-engine`"
 
 
 def test_each_missing_piece_names_itself():
@@ -38,6 +39,8 @@ def test_each_missing_piece_names_itself():
     del no_triton["plugin libraries"]
     assert backends(no_triton)["tensorrt"].why.startswith("plugin libraries: the dtrt plugins")
     assert backends(no_triton)["tensorrt"].why.endswith("need Triton (see above)")
+    assert backends(no_triton)["torch"].detail == ("cpu, cuda (the ops run their PyTorch references: Triton is not "
+                                                   "installed)")
     no_ort = {"onnxruntime": lambda r: Check("onnxruntime", False, why="cannot be imported; pip install onnxruntime")}
     assert backends(no_ort)["onnxruntime"].why == "cannot be imported; pip install onnxruntime"
 

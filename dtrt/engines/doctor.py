@@ -3,6 +3,7 @@ each one that is missing, why and what to do.
 
 Every probe is a function of the results before it, so a test can replace any of them with a fake.
 """
+import os
 import platform
 import sys
 from dataclasses import asdict, dataclass
@@ -102,10 +103,20 @@ PROBES = {"python": _python, "torch": _torch, "onnxruntime": _onnxruntime, "CUDA
           "Triton": _triton, "TensorRT": _tensorrt, "TensorRT builder": _builder, "plugin libraries": _plugins}
 
 
+def _torch_devices(r: dict) -> str:
+    """The torch backend's devices, and what runs the dtrt ops on CUDA (dtrt.ops.kernels)."""
+    if not r["CUDA devices"].ok:
+        return "cpu"
+    if os.environ.get("DTRT_KERNELS") == "ref":
+        return "cpu, cuda (DTRT_KERNELS=ref: the ops run their PyTorch references)"
+    if not r["Triton"].ok:
+        return f"cpu, cuda (the ops run their PyTorch references: {r['Triton'].why})"
+    return "cpu, cuda (the ops run their Triton kernels)"
+
+
 def backend_checks(r: dict) -> list[Check]:
     """The runtime backends `dtrt run --backend` offers, from the probe results."""
-    cuda = r["CUDA devices"]
-    torch_ = Check("torch", True, "cpu" + (", cuda" if cuda.ok else ""))
+    torch_ = Check("torch", True, _torch_devices(r))
     ort = Check("onnxruntime", r["onnxruntime"].ok, r["onnxruntime"].detail, r["onnxruntime"].why)
     need = [r[n] for n in ("TensorRT", "CUDA devices", "TensorRT builder", "plugin libraries")]
     bad = next((c for c in need if not c.ok), None)

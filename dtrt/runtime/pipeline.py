@@ -91,8 +91,8 @@ def check_device(device: str | None, backend: str) -> torch.device:
         raise DtrtError(f"--device {device!r}: use cpu, cuda or cuda:N")
     if dev.type == "cuda":
         if backend != "torch":
-            raise DtrtError(f"--device {device}: only the torch backend takes a device (--backend {backend} "
-                            f"{'runs its engines on the GPU by itself' if backend == 'tensorrt' else 'runs on the CPU'})")
+            where = "runs its engines on the GPU by itself" if backend == "tensorrt" else "runs on the CPU"
+            raise DtrtError(f"--device {device}: only the torch backend takes a device (--backend {backend} {where})")
         from dtrt.engines.keys import cuda_status
 
         devices, why = cuda_status()
