@@ -50,6 +50,9 @@ def pipeline_options(f):
         click.option("--topm", type=int, default=64, show_default=True,
                      help="Domino candidates per depth (0 = full vocab)"),
         click.option("--node-topk", type=int, default=8, show_default=True, help="children per tree node"),
+        click.option("--cuda-graph", is_flag=True,
+                     help="dominotree --builder frontier on --device cuda: replay drafting + tree building as one "
+                          "CUDA graph"),
         click.option("--max-new-tokens", type=int, default=128, show_default=True,
                      help="stop after this many tokens (serve: for requests without max_tokens)"),
         click.option("--temperature", type=float, default=0.0, show_default=True,
@@ -80,10 +83,11 @@ def _request_defaults(max_new_tokens, temperature, top_p, seed, stop=()) -> Requ
                    stop=check_stop(stop, "--stop"))
 
 
-def _load_pipeline(model, target, drafter, model_dir, method, builder, arm, budget, topm, node_topk, dtype, backend,
-                   export_dir, threads, device):
+def _load_pipeline(model, target, drafter, model_dir, method, builder, arm, budget, topm, node_topk, cuda_graph,
+                   dtype, backend, export_dir, threads, device):
     draft = DraftConfig(method, DEFAULT_BUDGET if budget is None else budget,
-                        builder or default_builder(method, device), arm, topm, node_topk)
+                        builder or default_builder(method, "cuda" if cuda_graph else device), arm, topm, node_topk,
+                        cuda_graph)
     pair, model, backend = load_sources(model, target, drafter, model_dir, backend, export_dir, log=_log,
                                         device=device)
     if budget is None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command GPU check (PyTorch with CUDA and Triton; TensorRT not needed): every `gpu`- and `kernels`-marked
 # test, then the DominoTree tree-build time per round at Qwen3-4B shapes (V=151936, H=2560, G=1024, E=256,
-# budget 32, M=64, k=8, D=16, random weights), sequential heap vs frontier side by side, and a short summary.
+# budget 32, M=64, k=8, D=16, random weights), sequential heap vs frontier side by side, drafting + tree
+# building eager vs one CUDA graph on the tiny pair, and a short summary.
 #
 #   bash scripts/gpu_check.sh            # results also go to gpu-check/ (or $GPU_CHECK_OUT)
 set -euo pipefail
@@ -34,11 +35,19 @@ python benchmarks/tree_build.py --device cuda --budgets 32 --rounds 30 --warmup 
     | tee "$out/tree_build.md"
 bench_s=$((SECONDS - start))
 
-python - "$out" "$tests_rc" "$tests_s" "$bench_s" <<'PY'
+start=$SECONDS
+set +e
+python benchmarks/draft_graph.py --device cuda --prompts 4 --max-new-tokens 64 --json "$out/draft_graph.json" \
+    2>&1 | tee "$out/draft_graph.md"
+graph_rc=${PIPESTATUS[0]}
+set -e
+graph_s=$((SECONDS - start))
+
+python - "$out" "$tests_rc" "$tests_s" "$bench_s" "$graph_rc" "$graph_s" <<'PY'
 import json, sys
 import xml.etree.ElementTree as ET
 
-out, rc, tests_s, bench_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+out, rc, tests_s, bench_s, graph_rc, graph_s = sys.argv[1], *map(int, sys.argv[2:])
 suite = ET.parse(f"{out}/gpu-tests.xml").getroot()
 suite = suite if suite.tag == "testsuite" else suite[0]
 n, skipped = int(suite.get("tests")), int(suite.get("skipped"))
@@ -52,5 +61,13 @@ print(f"tree build per round, budget {row['budget']} at Qwen3-4B shapes ({bench_
       f"same tree {row['same_tree']}/{row['rounds']}")
 print(f"frontier vs the aim of 0.3 ms on an H200: {'met' if row['frontier_median_ms'] <= 0.3 else 'not met'} "
       f"(the paper's fused builder: 0.88 ms on an RTX 5080)")
-sys.exit(1 if rc else 0)
+if graph_rc:
+    print(f"drafting + build as a CUDA graph (tiny pair): the benchmark failed, see {out}/draft_graph.md")
+else:
+    g = json.load(open(f"{out}/draft_graph.json"))
+    e, c = g["results"]["eager"], g["results"]["graph"]
+    print(f"drafting + build per round, tiny pair, budget 16 ({graph_s} s): eager {e['draft_build_median_ms']:.3f} ms, "
+          f"CUDA graph {c['draft_build_median_ms']:.3f} ms; tok/s {e['tok_s_median']:.0f} vs {c['tok_s_median']:.0f}; "
+          f"same tokens {g['same_tokens']}/{g['prompts']}")
+sys.exit(1 if rc or graph_rc else 0)
 PY

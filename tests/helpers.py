@@ -46,3 +46,38 @@ def run_cli(monkeypatch, capsys, *args):
         code = e.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+# host synchronizations (and the ways Python reads a device value back) that fixed-shape GPU code must not do
+FORBIDDEN = [(torch.Tensor, name) for name in
+             ("item", "tolist", "numpy", "nonzero", "masked_select", "__bool__", "__int__", "__float__", "__index__")]
+FORBIDDEN += [(torch, name) for name in ("nonzero", "masked_select", "argwhere")]
+
+
+def _raise(*args, **kwargs):
+    raise AssertionError("host synchronization")
+
+
+def _no_bool_index(orig):
+    def indexed(self, index, *rest):
+        parts = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+            raise AssertionError("boolean-mask indexing")
+        return orig(self, index, *rest)
+
+    return indexed
+
+
+def no_host_sync(mp):
+    """Make every FORBIDDEN call and boolean-mask indexing raise, within monkeypatch context `mp`; checks that
+    the guard is live."""
+    import pytest
+
+    for owner, name in FORBIDDEN:
+        mp.setattr(owner, name, _raise)
+    mp.setattr(torch.Tensor, "__getitem__", _no_bool_index(torch.Tensor.__getitem__))
+    mp.setattr(torch.Tensor, "__setitem__", _no_bool_index(torch.Tensor.__setitem__))
+    with pytest.raises(AssertionError):
+        torch.ones(1).item()
+    with pytest.raises(AssertionError):
+        torch.ones(2)[torch.ones(2, dtype=torch.bool)]

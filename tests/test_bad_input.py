@@ -183,8 +183,12 @@ def test_invalid_flag_values(args, fragment, monkeypatch, capsys):
      "--device cuda: only the torch backend takes a device (--backend onnxruntime runs on the CPU)"),
     (("bench", "--model", "tiny", "--datasets", "humaneval", "--quick", "--device", "cuda:x"),
      "--device 'cuda:x': use cpu, cuda or cuda:N"),
+    (("run", "--model", "tiny", "--method", "ddtree", "--cuda-graph", "x"),
+     "--cuda-graph: captures DominoTree's fixed-shape frontier build, not --method ddtree; use --method dominotree"),
+    (("serve", "--model", "tiny", "--cuda-graph"), "--cuda-graph: captures the torch backend's drafting on a GPU; "
+                                                     "add --device cuda"),
 ])
-def test_unusable_device(args, fragment, monkeypatch, capsys):
+def test_unusable_device_or_cuda_graph(args, fragment, monkeypatch, capsys):
     expect_error(monkeypatch, capsys, *args, fragments=(fragment,))
 
 

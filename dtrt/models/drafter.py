@@ -85,7 +85,8 @@ class Drafter(nn.Module):
 
     def block(self, x, positions, ctx_kv, mask=None):
         """x [..., B, H] block embeddings, positions [..., B], ctx_kv from `context_kv` (or the cache)
-        -> normed hidden rows [..., B, H]. `mask` [..., B, C+B] is only used in training (no mask at inference)."""
+        -> normed hidden rows [..., B, H]. `mask` [..., B, C+B]: in training, and in the fixed-shape block over
+        a whole cache (a plain round has none)."""
         cos, sin = self._rope(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v, mask)

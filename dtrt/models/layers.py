@@ -1,4 +1,6 @@
 """Building blocks shared by the target and the drafter (Qwen3 / Llama numerics, as in transformers)."""
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,11 +21,21 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def _inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    return torch.tensor([1.0 / theta ** (i / head_dim) for i in range(0, head_dim, 2)], dtype=torch.float32,
+                        device=device)
+
+
+_cached_inv_freq = functools.lru_cache(maxsize=16)(_inv_freq)
+
+
 def rope_cos_sin(positions, head_dim: int, theta: float, dtype):
     """cos/sin [..., head_dim] for integer positions, in fp32 like transformers. The inverse frequencies are a
-    constant (computed in float64, rounded once), so an exported graph rotates by exactly the same angles."""
-    inv_freq = torch.tensor([1.0 / theta ** (i / head_dim) for i in range(0, head_dim, 2)], dtype=torch.float32,
-                            device=positions.device)
+    constant (computed in float64, rounded once), so an exported graph rotates by exactly the same angles.
+    Eagerly they are made once per device: a copy from the host on every call could not be captured in a
+    CUDA graph."""
+    make = _inv_freq if torch.onnx.is_in_onnx_export() else _cached_inv_freq
+    inv_freq = make(head_dim, theta, positions.device)
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -6,7 +6,7 @@ import torch
 
 from dtrt.runtime.methods import Method
 from dtrt.runtime.sampling import SamplingConfig, choose
-from dtrt.tree import Round, Tree, accept
+from dtrt.tree import Tree, accept
 
 
 @dataclass
@@ -81,9 +81,7 @@ def generate(backend, method: Method, prompt: list[int], max_new_tokens: int, sa
         t0 = time.perf_counter()
         start = backend.past
         if drafter is not None:
-            ph, base = backend.draft_block(root, start)
-            t1 = time.perf_counter()
-            tree = method.build(backend, Round(ph[None], base[None], torch.tensor([root], device=ph.device)))
+            tree, t1 = method.draft(backend, root, start)
         else:
             t1 = time.perf_counter()
             tree = Tree.chain([], root=root)

@@ -8,6 +8,7 @@
     dominotree  best-first over corrected scores, per realized path (`--arm` condstatic / marg for ablations)
     cadominotree  dominotree with caddtree's cost-aware stopping rule (heap builder; --budget is the cap)
 """
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ class DraftConfig:
     arm: str = "dominotree"
     topm: int = 64         # Domino candidates per depth (0 = full vocabulary)
     node_topk: int = 8     # children per node
+    cuda_graph: bool = False  # dominotree with the frontier: drafting + tree building replayed as one CUDA graph
 
     def __post_init__(self):
         for flag, value, allowed in (("--method", self.method, METHODS), ("--builder", self.builder, BUILDERS),
@@ -44,6 +46,10 @@ class DraftConfig:
         if self.method == "cadominotree" and self.builder != "heap":
             raise DtrtError(f"--builder {self.builder}: cadominotree decides per node whether to grow the tree, "
                             f"which the host heap builder does; use --builder heap (or --method dominotree)")
+        if self.cuda_graph and (self.method != "dominotree" or self.builder != "frontier"):
+            given = f"--method {self.method}" if self.method != "dominotree" else f"--builder {self.builder}"
+            raise DtrtError(f"--cuda-graph: captures DominoTree's fixed-shape frontier build, not {given}; use "
+                            f"--method dominotree --builder frontier")
 
     @property
     def needs_head(self) -> bool:
@@ -62,6 +68,13 @@ class Method:
 
     def build(self, backend, rnd: Round) -> Tree:
         raise NotImplementedError
+
+    def draft(self, backend, root: int, start: int) -> tuple[Tree, float]:
+        """This round's tree from the drafter block rooted at `root` (position `start`), and the clock when the
+        drafting part ended (the rest built the tree)."""
+        ph, base = backend.draft_block(root, start)
+        drafted = time.perf_counter()
+        return self.build(backend, Round(ph[None], base[None], torch.tensor([root], device=ph.device))), drafted
 
     def stop(self, backend):
         """A best-first builder's stopping rule for this round (None: the fixed budget)."""
@@ -111,12 +124,33 @@ class CaDDTree(CostAware, DDTree):
 
 
 class DominoTree(Method):
+    graph = None
+
+    def prepare(self, backend, max_depth):
+        super().prepare(backend, max_depth)
+        if self.cfg.cuda_graph and (self.graph is None or self.graph.backend is not backend):
+            from dtrt.runtime.draft_graph import DraftGraph
+
+            self.graph = DraftGraph(backend, self)
+
     def build(self, backend, rnd):
         c = self.cfg
-        scorer = backend.scorer(c.arm, rnd, c.node_topk, c.topm)
-        if c.builder == "heap":
-            return build_heap(scorer, c.budget, self.max_depth, self.stop(backend))
-        return build_frontier(scorer, c.budget, self.max_depth, backend.drafter.cfg.mask_token_id).tree(0)
+        if c.builder == "frontier":
+            return self.trees(backend, rnd).tree(0)
+        return build_heap(backend.scorer(c.arm, rnd, c.node_topk, c.topm), c.budget, self.max_depth,
+                          self.stop(backend))
+
+    def trees(self, backend, rnd):
+        """The frontier's FrontierTrees, still on the round's device."""
+        c = self.cfg
+        return build_frontier(backend.scorer(c.arm, rnd, c.node_topk, c.topm), c.budget, self.max_depth,
+                              backend.drafter.cfg.mask_token_id)
+
+    def draft(self, backend, root, start):
+        if self.graph is None:
+            return super().draft(backend, root, start)
+        tree = self.graph(root, start)  # one replay: the draft time includes the build
+        return tree, time.perf_counter()
 
 
 class CaDominoTree(CostAware, DominoTree):

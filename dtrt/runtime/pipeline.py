@@ -156,6 +156,9 @@ def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = No
     if threads is not None and threads < 1:
         raise DtrtError(f"--threads {threads}: must be >= 1")
     dev = check_device(device, backend)
+    if draft.cuda_graph and (backend != "torch" or dev.type != "cuda"):
+        raise DtrtError(f"--cuda-graph: captures the torch backend's drafting on a GPU; add --device cuda"
+                        f"{' and --backend torch' if backend != 'torch' else ''}")
     if backend == "onnxruntime":
         return _ort_pipeline(pair, draft, dtype, export, threads, model, log)
     if backend == "tensorrt":  # the engines' export, checked like onnxruntime's, with TensorRT stages

@@ -56,10 +56,27 @@ class TorchBackend:
         cfg = self.drafter.cfg
         ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long)
         ids[0] = root
-        x = self.target.model.embed_tokens(ids.to(self.device)).to(self.drafter.dtype)
         positions = torch.arange(start, start + cfg.block_size, device=self.device)
         ctx = [self.draft_cache.layer(i) for i in range(cfg.num_layers)]
-        ph = self.drafter.proposal_rows(self.drafter.block(x, positions, ctx))
+        return self._block(ids.to(self.device), positions, ctx)
+
+    @torch.no_grad()
+    def draft_block_fixed(self, root: torch.Tensor, start: torch.Tensor, length: torch.Tensor):
+        """draft_block with fixed shapes and no host values, for a CUDA graph: root, start and the committed
+        length of the draft cache are device tensors [1], and attention spans the cache's whole capacity under a
+        mask of the committed entries (the block's own columns always visible)."""
+        cfg, cache = self.drafter.cfg, self.draft_cache
+        b, cap = cfg.block_size, cache.capacity
+        ids = torch.cat((root, torch.full((b - 1,), cfg.mask_token_id, dtype=torch.long, device=self.device)))
+        positions = start + torch.arange(b, device=self.device)
+        columns = torch.arange(cap + b, device=self.device)
+        mask = ((columns < length) | (columns >= cap)).expand(b, cap + b)
+        ctx = [(cache.k[i], cache.v[i]) for i in range(cfg.num_layers)]
+        return self._block(ids, positions, ctx, mask)
+
+    def _block(self, ids, positions, ctx, mask=None):
+        x = self.target.model.embed_tokens(ids).to(self.drafter.dtype)
+        ph = self.drafter.proposal_rows(self.drafter.block(x, positions, ctx, mask))
         return ph, self.target.lm_head(ph.to(self.target.dtype)).float()
 
     def scorer(self, arm: str, rnd: Round, k: int, topm: int):

@@ -1,0 +1,51 @@
+"""One round's drafting and DominoTree frontier build as one CUDA graph (`--cuda-graph`, torch backend on CUDA).
+
+Every shape in the step is fixed (the draft block attends over the draft cache's whole capacity under a mask,
+the frontier has fixed lanes and ledger) and no host value enters it: root, start and the cache's committed
+length are device tensors written before each replay. The graph is captured on the first round and again
+whenever the draft cache is reallocated. Off CUDA the same fixed-shape step runs eagerly, which is how the CPU
+tests check it.
+"""
+import torch
+
+from dtrt.tree import Round, Tree
+
+
+class DraftGraph:
+    def __init__(self, backend, method):
+        self.backend, self.method = backend, method
+        dev = backend.device
+        self.root, self.start, self.length = (torch.zeros(1, dtype=torch.long, device=dev) for _ in range(3))
+        self.graph = self.trees = None
+        self.key = None
+
+    def step(self):
+        """FrontierTrees of the round whose inputs sit in root, start and length."""
+        ph, base = self.backend.draft_block_fixed(self.root, self.start, self.length)
+        return self.method.trees(self.backend, Round(ph[None], base[None], self.root))
+
+    def __call__(self, root: int, start: int) -> Tree:
+        cache = self.backend.draft_cache
+        self.root.fill_(root)
+        self.start.fill_(start)
+        self.length.fill_(cache.length)
+        if self.backend.device.type != "cuda":
+            return self.step().tree(0)
+        key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity)
+        if key != self.key:
+            self._capture()
+            self.key = key
+        self.graph.replay()
+        tree = self.trees.tree(0)  # views of the graph's outputs, which the next replay overwrites
+        return Tree(*(t.clone() for t in (tree.tokens, tree.parents, tree.depths, tree.scores, tree.mask)))
+
+    def _capture(self):
+        side = torch.cuda.Stream(self.backend.device)
+        side.wait_stream(torch.cuda.current_stream(self.backend.device))
+        with torch.cuda.stream(side):  # compiles the Triton kernels and settles the allocator outside the capture
+            for _ in range(2):
+                self.step()
+        torch.cuda.current_stream(self.backend.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.trees = self.step()
