@@ -315,16 +315,19 @@ def _progress(what):
 @click.option("--threads", type=int, help="intra-op threads of torch, ONNX Runtime and llama.cpp")
 @click.option("--device", help="torch backend: cpu (default), cuda or cuda:N (dominotree builds with the frontier "
                                 "there)")
+@click.option("--cuda-graph", is_flag=True, help="with --device cuda: the dominotree rows replay drafting + tree "
+                                                 "building as one CUDA graph")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), help="default fp32 (onnxruntime: the export's)")
 @click.option("--gguf", type=click.Path(), help="GGUF of the same target for a llama.cpp peer row "
               "(needs llama-cpp-python; smollm2-135m finds its own)")
 def bench(model, target, drafter, model_dir, backend, export_dir, methods, dataset_names, temperatures, prompts,
-          max_new_tokens, budget, seed, quick, out, threads, device, dtype, gguf):
+          max_new_tokens, budget, seed, quick, out, threads, device, cuda_graph, dtype, gguf):
     """Time methods x datasets x temperatures in one process against AR; write a JSON, a table and a plot."""
     from dtrt.bench.main import BenchOptions, bench as run_bench
 
     opts = BenchOptions(model, target, drafter, model_dir, backend, export_dir, methods, dataset_names,
-                        temperatures, prompts, max_new_tokens, budget, seed, quick, out, threads, dtype, gguf, device)
+                        temperatures, prompts, max_new_tokens, budget, seed, quick, out, threads, dtype, gguf, device,
+                        cuda_graph)
     path = run_bench(opts, _log)
     click.echo((path / "bench.md").read_text(), nl=False)
     _log(f"wrote {path / 'bench.json'}, {path / 'bench.md'}"

@@ -187,6 +187,8 @@ def test_invalid_flag_values(args, fragment, monkeypatch, capsys):
      "--cuda-graph: captures DominoTree's fixed-shape frontier build, not --method ddtree; use --method dominotree"),
     (("serve", "--model", "tiny", "--cuda-graph"), "--cuda-graph: captures the torch backend's drafting on a GPU; "
                                                      "add --device cuda"),
+    (("bench", "--model", "tiny", "--datasets", "humaneval", "--quick", "--cuda-graph"),
+     "--cuda-graph: captures the torch backend's drafting on a GPU; add --device cuda"),
 ])
 def test_unusable_device_or_cuda_graph(args, fragment, monkeypatch, capsys):
     expect_error(monkeypatch, capsys, *args, fragments=(fragment,))

@@ -85,18 +85,21 @@ class LlamaCppEngine:
 
 
 def dtrt_engines(pair, methods: list[str], budgets: list[int], explicit: bool, dtype, backend, export, threads,
-                 model, log, device: str | None = None) -> list[DtrtEngine]:
+                 model, log, device: str | None = None, cuda_graph: bool = False) -> list[DtrtEngine]:
     """One pipeline per method (per budget for the budget methods), AR first, each with the default builder of
-    `device`. Methods the pair cannot serve are skipped with a note when they were not asked for by name."""
+    `device` (`cuda_graph`: the dominotree rows replay their rounds from a CUDA graph, with the frontier). Methods
+    the pair cannot serve are skipped with a note when they were not asked for by name."""
     engines = []
     for method in ["ar", *[m for m in methods if m != "ar"]]:
         for budget in budgets if method in BUDGET_METHODS else budgets[:1]:
             label = f"{method}@{budget}" if method in BUDGET_METHODS else method
+            graph = cuda_graph and method == "dominotree"
             try:
-                draft = DraftConfig(method, budget, default_builder(method, device))
+                draft = DraftConfig(method, budget, "frontier" if graph else default_builder(method, device),
+                                    cuda_graph=graph)
                 pipe = build_pipeline(pair, draft, dtype, backend, export, threads, model, log=log, device=device)
             except DtrtError as e:
-                if explicit or method == "ar":
+                if explicit or method == "ar" or graph:  # asked for by name, or by --cuda-graph
                     raise
                 log(f"skipping {label}: {e}")
                 break

@@ -36,6 +36,7 @@ class BenchOptions:
     dtype: str | None = None
     gguf: str | None = None
     device: str | None = None  # torch backend: cpu or cuda[:N]
+    cuda_graph: bool = False   # dominotree rows replay drafting + tree building as one CUDA graph
 
 
 def _split(flag: str, text: str, convert, allowed=None) -> list:
@@ -75,7 +76,7 @@ def bench(o: BenchOptions, log) -> Path:
     if o.threads:
         torch.set_num_threads(o.threads)
     engs = engines.dtrt_engines(pair, methods, budgets, o.methods is not None, o.dtype, o.backend, o.export,
-                                o.threads, o.model, log, o.device)
+                                o.threads, o.model, log, o.device, o.cuda_graph)
     peer = engines.llamacpp_engine(gguf, engs[0].tokenizer, o.threads, max_new, log)
     engs += [peer] if peer else []
     log(f"bench: {', '.join(e.label for e in engs)} on {', '.join(f'{d} ({len(p)})' for d, p in prompts.items())}"
