@@ -43,6 +43,22 @@ def test_tree_attention(dtype, atol, heads, kv_heads, n, past, head_dim):
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_tree_attention_over_a_partly_filled_cache(dtype, atol):
+    """The fixed-shape draft block's mask: a committed prefix, an unused tail of the capacity (key blocks the
+    kernel skips; their stale values must not leak), then the block itself."""
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, n, cap, length, head_dim = 4, 2, 16, 300, 37, 24
+    q = torch.randn(heads, n, head_dim, generator=g)
+    k, v = (torch.randn(kv_heads, cap + n, head_dim, generator=g) for _ in range(2))
+    k[:, length:cap], v[:, length:cap] = 1e4, -1e4
+    cols = torch.arange(cap + n)
+    mask = ((cols < length) | (cols >= cap)).expand(n, cap + n)
+    q, k, v, mask = (t.to(DEV) for t in (q.to(dtype), k.to(dtype), v.to(dtype), mask))
+    want = tree_attention_ref(q.float(), k.float(), v.float(), mask)
+    torch.testing.assert_close(tree_attention.run(q, k, v, mask).float(), want, atol=atol, rtol=atol)
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
 @pytest.mark.parametrize("bs,n,emb,gru,topm", [(1, 1, 256, 1024, 64), gpu(2, 32, 256, 1024, 64), (3, 5, 24, 40, 300)])
 def test_topm_corrected_score(dtype, atol, bs, n, emb, gru, topm):

@@ -1,7 +1,8 @@
 """TreeAttention kernel: flash attention of N queries over M = past + new keys under the explicit tree mask,
 with GQA. q [H, N, hd], k/v [KVH, M, hd], mask bool [N, M] -> out [H, N, hd] (dtrt.ops.tree_attention).
 
-One program per (block of queries, head) walks the keys in blocks with an online softmax in fp32.
+One program per (block of queries, head) walks the keys in blocks with an online softmax in fp32, skipping the
+key blocks its queries may not see.
 """
 import math
 from dataclasses import dataclass
@@ -30,21 +31,24 @@ def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, n_q, n_kv, out_ptr,
     for start in range(0, n_kv, BLOCK_M):
         cols = start + tl.arange(0, BLOCK_M)
         col_ok = cols < n_kv
-        kv_offs = (kvh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :]
-        kv_mask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * SCALE
         allowed = tl.load(mask_ptr + rows[:, None].to(tl.int64) * n_kv + cols[None, :],
-                          mask=row_ok[:, None] & col_ok[None, :], other=0)
-        s = tl.where(allowed != 0, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+                          mask=row_ok[:, None] & col_ok[None, :], other=0) != 0
+        # a key block no query of this block may see adds nothing: skip its K/V loads (the fixed-shape draft
+        # block masks the unused tail of the cache's capacity this way)
+        if tl.max(allowed.to(tl.int32)) > 0:
+            kv_offs = (kvh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :]
+            kv_mask = col_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * SCALE
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (h * n_q + rows[:, None]) * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
