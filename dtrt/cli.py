@@ -86,8 +86,7 @@ def _request_defaults(max_new_tokens, temperature, top_p, seed, stop=()) -> Requ
 def _load_pipeline(model, target, drafter, model_dir, method, builder, arm, budget, topm, node_topk, cuda_graph,
                    dtype, backend, export_dir, threads, device):
     draft = DraftConfig(method, DEFAULT_BUDGET if budget is None else budget,
-                        builder or default_builder(method, "cuda" if cuda_graph else device), arm, topm, node_topk,
-                        cuda_graph)
+                        builder or default_builder(method, device, cuda_graph), arm, topm, node_topk, cuda_graph)
     pair, model, backend = load_sources(model, target, drafter, model_dir, backend, export_dir, log=_log,
                                         device=device)
     if budget is None:

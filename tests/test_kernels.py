@@ -102,7 +102,7 @@ def test_device_flag():
         check_device("cuda", "tensorrt")
     assert source_defaults(None, None, None, None, None, "cuda") == ("smollm2-135m", "torch")
     assert source_defaults(None, None, None, None, None, "cpu")[1] == "onnxruntime"
-    assert default_builder("dominotree", "cuda:1") == "frontier"
+    assert default_builder("dominotree", "cuda:1") == default_builder("dominotree", None, cuda_graph=True) == "frontier"
     assert default_builder("dominotree", None) == default_builder("cadominotree", "cuda") == "heap"
 
 

@@ -95,8 +95,7 @@ def dtrt_engines(pair, methods: list[str], budgets: list[int], explicit: bool, d
             label = f"{method}@{budget}" if method in BUDGET_METHODS else method
             graph = cuda_graph and method == "dominotree"
             try:
-                draft = DraftConfig(method, budget, "frontier" if graph else default_builder(method, device),
-                                    cuda_graph=graph)
+                draft = DraftConfig(method, budget, default_builder(method, device, graph), cuda_graph=graph)
                 pipe = build_pipeline(pair, draft, dtype, backend, export, threads, model, log=log, device=device)
             except DtrtError as e:
                 if explicit or method == "ar" or graph:  # asked for by name, or by --cuda-graph

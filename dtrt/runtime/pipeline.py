@@ -103,11 +103,14 @@ def check_device(device: str | None, backend: str) -> torch.device:
     return dev
 
 
-def default_builder(method: str, device: str | None) -> str:
-    """The frontier builder on a CUDA device (no host synchronization per node), the heap on the CPU;
-    cadominotree always grows its tree on the host heap."""
-    cuda = device is not None and device.startswith("cuda")
-    return "frontier" if cuda and method != "cadominotree" else "heap"
+def _on_cuda(device: str | None) -> bool:
+    return device is not None and device.startswith("cuda")
+
+
+def default_builder(method: str, device: str | None, cuda_graph: bool = False) -> str:
+    """The frontier builder on a CUDA device (no host synchronization per node) or under --cuda-graph (which
+    captures it), the heap on the CPU; cadominotree always grows its tree on the host heap."""
+    return "frontier" if (_on_cuda(device) or cuda_graph) and method != "cadominotree" else "heap"
 
 
 def source_defaults(model: str | None, target: str | None, drafter: str | None, backend: str | None,
@@ -117,8 +120,7 @@ def source_defaults(model: str | None, target: str | None, drafter: str | None, 
     --model or --target, and any --device cuda, run on torch unless --backend says otherwise."""
     named = model is not None or target is not None or drafter is not None
     if backend is None:
-        cuda = device is not None and device.startswith("cuda")
-        backend = "onnxruntime" if (export is not None or not named) and not cuda else "torch"
+        backend = "onnxruntime" if (export is not None or not named) and not _on_cuda(device) else "torch"
     if not named and export is None:
         model = DEFAULT_MODEL
     return model, backend
