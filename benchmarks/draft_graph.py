@@ -9,6 +9,7 @@ with like. Also: tok/s over the whole generation, and whether both gave the same
     python benchmarks/draft_graph.py --model qwen3-4b --model-dir /models --dtype bf16 --budget 32 --json out.json
     python benchmarks/draft_graph.py --device cpu --prompts 2            # the fixed-shape step eagerly, on the CPU
 """
+
 import argparse
 import json
 import statistics
@@ -18,8 +19,14 @@ from dtrt.runtime.methods import DraftConfig
 from dtrt.runtime.pipeline import build_pipeline, load_sources
 from dtrt.runtime.sampling import SamplingConfig
 
-PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "Write a short story about a robot who learns to",
-           "import numpy as np\n\ndef softmax(x):\n", "Explain why the sky is blue.", "1, 2, 3, 5, 8, 13,"]
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "The capital of France is",
+    "Write a short story about a robot who learns to",
+    "import numpy as np\n\ndef softmax(x):\n",
+    "Explain why the sky is blue.",
+    "1, 2, 3, 5, 8, 13,",
+]
 
 
 def main():
@@ -39,8 +46,14 @@ def main():
     for name, graph in (("eager", False), ("graph", True)):
         draft = DraftConfig("dominotree", args.budget, "frontier", cuda_graph=graph)
         on_cpu = graph and args.device == "cpu"  # the flag is for cuda; the fixed-shape step itself runs anywhere
-        pipe = build_pipeline(pair, replace(draft, cuda_graph=False) if on_cpu else draft, args.dtype, "torch",
-                              model=model, device=args.device)
+        pipe = build_pipeline(
+            pair,
+            replace(draft, cuda_graph=False) if on_cpu else draft,
+            args.dtype,
+            "torch",
+            model=model,
+            device=args.device,
+        )
         pipe.method.cfg = draft
         pipes[name] = pipe
     prompts = [pipes["eager"].tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[: args.prompts]]
@@ -61,20 +74,31 @@ def main():
             tokens[name] = g.tokens
         same += tokens["eager"] == tokens["graph"]
 
-    rows = {n: {"draft_build_median_ms": statistics.median(per_round[n]),
-                "draft_build_p90_ms": sorted(per_round[n])[int(0.9 * (len(per_round[n]) - 1))],
-                "tok_s_median": statistics.median(tok_s[n]), "rounds": len(per_round[n])} for n in pipes}
-    print(f"{model} on {args.device}, dominotree frontier budget {args.budget}, {len(prompts)} prompts x "
-          f"{args.max_new_tokens} tokens; same tokens {same}/{len(prompts)}\n")
+    rows = {
+        n: {
+            "draft_build_median_ms": statistics.median(per_round[n]),
+            "draft_build_p90_ms": sorted(per_round[n])[int(0.9 * (len(per_round[n]) - 1))],
+            "tok_s_median": statistics.median(tok_s[n]),
+            "rounds": len(per_round[n]),
+        }
+        for n in pipes
+    }
+    print(
+        f"{model} on {args.device}, dominotree frontier budget {args.budget}, {len(prompts)} prompts x "
+        f"{args.max_new_tokens} tokens; same tokens {same}/{len(prompts)}\n"
+    )
     print("| mode | draft + build median ms | p90 ms | tok/s median | rounds |")
     print("|---|---:|---:|---:|---:|")
     for n, r in rows.items():
-        print(f"| {n} | {r['draft_build_median_ms']:.3f} | {r['draft_build_p90_ms']:.3f} | {r['tok_s_median']:.1f} | "
-              f"{r['rounds']} |")
+        print(
+            f"| {n} | {r['draft_build_median_ms']:.3f} | {r['draft_build_p90_ms']:.3f} | {r['tok_s_median']:.1f} | "
+            f"{r['rounds']} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "same_tokens": same, "prompts": len(prompts), "results": rows}, f,
-                      indent=2)
+            json.dump(
+                {"config": vars(args), "same_tokens": same, "prompts": len(prompts), "results": rows}, f, indent=2
+            )
 
 
 if __name__ == "__main__":

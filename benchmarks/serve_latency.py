@@ -10,6 +10,7 @@ concurrency c a request also waits for the ones ahead of it.
 Each method gets its own `dtrt serve` subprocess (so the clients do not share the server's interpreter), started on
 a free port with --threads, warmed up with one request, and stopped with SIGTERM.
 """
+
 import argparse
 import asyncio
 import json
@@ -21,8 +22,16 @@ import time
 
 import aiohttp
 
-PROMPTS = ["The cat sees ", "A quick fox ", "Every king walks ", "The moon is very ", "Some old man reads ",
-           "The dog ", "A small city ", "Far away "]
+PROMPTS = [
+    "The cat sees ",
+    "A quick fox ",
+    "Every king walks ",
+    "The moon is very ",
+    "Some old man reads ",
+    "The dog ",
+    "A small city ",
+    "Far away ",
+]
 
 
 def percentile(values, q):
@@ -32,8 +41,13 @@ def percentile(values, q):
 
 async def one_request(session, url, prompt, max_tokens):
     """(ttft_s, per_token_s, tokens) of one streamed completion."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
@@ -71,14 +85,29 @@ async def load(url, concurrency, requests, max_tokens):
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     ttft, tpot, tokens = zip(*results)
-    return {"concurrency": concurrency, "requests": len(results), "ttft_p50_ms": 1e3 * percentile(ttft, 0.5),
-            "ttft_p99_ms": 1e3 * percentile(ttft, 0.99), "token_p50_ms": 1e3 * percentile(tpot, 0.5),
-            "token_p99_ms": 1e3 * percentile(tpot, 0.99), "tokens_per_s": sum(tokens) / wall}
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "ttft_p50_ms": 1e3 * percentile(ttft, 0.5),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 0.99),
+        "token_p50_ms": 1e3 * percentile(tpot, 0.5),
+        "token_p99_ms": 1e3 * percentile(tpot, 0.99),
+        "tokens_per_s": sum(tokens) / wall,
+    }
 
 
 def start_server(method, serve_args):
-    cmd = [sys.executable, "-c", "from dtrt.cli import main; main()", "serve", "--port", "0", "--method", method,
-           *serve_args]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from dtrt.cli import main; main()",
+        "serve",
+        "--port",
+        "0",
+        "--method",
+        method,
+        *serve_args,
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         if m := re.search(r" on (http://\S+)", line):
@@ -123,8 +152,10 @@ def main():
     print("| method | clients | TTFT p50 | TTFT p99 | per token p50 | per token p99 | tok/s (all clients) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['concurrency']} | {r['ttft_p50_ms']:.1f} ms | {r['ttft_p99_ms']:.1f} ms | "
-              f"{r['token_p50_ms']:.2f} ms | {r['token_p99_ms']:.2f} ms | {r['tokens_per_s']:.0f} |")
+        print(
+            f"| {r['method']} | {r['concurrency']} | {r['ttft_p50_ms']:.1f} ms | {r['ttft_p99_ms']:.1f} ms | "
+            f"{r['token_p50_ms']:.2f} ms | {r['token_p99_ms']:.2f} ms | {r['tokens_per_s']:.0f} |"
+        )
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -11,6 +11,7 @@ also shown: the difference to the stage calls is the backend's own host work (nu
     python benchmarks/stage_latency.py                     # the tiny pair, exported to a temporary directory
     python benchmarks/stage_latency.py --export DIR --threads 1 --methods ar ddtree --json out.json
 """
+
 import argparse
 import json
 import statistics
@@ -60,10 +61,16 @@ def stage_cases(args, exp, pair):
     for kind in exp.drafters:
         path = pair.dflash if kind == "dflash" else pair.domino
         context, block = drafter_stages(target, load_drafter(path, dtype), kind)
-        cases.append((context.name, f"n={args.context} P={args.past}", context,
-                      open_session(exp, context.name, threads), (args.context, args.past)))
-        cases.append((block.name, f"P={args.past}", block, open_session(exp, block.name, threads),
-                      (1, args.past)))
+        cases.append(
+            (
+                context.name,
+                f"n={args.context} P={args.past}",
+                context,
+                open_session(exp, context.name, threads),
+                (args.context, args.past),
+            )
+        )
+        cases.append((block.name, f"P={args.past}", block, open_session(exp, block.name, threads), (1, args.past)))
     scorer = [f"domino.{s}" for s in ("scorer_root", "scorer_setup", "scorer_children", "scorer_advance", "frontier")]
     if all(s in exp.manifest["stages"] for s in scorer):
         from dtrt.exporter.scorer_stages import scorer_stages
@@ -88,11 +95,13 @@ def time_stages(args, cases):
         inputs = stage.example(n, p, gen)
         feeds = {k: np.ascontiguousarray(v.numpy()) for k, v in inputs.items()}
         module = stage.module.eval()
-        calls = {"torch": lambda: module(*(inputs[k] for k in stage.inputs)),
-                 "onnxruntime": lambda: sess.run(None, feeds)}
+        calls = {
+            "torch": lambda: module(*(inputs[k] for k in stage.inputs)),
+            "onnxruntime": lambda: sess.run(None, feeds),
+        }
         times = {k: [] for k in calls}
         for i in range(args.warmup + args.repeats):
-            for backend in (("torch", "onnxruntime") if i % 2 else ("onnxruntime", "torch")):
+            for backend in ("torch", "onnxruntime") if i % 2 else ("onnxruntime", "torch"):
                 t0 = time.perf_counter()
                 calls[backend]()
                 if i >= args.warmup:
@@ -101,8 +110,16 @@ def time_stages(args, cases):
         ref = ref if isinstance(ref, tuple) else (ref,)
         diff = max(max_abs_diff(r, g) for r, g in zip(ref, got))
         t_ms, o_ms = (statistics.median(times[k]) * 1e3 for k in ("torch", "onnxruntime"))
-        rows.append({"stage": name, "shape": shape, "torch_ms": t_ms, "onnxruntime_ms": o_ms,
-                     "torch_over_onnxruntime": t_ms / o_ms, "max_abs_diff": diff})
+        rows.append(
+            {
+                "stage": name,
+                "shape": shape,
+                "torch_ms": t_ms,
+                "onnxruntime_ms": o_ms,
+                "torch_over_onnxruntime": t_ms / o_ms,
+                "max_abs_diff": diff,
+            }
+        )
     return rows
 
 
@@ -132,6 +149,7 @@ class StageClock:
                         self.sessions += dt
                     if self.depth == 0:  # outermost: a stage call, or a session run outside one
                         self.calls += dt
+
         return timed
 
     def start(self, _tokens):  # generate() streams the first token right before the decode clock starts
@@ -142,9 +160,12 @@ def time_rounds(args, exp, pair):
     pipes = {}
     for method in args.methods:
         draft = DraftConfig(method, args.budget, arm=args.arm)
-        pipes[method] = {"torch": build_pipeline(pair, draft, exp.manifest["dtype"]),
-                         "onnxruntime": build_pipeline(None, draft, backend="onnxruntime", export=exp.path,
-                                                       threads=args.threads or None)}
+        pipes[method] = {
+            "torch": build_pipeline(pair, draft, exp.manifest["dtype"]),
+            "onnxruntime": build_pipeline(
+                None, draft, backend="onnxruntime", export=exp.path, threads=args.threads or None
+            ),
+        }
     rows = []
     for method, by_backend in pipes.items():
         ids = [by_backend["torch"].tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[: args.prompts]]
@@ -153,7 +174,7 @@ def time_rounds(args, exp, pair):
             pipe.generate(ids[0], args.max_new_tokens, SamplingConfig())
         tokens = {}
         for i, prompt in enumerate(ids):
-            for b in (("torch", "onnxruntime") if i % 2 else ("onnxruntime", "torch")):
+            for b in ("torch", "onnxruntime") if i % 2 else ("onnxruntime", "torch"):
                 pipe = by_backend[b]
                 clock = StageClock(pipe.backend)
                 out = pipe.generate(prompt, args.max_new_tokens, SamplingConfig(), on_tokens=clock.start)
@@ -171,10 +192,19 @@ def time_rounds(args, exp, pair):
         same = tokens["torch"] == tokens["onnxruntime"]
         for b, a in acc.items():
             r = a["rounds"]
-            rows.append({"backend": b, "method": method, "rounds": r, "tau": a["committed"] / r,
-                         "round_ms": a["decode"] / r * 1e3, "stage_ms": a["calls"] / r * 1e3,
-                         "session_ms": a["sessions"] / r * 1e3 if b == "onnxruntime" else None,
-                         "python_share": 1 - a["calls"] / a["decode"], "same_tokens": same})
+            rows.append(
+                {
+                    "backend": b,
+                    "method": method,
+                    "rounds": r,
+                    "tau": a["committed"] / r,
+                    "round_ms": a["decode"] / r * 1e3,
+                    "stage_ms": a["calls"] / r * 1e3,
+                    "session_ms": a["sessions"] / r * 1e3 if b == "onnxruntime" else None,
+                    "python_share": 1 - a["calls"] / a["decode"],
+                    "same_tokens": same,
+                }
+            )
     return rows
 
 
@@ -216,29 +246,42 @@ def main():
         stages = time_stages(args, stage_cases(args, exp, pair))
         rounds = time_rounds(args, exp, pair)
 
-    print(f"{model or pair.target}, {exp.manifest['dtype']}, {torch.get_num_threads()} torch threads, "
-          f"onnxruntime threads {args.threads or 'default'}; stages: {args.repeats} calls after {args.warmup} "
-          f"warm-up, medians\n")
+    print(
+        f"{model or pair.target}, {exp.manifest['dtype']}, {torch.get_num_threads()} torch threads, "
+        f"onnxruntime threads {args.threads or 'default'}; stages: {args.repeats} calls after {args.warmup} "
+        f"warm-up, medians\n"
+    )
     print("| stage | shape | torch ms | onnxruntime ms | torch / onnxruntime | max abs diff |")
     print("|---|---|---:|---:|---:|---:|")
     for r in stages:
-        print(f"| {r['stage']} | {r['shape']} | {r['torch_ms']:.3f} | {r['onnxruntime_ms']:.3f} | "
-              f"{r['torch_over_onnxruntime']:.2f}x | {r['max_abs_diff']:.1e} |")
-    print(f"\nDecode rounds: {args.prompts} prompts x {args.max_new_tokens} tokens per backend and method, "
-          f"budget {args.budget}\n")
+        print(
+            f"| {r['stage']} | {r['shape']} | {r['torch_ms']:.3f} | {r['onnxruntime_ms']:.3f} | "
+            f"{r['torch_over_onnxruntime']:.2f}x | {r['max_abs_diff']:.1e} |"
+        )
+    print(
+        f"\nDecode rounds: {args.prompts} prompts x {args.max_new_tokens} tokens per backend and method, "
+        f"budget {args.budget}\n"
+    )
     print("| method | backend | rounds | tau | ms / round | in stage calls | in session.run | Python outside |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rounds:
         sess = f"{r['session_ms']:.2f}" if r["session_ms"] is not None else "-"
-        print(f"| {r['method']} | {r['backend']} | {r['rounds']} | {r['tau']:.2f} | {r['round_ms']:.2f} | "
-              f"{r['stage_ms']:.2f} | {sess} | {r['python_share']:.0%} |")
+        print(
+            f"| {r['method']} | {r['backend']} | {r['rounds']} | {r['tau']:.2f} | {r['round_ms']:.2f} | "
+            f"{r['stage_ms']:.2f} | {sess} | {r['python_share']:.0%} |"
+        )
     if not all(r["same_tokens"] for r in rounds):
-        print("\nwarning: the backends generated different tokens for", sorted({r["method"] for r in rounds
-                                                                               if not r["same_tokens"]}))
+        print(
+            "\nwarning: the backends generated different tokens for",
+            sorted({r["method"] for r in rounds if not r["same_tokens"]}),
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "torch_threads": torch.get_num_threads(), "stages": stages,
-                       "rounds": rounds}, f, indent=2)
+            json.dump(
+                {"config": vars(args), "torch_threads": torch.get_num_threads(), "stages": stages, "rounds": rounds},
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

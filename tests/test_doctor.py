@@ -1,14 +1,18 @@
 """dtrt doctor: what it reports for each missing piece (fake probes) and on this machine (real probes)."""
+
 import json
 
-from dtrt.engines.doctor import Check, render, run_checks
 from helpers import run_cli
 
-GPU = {"CUDA devices": lambda r: Check("CUDA devices", True, "cuda:0 NVIDIA H200 (sm 9.0)"),
-       "Triton": lambda r: Check("Triton", True, "3.9.0"),
-       "TensorRT": lambda r: Check("TensorRT", True, "11.4.0.106"),
-       "TensorRT builder": lambda r: Check("TensorRT builder", True, "TensorRT 11.4.0.106 can build on this GPU"),
-       "plugin libraries": lambda r: Check("plugin libraries", True, "dtrt TreeAttention, ...")}
+from dtrt.engines.doctor import Check, render, run_checks
+
+GPU = {
+    "CUDA devices": lambda r: Check("CUDA devices", True, "cuda:0 NVIDIA H200 (sm 9.0)"),
+    "Triton": lambda r: Check("Triton", True, "3.9.0"),
+    "TensorRT": lambda r: Check("TensorRT", True, "11.4.0.106"),
+    "TensorRT builder": lambda r: Check("TensorRT builder", True, "TensorRT 11.4.0.106 can build on this GPU"),
+    "plugin libraries": lambda r: Check("plugin libraries", True, "dtrt TreeAttention, ..."),
+}
 
 
 def backends(probes):
@@ -39,8 +43,9 @@ def test_each_missing_piece_names_itself():
     del no_triton["plugin libraries"]
     assert backends(no_triton)["tensorrt"].why.startswith("plugin libraries: the dtrt plugins")
     assert backends(no_triton)["tensorrt"].why.endswith("need Triton (see above)")
-    assert backends(no_triton)["torch"].detail == ("cpu, cuda (the ops run their PyTorch references: Triton is not "
-                                                   "installed)")
+    assert backends(no_triton)["torch"].detail == (
+        "cpu, cuda (the ops run their PyTorch references: Triton is not installed)"
+    )
     no_ort = {"onnxruntime": lambda r: Check("onnxruntime", False, why="cannot be imported; pip install onnxruntime")}
     assert backends(no_ort)["onnxruntime"].why == "cannot be imported; pip install onnxruntime"
 
@@ -64,8 +69,19 @@ def test_doctor_command_on_this_machine(monkeypatch, capsys):
     lines = out.splitlines()
     assert lines[0].startswith("dtrt ") and "backends" in lines
     names = [line[6:23].strip() for line in lines[1:] if line != "backends"]
-    assert names == ["python", "torch", "onnxruntime", "CUDA devices", "Triton", "TensorRT", "TensorRT builder",
-                     "plugin libraries", "torch", "onnxruntime", "tensorrt"]
+    assert names == [
+        "python",
+        "torch",
+        "onnxruntime",
+        "CUDA devices",
+        "Triton",
+        "TensorRT",
+        "TensorRT builder",
+        "plugin libraries",
+        "torch",
+        "onnxruntime",
+        "tensorrt",
+    ]
     assert all(line[2:4] in ("ok", "--") and line[23:].strip() for line in lines[1:] if line != "backends")
     code, out, _ = run_cli(monkeypatch, capsys, "doctor", "--json")
     report = json.loads(out)

@@ -1,8 +1,10 @@
 """`--cuda-graph`: the fixed-shape draft block and frontier build that DraftGraph captures. On the CPU the step
 runs eagerly: it must match the plain round, read no host values, and give the AR tokens with the same
 acceptance. The capture itself is checked by the `gpu` test."""
+
 import pytest
 import torch
+from helpers import no_host_sync
 
 from dtrt.errors import DtrtError
 from dtrt.models.registry import tiny_hybrid_pair
@@ -11,7 +13,6 @@ from dtrt.runtime.generate import generate
 from dtrt.runtime.methods import DraftConfig, make_method
 from dtrt.runtime.pipeline import build_pipeline
 from dtrt.runtime.sampling import SamplingConfig
-from helpers import no_host_sync
 
 PROMPT = list(range(5, 25))
 GRAPH = DraftConfig("dominotree", budget=8, builder="frontier", cuda_graph=True)
@@ -35,8 +36,8 @@ def test_fixed_shape_block_matches_the_block(tiny):
     backend, _ = _prefilled(tiny)
     cache = backend.draft_cache
     assert 0 < cache.length < cache.capacity
-    cache.k[:, :, cache.length:] = 1e4 * torch.randn_like(cache.k[:, :, cache.length:])  # stale entries past it
-    cache.v[:, :, cache.length:] = 1e4
+    cache.k[:, :, cache.length :] = 1e4 * torch.randn_like(cache.k[:, :, cache.length :])  # stale entries past it
+    cache.v[:, :, cache.length :] = 1e4
     root, start = 42, backend.past
     want = backend.draft_block(root, start)
     got = backend.draft_block_fixed(torch.tensor([root]), torch.tensor([start]), torch.tensor([cache.length]))
@@ -76,13 +77,19 @@ def test_graph_rounds_give_the_ar_tokens_and_the_same_acceptance(name, tiny, hyb
 
 
 def test_cuda_graph_flag_errors(tiny):
-    with pytest.raises(DtrtError, match=r"^--cuda-graph: captures DominoTree's fixed-shape frontier build, not "
-                                        r"--method ddtree; use --method dominotree --builder frontier$"):
+    with pytest.raises(
+        DtrtError,
+        match=r"^--cuda-graph: captures DominoTree's fixed-shape frontier build, not "
+        r"--method ddtree; use --method dominotree --builder frontier$",
+    ):
         DraftConfig("ddtree", cuda_graph=True)
     with pytest.raises(DtrtError, match=r"not --builder heap; use --method dominotree --builder frontier$"):
         DraftConfig("dominotree", builder="heap", cuda_graph=True)
-    with pytest.raises(DtrtError, match=r"^--cuda-graph: captures the torch backend's drafting on a GPU; add "
-                                        r"--device cuda$"):
+    with pytest.raises(
+        DtrtError,
+        match=r"^--cuda-graph: captures the torch backend's drafting on a GPU; add "
+        r"--device cuda$",
+    ):
         build_pipeline(tiny, GRAPH)
 
 

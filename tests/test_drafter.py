@@ -1,10 +1,10 @@
 """The DFlash drafter and the Domino head against direct computations."""
+
 import torch
+from helpers import drafter_json, write_drafter
 
 from dtrt.models.checkpoint import load_drafter
 from dtrt.models.drafter import DraftCache
-
-from helpers import drafter_json, write_drafter
 
 
 @torch.no_grad()
@@ -45,12 +45,14 @@ def test_training_mask_path_equals_inference(tmp_path):
     pos = torch.cat([torch.arange(a, a + B) for a in anchors])[None]
     sees_ctx = torch.cat([(torch.arange(T) < a).expand(B, T) for a in anchors])[None]
     sees_blk = torch.block_diag(torch.ones(B, B), torch.ones(B, B)).bool()[None]
-    batched = drafter.block(x, pos, drafter.context_kv(feats, torch.arange(T)[None]),
-                            torch.cat((sees_ctx, sees_blk), -1))[0]
+    batched = drafter.block(
+        x, pos, drafter.context_kv(feats, torch.arange(T)[None]), torch.cat((sees_ctx, sees_blk), -1)
+    )[0]
     for i, a in enumerate(anchors):
-        one = drafter.block(x[0, i * B:(i + 1) * B], pos[0, i * B:(i + 1) * B],
-                            drafter.context_kv(feats[0, :a], torch.arange(a)))
-        assert (batched[i * B:(i + 1) * B] - one).abs().max() < 1e-5
+        one = drafter.block(
+            x[0, i * B : (i + 1) * B], pos[0, i * B : (i + 1) * B], drafter.context_kv(feats[0, :a], torch.arange(a))
+        )
+        assert (batched[i * B : (i + 1) * B] - one).abs().max() < 1e-5
 
 
 @torch.no_grad()

@@ -1,19 +1,19 @@
 """`dtrt export --drafter-quant int8`: the drafters' block stages with int8 weights. The output stays the AR
 tokens with drafts accepted, parity judges those stages by their own tolerance (and still catches a wrong
 weight), and the exports that cannot take them (TensorRT, fp16) say so."""
+
 import json
 
 import pytest
 import torch
+from test_methods import generate_all
+from test_ort_backend import check_speculative, ort_pipeline, torch_tokens  # noqa: F401 (fixture)
 
 from dtrt.errors import DtrtError
 from dtrt.exporter.artifact import MANIFEST
 from dtrt.exporter.parity import QUANT_TOLERANCE, reference_stages, run_parity
 from dtrt.exporter.quantize import check_drafter_quant, quantized_stages
 from dtrt.runtime.methods import DraftConfig
-
-from test_methods import generate_all
-from test_ort_backend import check_speculative, ort_pipeline, torch_tokens  # noqa: F401 (fixture)
 
 
 def test_only_the_block_stages_are_quantized(tiny_export_int8):
@@ -28,8 +28,11 @@ def test_only_the_block_stages_are_quantized(tiny_export_int8):
     assert "--drafter-quant int8" in tiny_export_int8.fix_hint()
 
 
-@pytest.mark.parametrize("draft", [DraftConfig("dflash"), DraftConfig("dominotree"),
-                                   DraftConfig("dominotree", builder="frontier")], ids=lambda d: d.method + d.builder)
+@pytest.mark.parametrize(
+    "draft",
+    [DraftConfig("dflash"), DraftConfig("dominotree"), DraftConfig("dominotree", builder="frontier")],
+    ids=lambda d: d.method + d.builder,
+)
 def test_int8_drafter_keeps_the_ar_tokens_with_drafts_accepted(tiny_export_int8, torch_tokens, draft):
     check_speculative(ort_pipeline(tiny_export_int8, draft), draft, torch_tokens)
 
@@ -49,8 +52,10 @@ def test_parity_judges_quantized_stages_by_their_tolerance(tiny_export_int8):
     report = run_parity(tiny_export_int8, 1, stages=stages)
     assert report.ok, report.table()
     assert report.quantized == ("dflash.block", "domino.block")
-    assert "int8 drafter stages" in report.table() and report.to_json()["quantized"]["domino.block"]["cosine"] == \
-        QUANT_TOLERANCE.cosine
+    assert (
+        "int8 drafter stages" in report.table()
+        and report.to_json()["quantized"]["domino.block"]["cosine"] == QUANT_TOLERANCE.cosine
+    )
     # a wrong weight in the reference is still caught at that tolerance
     o_proj = stages["domino.block"].module.drafter.layers[0].self_attn.o_proj.weight
     with torch.no_grad():
@@ -66,7 +71,10 @@ def test_exports_that_cannot_take_int8_drafters(tiny_export_int8):
         check_drafter_quant("int4", "fp32")
     from dtrt.engines.build import build_engines
 
-    with pytest.raises(DtrtError, match=r"int8 weights .* ONNX Runtime only; for TensorRT re-export with "
-                                        r"`dtrt export --model tiny .*--drafter-quant none"):
+    with pytest.raises(
+        DtrtError,
+        match=r"int8 weights .* ONNX Runtime only; for TensorRT re-export with "
+        r"`dtrt export --model tiny .*--drafter-quant none",
+    ):
         build_engines(tiny_export_int8.path, tiny_export_int8.path.parent / "engines")
     assert json.loads((tiny_export_int8.path / MANIFEST).read_text())["drafter_quant"] == "int8"

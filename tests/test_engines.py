@@ -1,5 +1,6 @@
 """dtrt build-engine and the engine directory, everything that runs without TensorRT: optimization profiles,
 engine keys, the manifest and its checks, atomic output, the TensorRT backend's pure parts."""
+
 import json
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from helpers import run_cli
 
 from dtrt import __version__
 from dtrt.engines import build
@@ -20,23 +22,51 @@ from dtrt.plugins import sources_sha256
 from dtrt.plugins.ptx import strip_hidden_params
 from dtrt.runtime.ort_backend import PackedKV
 from dtrt.runtime.trt_backend import DevicePackedKV, graph_key, plan_buffers
-from helpers import run_cli
 
 H200 = Machine("NVIDIA H200", "9.0", "11.4.0.106", "12.8")
 # the stage signatures of the tiny pair's export (dtrt export --model tiny --max-context 512)
 STAGES = {
-    "target": ({"ids": ("INT64", ["N"]), "positions": ("INT64", ["N"]), "mask": ("BOOL", ["N", "N"]),
-                "past_k": ("FLOAT", [4, 2, "P", 24]), "past_v": ("FLOAT", [4, 2, "P", 24])},
-               {"logits": ("FLOAT", ["N", 128]), "hidden": ("FLOAT", ["N", 192]),
-                "new_k": ("FLOAT", [4, 2, "N", 24]), "new_v": ("FLOAT", [4, 2, "N", 24])}),
-    "domino.context": ({"hidden": ("FLOAT", ["N", 192]), "positions": ("INT64", ["N"])},
-                       {"ctx_k": ("FLOAT", [1, 2, "N", 24]), "ctx_v": ("FLOAT", [1, 2, "N", 24])}),
-    "domino.block": ({"root": ("INT64", [1]), "start": ("INT64", [1]), "cache_k": ("FLOAT", [1, 2, "P", 24]),
-                      "cache_v": ("FLOAT", [1, 2, "P", 24])}, {"ph": ("FLOAT", [8, 96]), "base": ("FLOAT", [8, 128])}),
-    "domino.scorer_children": ({"zproj": ("FLOAT", [32]), "states": ("FLOAT", ["N", 32]), "basec": ("FLOAT", [64]),
-                                "w2c": ("FLOAT", [64, 32])}, {"logprobs": ("FLOAT", ["N", 64])}),
-    "domino.frontier": ({"ph": ("FLOAT", ["bs", 8, 96]), "base": ("FLOAT", ["bs", 8, 128]), "root": ("INT64", ["bs"])},
-                        {"tokens": ("INT64", ["bs", 17]), "mask": ("BOOL", ["bs", 17, 17])}),
+    "target": (
+        {
+            "ids": ("INT64", ["N"]),
+            "positions": ("INT64", ["N"]),
+            "mask": ("BOOL", ["N", "N"]),
+            "past_k": ("FLOAT", [4, 2, "P", 24]),
+            "past_v": ("FLOAT", [4, 2, "P", 24]),
+        },
+        {
+            "logits": ("FLOAT", ["N", 128]),
+            "hidden": ("FLOAT", ["N", 192]),
+            "new_k": ("FLOAT", [4, 2, "N", 24]),
+            "new_v": ("FLOAT", [4, 2, "N", 24]),
+        },
+    ),
+    "domino.context": (
+        {"hidden": ("FLOAT", ["N", 192]), "positions": ("INT64", ["N"])},
+        {"ctx_k": ("FLOAT", [1, 2, "N", 24]), "ctx_v": ("FLOAT", [1, 2, "N", 24])},
+    ),
+    "domino.block": (
+        {
+            "root": ("INT64", [1]),
+            "start": ("INT64", [1]),
+            "cache_k": ("FLOAT", [1, 2, "P", 24]),
+            "cache_v": ("FLOAT", [1, 2, "P", 24]),
+        },
+        {"ph": ("FLOAT", [8, 96]), "base": ("FLOAT", [8, 128])},
+    ),
+    "domino.scorer_children": (
+        {
+            "zproj": ("FLOAT", [32]),
+            "states": ("FLOAT", ["N", 32]),
+            "basec": ("FLOAT", [64]),
+            "w2c": ("FLOAT", [64, 32]),
+        },
+        {"logprobs": ("FLOAT", ["N", 64])},
+    ),
+    "domino.frontier": (
+        {"ph": ("FLOAT", ["bs", 8, 96]), "base": ("FLOAT", ["bs", 8, 128]), "root": ("INT64", ["bs"])},
+        {"tokens": ("INT64", ["bs", 17]), "mask": ("BOOL", ["bs", 17, 17])},
+    ),
 }
 
 
@@ -46,18 +76,26 @@ def write_export(path: Path, budget=16, model="tiny") -> Path:
     path.mkdir(parents=True)
 
     def values(sig):
-        return [onnx.helper.make_tensor_value_info(n, getattr(onnx.TensorProto, t), dims)
-                for n, (t, dims) in sig.items()]
+        return [
+            onnx.helper.make_tensor_value_info(n, getattr(onnx.TensorProto, t), dims) for n, (t, dims) in sig.items()
+        ]
 
     for name, (inputs, outputs) in STAGES.items():
         graph = onnx.helper.make_graph([], name, values(inputs), values(outputs))
         onnx.save(onnx.helper.make_model(graph), str(path / f"{name}.onnx"))
-    manifest = {"format": FORMAT, "dtrt_version": __version__, "dtype": "fp32", "max_context": 512, "budget": budget,
-                "topm": 64, "node_topk": 8, "source": {"model": model},
-                "drafters": {"domino": {"k_draft": 8, "block_size": 8}},
-                "stages": {n: {"file": f"{n}.onnx", "inputs": list(i), "outputs": list(o)}
-                           for n, (i, o) in STAGES.items()},
-                "files": {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(path.iterdir())}}
+    manifest = {
+        "format": FORMAT,
+        "dtrt_version": __version__,
+        "dtype": "fp32",
+        "max_context": 512,
+        "budget": budget,
+        "topm": 64,
+        "node_topk": 8,
+        "source": {"model": model},
+        "drafters": {"domino": {"k_draft": 8, "block_size": 8}},
+        "stages": {n: {"file": f"{n}.onnx", "inputs": list(i), "outputs": list(o)} for n, (i, o) in STAGES.items()},
+        "files": {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(path.iterdir())},
+    }
     (path / MANIFEST).write_text(json.dumps(manifest))
     return path
 
@@ -125,8 +163,10 @@ def test_select_profile(export_dir):
 
 def test_engine_key_and_layout(tmp_path):
     assert H200.key == "nvidia-h200-sm90-trt11.4.0.106-cu12.8"
-    assert Machine("NVIDIA GeForce RTX 5080", "12.0", "11.4.0.106", "13.0").key == \
-        "nvidia-geforce-rtx-5080-sm120-trt11.4.0.106-cu13.0"
+    assert (
+        Machine("NVIDIA GeForce RTX 5080", "12.0", "11.4.0.106", "13.0").key
+        == "nvidia-geforce-rtx-5080-sm120-trt11.4.0.106-cu13.0"
+    )
     assert engine_dir(tmp_path, H200, "tiny") == tmp_path / H200.key / "tiny"
 
 
@@ -136,15 +176,19 @@ def test_build_writes_the_engine_directory(export_dir, tmp_path, fake_trt, monke
     assert code == 0, err
     path = root / H200.key / "tiny"
     assert out.strip().startswith(f"{path}: 5 plans")
-    assert sorted(p.name for p in path.iterdir()) == sorted([*(f"{s}.plan" for s in STAGES), "manifest.json",
-                                                            "timing.cache"])
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        [*(f"{s}.plan" for s in STAGES), "manifest.json", "timing.cache"]
+    )
     assert sorted(p.name for p in root.iterdir()) == [H200.key] and list((root / H200.key).iterdir()) == [path]
     eng = read_engine(path)
     m = eng.manifest
     assert m["machine"] == H200.to_json() and m["key"] == H200.key and m["model"] == "tiny"
-    assert m["plugins"] == {"namespace": "dtrt", "version": "1", "sha256": sources_sha256(),
-                            "ops": ["TreeAttention", "TopMCorrectedScore", "LedgerSelect", "TreeGatedDeltaNet",
-                                    "TreeCausalConv1d"]}
+    assert m["plugins"] == {
+        "namespace": "dtrt",
+        "version": "1",
+        "sha256": sources_sha256(),
+        "ops": ["TreeAttention", "TopMCorrectedScore", "LedgerSelect", "TreeGatedDeltaNet", "TreeCausalConv1d"],
+    }
     assert m["export"]["path"] == str(export_dir.resolve())
     assert m["stages"]["target"]["outputs"]["logits"] == {"dims": ["N", 128], "dtype": "FLOAT"}
     assert (path / "timing.cache").read_bytes() == b"timing"
@@ -152,8 +196,9 @@ def test_build_writes_the_engine_directory(export_dir, tmp_path, fake_trt, monke
 
     code, _, err = run_cli(monkeypatch, capsys, "build-engine", str(export_dir), "--out", str(root))
     assert code == 2 and "already exists; pass --force" in err
-    code, _, err = run_cli(monkeypatch, capsys, "build-engine", str(export_dir), "--out", str(root), "--force",
-                           "--max-batch", "2")
+    code, _, err = run_cli(
+        monkeypatch, capsys, "build-engine", str(export_dir), "--out", str(root), "--force", "--max-batch", "2"
+    )
     assert code == 0, err
     assert read_engine(path).manifest["build"] == {"max_batch": 2, "opt_level": 3}
     assert (path / "timing.cache").read_bytes() == b"timingtiming"  # the old cache was loaded into the rebuild
@@ -194,22 +239,31 @@ def test_tensorrt_backend_without_tensorrt(tmp_path):
 
 
 def rebuild(path, export_dir):
-    return f"rebuild with `dtrt build-engine {export_dir.resolve()} --out {path.parent.parent} --max-batch 8 " \
-           f"--opt-level 3 --force`"
+    return (
+        f"rebuild with `dtrt build-engine {export_dir.resolve()} --out {path.parent.parent} --max-batch 8 "
+        f"--opt-level 3 --force`"
+    )
 
 
-@pytest.mark.parametrize("field,value,label", [("gpu_name", "NVIDIA H100 80GB HBM3", "'NVIDIA H200'"),
-                                               ("compute_capability", "8.9", "'9.0'"),
-                                               ("tensorrt_version", "11.1.0.3", "'11.4.0.106'"),
-                                               ("cuda_version", "13.0", "'12.8'")])
+@pytest.mark.parametrize(
+    "field,value,label",
+    [
+        ("gpu_name", "NVIDIA H100 80GB HBM3", "'NVIDIA H200'"),
+        ("compute_capability", "8.9", "'9.0'"),
+        ("tensorrt_version", "11.1.0.3", "'11.4.0.106'"),
+        ("cuda_version", "13.0", "'12.8'"),
+    ],
+)
 def test_engine_refused_on_another_machine(export_dir, tmp_path, fake_trt, field, value, label):
     path = build_engines(export_dir, tmp_path / "engines").path
     other = Machine(**{**H200.to_json(), field: value})
     with pytest.raises(DtrtError) as e:
         check_engine(read_engine(path), other, sources_sha256())
-    assert str(e.value) == (f"{path / 'manifest.json'}: {field} {label} differs from this machine's {value!r} "
-                            f"(the plans only run on the {LABELS[field]} they were built for); "
-                            f"{rebuild(path, export_dir)}")
+    assert str(e.value) == (
+        f"{path / 'manifest.json'}: {field} {label} differs from this machine's {value!r} "
+        f"(the plans only run on the {LABELS[field]} they were built for); "
+        f"{rebuild(path, export_dir)}"
+    )
 
 
 def test_engine_checks(export_dir, tmp_path, fake_trt):
@@ -240,8 +294,9 @@ def test_resolve_engine_dir(export_dir, tmp_path, fake_trt):
     assert resolve_engine_dir(path, H200) == path
     assert resolve_engine_dir(root, H200) == path and resolve_engine_dir(root, H200, "tiny") == path
     other = Machine("NVIDIA L4", "8.9", "11.4.0.106", "12.8")
-    with pytest.raises(DtrtError,
-                       match=rf"no engines for this machine \({other.key}\) \(it has engines for: {H200.key}\)"):
+    with pytest.raises(
+        DtrtError, match=rf"no engines for this machine \({other.key}\) \(it has engines for: {H200.key}\)"
+    ):
         resolve_engine_dir(root, other)
     build_engines(write_export(tmp_path / "exports" / "other", model="other"), root)
     with pytest.raises(DtrtError, match="holds engines for other, tiny; pass --export"):
@@ -293,9 +348,9 @@ TRITON_PTX = """//
 
 def test_strip_hidden_params():
     ptx = strip_hidden_params(TRITON_PTX, "add_kernel", 3)
-    entry = ptx[ptx.index(".entry"):ptx.index(")")]
+    entry = ptx[ptx.index(".entry") : ptx.index(")")]
     assert entry.count(".param") == 3 and "add_kernel_param_2" in entry and "param_3" not in ptx
-    assert ptx.endswith(TRITON_PTX[TRITON_PTX.index(")"):])
+    assert ptx.endswith(TRITON_PTX[TRITON_PTX.index(")") :])
     with pytest.raises(ValueError, match="reads its hidden parameter add_kernel_param_2"):
         strip_hidden_params(TRITON_PTX, "add_kernel", 2)
     with pytest.raises(ValueError, match="declares 5 parameters, the kernel has 6"):

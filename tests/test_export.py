@@ -1,4 +1,5 @@
 """`dtrt export`: graph contents, sharded checkpoints, atomic output, and the artifact checks on load."""
+
 import json
 import shutil
 
@@ -32,8 +33,11 @@ def test_sharded_checkpoint_exports(tiny, tmp_path):
     save_checkpoint(src, json.loads((tiny.target / "config.json").read_text()), target_state(target), shards=2)
     exp = export_pair(Pair(src), tmp_path / "out", max_context=64)
     assert set(exp.manifest["source"]["target_hashes"]) == {
-        "config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors"}
+        "config.json",
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    }
     assert list(exp.manifest["stages"]) == ["target"]
 
 
@@ -93,8 +97,11 @@ def test_bad_artifacts(copied, tiny):
 
 def test_export_from_another_model(tiny_export, tmp_path):
     exp = load_export(tiny_export.path)
-    one_line_error(lambda: check_source(exp, exp.manifest["source"]["target"], model="qwen3-4b"),
-                   "exported from model 'tiny'", "qwen3-4b")
+    one_line_error(
+        lambda: check_source(exp, exp.manifest["source"]["target"], model="qwen3-4b"),
+        "exported from model 'tiny'",
+        "qwen3-4b",
+    )
     other = tmp_path / "other"
     shutil.copytree(exp.manifest["source"]["target"], other)
     cfg = json.loads((other / "config.json").read_text())

@@ -1,10 +1,12 @@
 """The Domino scorer and frontier stages: the two ops against the code they replace, their ONNX function bodies in
 ONNX Runtime, and every exported stage (and the trees built on them) against PyTorch."""
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from helpers import drafter_json, write_drafter
 from onnx import TensorProto, helper
 from torch import nn
 
@@ -18,12 +20,15 @@ from dtrt.ops.topm_corrected_score import topm_corrected_score_ref
 from dtrt.runtime.ort_scorer import OrtDominoScorer
 from dtrt.tree import DominoScorer, Round, build_frontier, build_heap
 
-from helpers import drafter_json, write_drafter
-
 V, H, G, E = 89, 12, 10, 24
 BUDGET, TOPM, K = 12, 16, 4
-OPS = {"scorer_root": set(), "scorer_setup": set(), "scorer_children": {"TopMCorrectedScore"},
-       "scorer_advance": set(), "frontier": {"TopMCorrectedScore", "LedgerSelect"}}
+OPS = {
+    "scorer_root": set(),
+    "scorer_setup": set(),
+    "scorer_children": {"TopMCorrectedScore"},
+    "scorer_advance": set(),
+    "frontier": {"TopMCorrectedScore", "LedgerSelect"},
+}
 
 
 def small_model(dtype=torch.float32):
@@ -37,8 +42,11 @@ def small_model(dtype=torch.float32):
 
 def random_round(bs, depth, hidden, vocab, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return Round(torch.randn(bs, depth, hidden, generator=g).to(dtype), 2 * torch.randn(bs, depth, vocab, generator=g),
-                 torch.randint(0, vocab - 1, (bs,), generator=g))
+    return Round(
+        torch.randn(bs, depth, hidden, generator=g).to(dtype),
+        2 * torch.randn(bs, depth, vocab, generator=g),
+        torch.randint(0, vocab - 1, (bs,), generator=g),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -52,8 +60,9 @@ def test_topm_corrected_score_is_the_domino_scorer(dtype):
     for d in range(1, D):
         lp = topm_corrected_score_ref(sc.zp[:, d], states, sc.w1s, sc.basec[:, d], sc.w2c[:, d])
         assert lp.shape == (bs, n, 8) and lp.dtype == torch.float32
-        assert torch.equal(lp, torch.ops.dtrt.topm_corrected_score(sc.zp[:, d], states, sc.w1s, sc.basec[:, d],
-                                                                   sc.w2c[:, d]))
+        assert torch.equal(
+            lp, torch.ops.dtrt.topm_corrected_score(sc.zp[:, d], states, sc.w1s, sc.basec[:, d], sc.w2c[:, d])
+        )
         top, local = torch.topk(lp, k, dim=-1)
         tokens, logprobs = sc.children(states, d)
         assert torch.equal(logprobs, top)
@@ -113,8 +122,9 @@ def test_ledger_select_is_a_stable_top_b(budget):
 def single_node_session(op_type, inputs, outputs, **attrs):
     node = helper.make_node(op_type, [i for i, _ in inputs], [o for o, _ in outputs], domain="dtrt", **attrs)
     value = helper.make_tensor_value_info
-    graph = helper.make_graph([node], op_type, [value(i, t, None) for i, t in inputs],
-                              [value(o, t, None) for o, t in outputs])
+    graph = helper.make_graph(
+        [node], op_type, [value(i, t, None) for i, t in inputs], [value(o, t, None) for o, t in outputs]
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("dtrt", 1)])
     model.functions.extend(onnx_functions([op_type]))
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -123,9 +133,19 @@ def single_node_session(op_type, inputs, outputs, **attrs):
 @pytest.mark.parametrize("budget", [1, 7, 23])
 def test_ledger_select_function_body_keeps_the_stable_order(budget):
     i64, f32 = TensorProto.INT64, TensorProto.FLOAT
-    sess = single_node_session("LedgerSelect", [("scores", f32), ("tokens", i64), ("parents", i64), ("root", i64)],
-                               [("tree_tokens", i64), ("tree_parents", i64), ("depths", i64), ("tree_scores", f32),
-                                ("mask", TensorProto.BOOL)], budget=budget, mask_token_id=99)
+    sess = single_node_session(
+        "LedgerSelect",
+        [("scores", f32), ("tokens", i64), ("parents", i64), ("root", i64)],
+        [
+            ("tree_tokens", i64),
+            ("tree_parents", i64),
+            ("depths", i64),
+            ("tree_scores", f32),
+            ("mask", TensorProto.BOOL),
+        ],
+        budget=budget,
+        mask_token_id=99,
+    )
     for seed in range(10):
         ledger = tied_ledger(1 + seed % 3, 4, 6, seed)
         want = ledger_select_ref(*ledger, budget, 99)
@@ -135,13 +155,19 @@ def test_ledger_select_function_body_keeps_the_stable_order(budget):
 
 
 def test_topm_corrected_score_function_body():
-    sess = single_node_session("TopMCorrectedScore", [(n, TensorProto.FLOAT) for n in
-                                                      ("zproj", "states", "w1s", "basec", "w2c")],
-                               [("logprobs", TensorProto.FLOAT)])
+    sess = single_node_session(
+        "TopMCorrectedScore",
+        [(n, TensorProto.FLOAT) for n in ("zproj", "states", "w1s", "basec", "w2c")],
+        [("logprobs", TensorProto.FLOAT)],
+    )
     g = torch.Generator().manual_seed(0)
-    x = {"zproj": torch.randn(2, E, generator=g), "states": torch.randn(2, 5, G, generator=g),
-         "w1s": torch.randn(E, G, generator=g), "basec": 2 * torch.randn(2, 7, generator=g),
-         "w2c": torch.randn(2, 7, E, generator=g)}
+    x = {
+        "zproj": torch.randn(2, E, generator=g),
+        "states": torch.randn(2, 5, G, generator=g),
+        "w1s": torch.randn(E, G, generator=g),
+        "basec": 2 * torch.randn(2, 7, generator=g),
+        "w2c": torch.randn(2, 7, E, generator=g),
+    }
     got = sess.run(None, {k: v.numpy() for k, v in x.items()})[0]
     assert np.allclose(got, topm_corrected_score_ref(**x).numpy(), atol=1e-5, rtol=0)
 

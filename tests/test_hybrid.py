@@ -1,13 +1,17 @@
 """Hybrid Gated-DeltaNet targets: the reference against transformers' Qwen3NextForCausalLM, tree-aware recurrent
 verification (per-node states equal re-running every root-to-node path), every method exact to AR on the tiny hybrid
 pair on torch and ONNX Runtime with drafts accepted, the flattened-tree negative control drifting, and parity."""
+
 import json
 
 import numpy as np
 import onnx
 import pytest
 import torch
+from helpers import run_cli
 from onnx import TensorProto
+from test_export_scorer import single_node_session
+from test_methods import LINEAR_COST
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from dtrt.exporter.parity import run_parity
@@ -21,15 +25,17 @@ from dtrt.runtime.pipeline import build_pipeline
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.tree import Tree
 
-from helpers import run_cli
-from test_export_scorer import single_node_session
-from test_methods import LINEAR_COST
-
 PROMPTS = ["The cat sees ", "Every king walks ", "Some old man reads "]
 MAX_NEW = 48
-VARIANTS = [DraftConfig("dflash"), DraftConfig("domino"), DraftConfig("ddtree"), DraftConfig("caddtree", budget=32),
-            DraftConfig("dominotree"), DraftConfig("dominotree", builder="frontier"),
-            DraftConfig("dominotree", arm="condstatic")]
+VARIANTS = [
+    DraftConfig("dflash"),
+    DraftConfig("domino"),
+    DraftConfig("ddtree"),
+    DraftConfig("caddtree", budget=32),
+    DraftConfig("dominotree"),
+    DraftConfig("dominotree", builder="frontier"),
+    DraftConfig("dominotree", arm="condstatic"),
+]
 # a tree with fan-out at several depths, deeper than the conv kernel (node 11 sits at depth 6)
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5, 0, 7, 9, 10]
 
@@ -44,13 +50,25 @@ def causal(n):
 
 # the reference against transformers, on random weights
 
+
 @pytest.fixture(scope="module")
 def hf_pair(tmp_path_factory):
     torch.manual_seed(1)
-    cfg = Qwen3NextConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-                          linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, num_experts=0,
-                          layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    cfg = Qwen3NextConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+        num_experts=0,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    )
     hf = Qwen3NextForCausalLM(cfg).eval()
     with torch.no_grad():  # the norms start at zero offset and dt_bias at one: make them count
         for name, p in hf.named_parameters():
@@ -106,7 +124,7 @@ def test_per_node_states_equal_sequential_paths(hf_pair):
     for i in range(len(tree)):
         seq = prefilled()  # the root-to-node path, one token per forward
         for depth, j in enumerate(tree.mask[i].nonzero()[:, 0].tolist()):
-            ours(tree.tokens[j:j + 1], torch.tensor([6 + depth]), causal(1), seq)
+            ours(tree.tokens[j : j + 1], torch.tensor([6 + depth]), causal(1), seq)
             seq.commit([0])
         for layer in range(len(seq.node_states)):
             assert (cache.node_states[layer][i] - seq.state[layer]).abs().max() < 1e-6, (i, layer)
@@ -115,31 +133,57 @@ def test_per_node_states_equal_sequential_paths(hf_pair):
 
 def random_recurrence(n, heads=3, dk=8, dv=5, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.nn.functional.normalize(torch.randn(n, heads, dk, generator=g), dim=-1) * dk ** -0.5
+    q = torch.nn.functional.normalize(torch.randn(n, heads, dk, generator=g), dim=-1) * dk**-0.5
     k = torch.nn.functional.normalize(torch.randn(n, heads, dk, generator=g), dim=-1)
-    return (q, k, torch.randn(n, heads, dv, generator=g), -torch.rand(n, heads, generator=g),
-            torch.rand(n, heads, generator=g), torch.randn(heads, dk, dv, generator=g))
+    return (
+        q,
+        k,
+        torch.randn(n, heads, dv, generator=g),
+        -torch.rand(n, heads, generator=g),
+        torch.rand(n, heads, generator=g),
+        torch.randn(heads, dk, dv, generator=g),
+    )
 
 
 def test_op_function_bodies_match_the_references():
     """The ONNX function bodies ONNX Runtime runs, on a tree and on a forest (several nodes on the committed state)."""
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    gdn = single_node_session("TreeGatedDeltaNet", [(n, f32) for n in ("q", "k", "v", "g", "beta")]
-                              + [("parents", i64), ("state0", f32)], [("out", f32), ("states", f32)])
-    conv = single_node_session("TreeCausalConv1d", [("x", f32), ("parents", i64), ("conv_state", f32),
-                                                    ("weight", f32)], [("out", f32), ("windows", f32)])
+    gdn = single_node_session(
+        "TreeGatedDeltaNet",
+        [(n, f32) for n in ("q", "k", "v", "g", "beta")] + [("parents", i64), ("state0", f32)],
+        [("out", f32), ("states", f32)],
+    )
+    conv = single_node_session(
+        "TreeCausalConv1d",
+        [("x", f32), ("parents", i64), ("conv_state", f32), ("weight", f32)],
+        [("out", f32), ("windows", f32)],
+    )
     g = torch.Generator().manual_seed(0)
     for parents in (PARENTS, [-1, 0, -1, 2, 1, -1]):
         parents = torch.tensor(parents)
         q, k, v, decay, beta, state0 = random_recurrence(len(parents))
-        got = gdn.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "g": decay.numpy(),
-                             "beta": beta.numpy(), "parents": parents.numpy(), "state0": state0.numpy()})
+        got = gdn.run(
+            None,
+            {
+                "q": q.numpy(),
+                "k": k.numpy(),
+                "v": v.numpy(),
+                "g": decay.numpy(),
+                "beta": beta.numpy(),
+                "parents": parents.numpy(),
+                "state0": state0.numpy(),
+            },
+        )
         for a, b in zip(got, tree_gated_delta_net_ref(q, k, v, decay, beta, parents, state0)):
             assert np.allclose(a, b.numpy(), atol=1e-6, rtol=0)
-        x, state, weight = (torch.randn(len(parents), 6, generator=g), torch.randn(6, 3, generator=g),
-                            torch.randn(6, 4, generator=g))
-        got = conv.run(None, {"x": x.numpy(), "parents": parents.numpy(), "conv_state": state.numpy(),
-                              "weight": weight.numpy()})
+        x, state, weight = (
+            torch.randn(len(parents), 6, generator=g),
+            torch.randn(6, 3, generator=g),
+            torch.randn(6, 4, generator=g),
+        )
+        got = conv.run(
+            None, {"x": x.numpy(), "parents": parents.numpy(), "conv_state": state.numpy(), "weight": weight.numpy()}
+        )
         for a, b in zip(got, tree_causal_conv1d_ref(x, parents, state, weight)):
             assert np.allclose(a, b.numpy(), atol=1e-6, rtol=0)
 
@@ -168,6 +212,7 @@ def test_config_errors(tmp_path, monkeypatch, capsys):
 
 # the tiny hybrid pair: every method, both backends, the negative control, parity
 
+
 @pytest.fixture(scope="module")
 def pair():
     return tiny_hybrid_pair()
@@ -177,8 +222,7 @@ def pair():
 def export(pair, tmp_path_factory):
     from dtrt.exporter.export import export_pair
 
-    return export_pair(pair, tmp_path_factory.mktemp("export") / "tiny-hybrid", model="tiny-hybrid",
-                       max_context=256)
+    return export_pair(pair, tmp_path_factory.mktemp("export") / "tiny-hybrid", model="tiny-hybrid", max_context=256)
 
 
 def pipeline(pair, export, draft, backend):
@@ -192,8 +236,9 @@ def generate(pipe, flatten_tree=False):
     target.flatten_tree = flatten_tree
     if pipe.draft.method == "caddtree":  # a fixed cost curve: a measured one varies with machine load
         pipe.method.curve = LINEAR_COST
-    return [pipe.generate(pipe.tokenizer.encode(p, add_special_tokens=False), MAX_NEW, SamplingConfig())
-            for p in PROMPTS]
+    return [
+        pipe.generate(pipe.tokenizer.encode(p, add_special_tokens=False), MAX_NEW, SamplingConfig()) for p in PROMPTS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +248,10 @@ def ar_tokens(pair):
 
 def prefix_agreement(gens, ar_tokens):
     """Tokens equal to AR's before the first difference, per prompt."""
-    return [next((i for i, (a, b) in enumerate(zip(g.tokens, want)) if a != b), len(want))
-            for g, want in zip(gens, ar_tokens)]
+    return [
+        next((i for i, (a, b) in enumerate(zip(g.tokens, want)) if a != b), len(want))
+        for g, want in zip(gens, ar_tokens)
+    ]
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
@@ -236,8 +283,9 @@ def test_export_has_the_recurrent_dtrt_ops(export):
     m = onnx.load(str(export.stage("target")), load_external_data=False)
     ops = [n.op_type for n in m.graph.node if n.domain == "dtrt"]
     assert ops.count("TreeGatedDeltaNet") == ops.count("TreeCausalConv1d") == 3 and ops.count("TreeAttention") == 1
-    assert {(f.domain, f.name) for f in m.functions} == {("dtrt", n) for n in
-                                                         ("TreeAttention", "TreeCausalConv1d", "TreeGatedDeltaNet")}
+    assert {(f.domain, f.name) for f in m.functions} == {
+        ("dtrt", n) for n in ("TreeAttention", "TreeCausalConv1d", "TreeGatedDeltaNet")
+    }
     meta = export.manifest
     assert meta["stages"]["target"]["inputs"][-2:] == ["state", "conv"]
     assert meta["stages"]["target"]["outputs"][-2:] == ["states", "windows"]
@@ -254,8 +302,18 @@ def test_parity_covers_the_recurrent_states(export):
 
 def test_cli_runs_the_hybrid_on_both_backends(pair, export, ar_tokens, monkeypatch, capsys):
     for extra in ([], ["--backend", "onnxruntime", "--export", str(export.path)]):
-        code, out, err = run_cli(monkeypatch, capsys, "run", "--model", "tiny-hybrid", "--json", "--max-new-tokens",
-                                 str(MAX_NEW), *extra, PROMPTS[0])
+        code, out, err = run_cli(
+            monkeypatch,
+            capsys,
+            "run",
+            "--model",
+            "tiny-hybrid",
+            "--json",
+            "--max-new-tokens",
+            str(MAX_NEW),
+            *extra,
+            PROMPTS[0],
+        )
         assert code == 0, err
         res = json.loads(out)
         assert res["tokens"] == ar_tokens[0] and res["tau"] > 2

@@ -1,11 +1,13 @@
 """The torch backend's kernel path: which implementation an op call runs (dtrt.ops.kernels), the Triton kernels
 inside the decode loop giving exactly the AR tokens with drafts accepted (on the CPU in Triton's interpreter,
 on a CUDA GPU with `--device cuda`), and the --device defaults (its errors: test_bad_input.py)."""
+
 import importlib.util
 import os
 
 import pytest
 import torch
+from helpers import run_cli
 
 import dtrt.ops.kernels as kernels
 from dtrt.errors import DtrtError
@@ -13,12 +15,13 @@ from dtrt.models.registry import tiny_hybrid_pair
 from dtrt.runtime.methods import METHODS, DraftConfig
 from dtrt.runtime.pipeline import build_pipeline, check_device, default_builder, source_defaults
 from dtrt.runtime.sampling import SamplingConfig
-from helpers import run_cli
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 CUDA = torch.cuda.is_available()
-interpreted = pytest.mark.skipif(not HAVE_TRITON or CUDA or os.environ.get("TRITON_INTERPRET") != "1",
-                                 reason="runs the kernels in Triton's CPU interpreter: needs Triton, no CUDA GPU")
+interpreted = pytest.mark.skipif(
+    not HAVE_TRITON or CUDA or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the kernels in Triton's CPU interpreter: needs Triton, no CUDA GPU",
+)
 PROMPT = list(range(5, 25))
 TREE_OPS = {"tree_attention", "topm_corrected_score", "ledger_select"}
 HYBRID_OPS = TREE_OPS | {"tree_gated_delta_net", "tree_causal_conv1d"}
@@ -53,7 +56,7 @@ def test_dispatch_rules(monkeypatch):
     monkeypatch.setenv("DTRT_KERNELS", "triton")
     assert kernels.kernel("tree_attention", x, w * 2) is None  # a gradient to carry: the kernels have no backward
     with torch.no_grad():
-        monkeypatch.setattr(kernels, "_triton_why", lambda: "Triton is not installed (pip install \"dtrt[gpu]\")")
+        monkeypatch.setattr(kernels, "_triton_why", lambda: 'Triton is not installed (pip install "dtrt[gpu]")')
         with pytest.raises(DtrtError, match=r"^DTRT_KERNELS=triton: Triton is not installed"):
             kernels.kernel("tree_attention", x, w * 2)
 
@@ -90,15 +93,20 @@ def test_cuda_device_gives_the_cpu_ar_tokens(name, tiny, hybrid, launched, monke
         g = pipe.generate(PROMPT, 32, SamplingConfig())
         assert g.tokens == want, method
         assert method in ("ar", "caddtree", "cadominotree") or g.tau > 1.5, method
-        assert pipe.generate(PROMPT, 8, SamplingConfig(temperature=1.0, seed=3)).tokens == \
-            pipe.generate(PROMPT, 8, SamplingConfig(temperature=1.0, seed=3)).tokens, "seeded sampling repeats"
+        assert (
+            pipe.generate(PROMPT, 8, SamplingConfig(temperature=1.0, seed=3)).tokens
+            == pipe.generate(PROMPT, 8, SamplingConfig(temperature=1.0, seed=3)).tokens
+        ), "seeded sampling repeats"
     assert launched == (HYBRID_OPS if name == "tiny-hybrid" else TREE_OPS)
 
 
 def test_device_flag():
     assert check_device(None, "onnxruntime") == torch.device("cpu") == check_device("cpu", "torch")
-    with pytest.raises(DtrtError, match=r"^--device cuda: only the torch backend takes a device \(--backend "
-                                        r"tensorrt runs its engines on the GPU by itself\)$"):
+    with pytest.raises(
+        DtrtError,
+        match=r"^--device cuda: only the torch backend takes a device \(--backend "
+        r"tensorrt runs its engines on the GPU by itself\)$",
+    ):
         check_device("cuda", "tensorrt")
     assert source_defaults(None, None, None, None, None, "cuda") == ("smollm2-135m", "torch")
     assert source_defaults(None, None, None, None, None, "cpu")[1] == "onnxruntime"
@@ -107,6 +115,7 @@ def test_device_flag():
 
 
 def test_cpu_device_flag_runs(tiny, monkeypatch, capsys):
-    code, out, _ = run_cli(monkeypatch, capsys, "run", "--model", "tiny", "--device", "cpu", "--max-new-tokens", "8",
-                           "--json", "hello")
+    code, out, _ = run_cli(
+        monkeypatch, capsys, "run", "--model", "tiny", "--device", "cpu", "--max-new-tokens", "8", "--json", "hello"
+    )
     assert code == 0 and '"tokens"' in out

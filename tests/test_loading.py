@@ -1,16 +1,23 @@
 """Checkpoint loading: released layouts (single file and shards), config keys, and one-line errors."""
+
 import json
 
 import pytest
 import torch
+from helpers import drafter_json, run_cli, write_drafter
 
 from dtrt.errors import DtrtError
-from dtrt.models.checkpoint import (Checkpoint, check_pair, drafter_state, load_drafter, load_target,
-                                    save_checkpoint, target_state)
+from dtrt.models.checkpoint import (
+    Checkpoint,
+    check_pair,
+    drafter_state,
+    load_drafter,
+    load_target,
+    save_checkpoint,
+    target_state,
+)
 from dtrt.models.config import DrafterConfig, default_target_layer_ids
 from dtrt.models.registry import find_local, resolve
-
-from helpers import run_cli, drafter_json, write_drafter
 
 
 def test_default_tap_formula():
@@ -98,16 +105,27 @@ def test_mismatched_drafter(tiny, tmp_path):
 
 
 def test_cli_dflash_checkpoint_as_domino(tiny, monkeypatch, capsys):
-    code, out, err = run_cli(monkeypatch, capsys, "run", "--target", str(tiny.target), "--drafter", str(tiny.dflash),
-                             "--method", "dominotree", "The cat")
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "run",
+        "--target",
+        str(tiny.target),
+        "--drafter",
+        str(tiny.dflash),
+        "--method",
+        "dominotree",
+        "The cat",
+    )
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "no Domino head" in err and str(tiny.dflash) in err
 
 
 def test_cli_mismatched_pair(tiny, tmp_path, monkeypatch, capsys):
     wide = write_drafter(tmp_path / "h", drafter_json(hidden=64, vocab=128))
-    code, _, err = run_cli(monkeypatch, capsys, "run", "--target", str(tiny.target), "--drafter", str(wide),
-                           "--method", "dflash", "x")
+    code, _, err = run_cli(
+        monkeypatch, capsys, "run", "--target", str(tiny.target), "--drafter", str(wide), "--method", "dflash", "x"
+    )
     assert code == 2 and err.count("\n") == 1 and "hidden_size" in err and "Traceback" not in err
 
 

@@ -1,4 +1,5 @@
 """Every method gives exactly the AR tokens at T=0 on the tiny pair, whose drafts really get accepted."""
+
 import json
 import sys
 
@@ -13,10 +14,16 @@ from dtrt.tree import CostCurve
 
 PROMPTS = ["The cat sees ", "A quick fox ", "Every king walks ", "The moon is very ", "Some old man reads "]
 VARIANTS = [
-    DraftConfig("dflash"), DraftConfig("domino"), DraftConfig("ddtree"), DraftConfig("caddtree", budget=32),
-    DraftConfig("dominotree"), DraftConfig("dominotree", builder="frontier"),
-    DraftConfig("dominotree", arm="condstatic"), DraftConfig("dominotree", arm="marg", builder="frontier"),
-    DraftConfig("dominotree", budget=4, node_topk=2, topm=0), DraftConfig("cadominotree", budget=32),
+    DraftConfig("dflash"),
+    DraftConfig("domino"),
+    DraftConfig("ddtree"),
+    DraftConfig("caddtree", budget=32),
+    DraftConfig("dominotree"),
+    DraftConfig("dominotree", builder="frontier"),
+    DraftConfig("dominotree", arm="condstatic"),
+    DraftConfig("dominotree", arm="marg", builder="frontier"),
+    DraftConfig("dominotree", budget=4, node_topk=2, topm=0),
+    DraftConfig("cadominotree", budget=32),
 ]
 
 
@@ -41,8 +48,10 @@ def test_exact_ar_tokens_with_accepted_drafts(tiny, ar_tokens, draft):
     mean_accepted = sum(r.accepted for r in rounds) / len(rounds)
     assert mean_accepted > 2, mean_accepted
     depth = pipe.backend.drafter.cfg.k_draft
-    kinds = {"zero" if r.accepted == 1 else "full" if r.accepted == min(depth, draft.budget) + 1 else "partial"
-             for r in rounds}
+    kinds = {
+        "zero" if r.accepted == 1 else "full" if r.accepted == min(depth, draft.budget) + 1 else "partial"
+        for r in rounds
+    }
     assert kinds == {"zero", "partial", "full"}, kinds
     assert all(r.tree_size <= draft.budget + 1 for r in rounds)
 
@@ -59,8 +68,10 @@ def test_cost_aware_methods_measure_their_cost_curve_and_adapt_the_budget(tiny, 
     costs = [curve.verify_cost(n, 20) for n in (0, 4, 16, 32)]
     assert costs == sorted(costs) and costs[0] > 0 and curve.draft_cost > 0
     sizes = {}
-    for name, c in (("cheap", CostCurve.fit({0: [(0, 1.0), (32, 1.1)]}, 0.1)),
-                    ("steep", CostCurve.fit({0: [(0, 1.0), (32, 33.0)]}, 0.1))):
+    for name, c in (
+        ("cheap", CostCurve.fit({0: [(0, 1.0), (32, 1.1)]}, 0.1)),
+        ("steep", CostCurve.fit({0: [(0, 1.0), (32, 33.0)]}, 0.1)),
+    ):
         pipe.method.curve = c
         sizes[name] = [r.tree_size for r in pipe.generate(ids, 48, SamplingConfig()).rounds]
     assert max(sizes["steep"]) < min(sizes["cheap"]), sizes

@@ -1,5 +1,6 @@
 """The ONNX Runtime backend on the exported tiny pair: the torch backend's tokens (= the AR tokens at T=0) with
 drafts accepted, stage outputs and caches equal to TorchBackend's, the CLI path, and bad exports as one-line errors."""
+
 import json
 import shutil
 import sys
@@ -7,6 +8,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from test_loading import run_cli
+from test_methods import generate_all
 
 from dtrt import cli
 from dtrt.errors import DtrtError
@@ -16,13 +19,20 @@ from dtrt.runtime.methods import DraftConfig
 from dtrt.runtime.ort_backend import SCORER_STAGES, OrtBackend, PackedKV
 from dtrt.runtime.pipeline import build_pipeline
 
-from test_loading import run_cli
-from test_methods import generate_all
-
-VARIANTS = [DraftConfig("dflash"), DraftConfig("ddtree"), DraftConfig("caddtree", budget=32),
-            DraftConfig("dominotree", arm="marg"), DraftConfig("dominotree", arm="marg", builder="frontier")]
-DOMINO_VARIANTS = [DraftConfig("domino"), DraftConfig("dominotree"), DraftConfig("dominotree", builder="frontier"),
-                   DraftConfig("dominotree", arm="condstatic"), DraftConfig("cadominotree", budget=32)]
+VARIANTS = [
+    DraftConfig("dflash"),
+    DraftConfig("ddtree"),
+    DraftConfig("caddtree", budget=32),
+    DraftConfig("dominotree", arm="marg"),
+    DraftConfig("dominotree", arm="marg", builder="frontier"),
+]
+DOMINO_VARIANTS = [
+    DraftConfig("domino"),
+    DraftConfig("dominotree"),
+    DraftConfig("dominotree", builder="frontier"),
+    DraftConfig("dominotree", arm="condstatic"),
+    DraftConfig("cadominotree", budget=32),
+]
 
 
 def ids(d: DraftConfig) -> str:
@@ -107,8 +117,9 @@ def test_stages_and_caches_match_torch(tiny, tiny_export):
     for b in (ref, ort):
         b.reset(64)
     n = 11
-    hidden = forward_both(torch.randint(0, vocab, (n,), generator=gen), torch.arange(n),
-                          torch.ones(n, n, dtype=torch.bool).tril())
+    hidden = forward_both(
+        torch.randint(0, vocab, (n,), generator=gen), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+    )
     for b in (ref, ort):
         b.commit(torch.arange(n))
         b.draft_context(hidden, torch.arange(n))
@@ -152,11 +163,27 @@ def test_packed_kv_appends():
 
 # the CLI and bad exports
 
+
 def test_cli_run(tiny_export, monkeypatch, capsys):
     def run(*args):
-        monkeypatch.setattr(sys, "argv", ["dtrt", "run", "--backend", "onnxruntime", "--export",
-                                          str(tiny_export.path), "--method", "ddtree", "--threads", "1", *args,
-                                          "The cat sees "])
+        monkeypatch.setattr(
+            sys,
+            "argv",
+            [
+                "dtrt",
+                "run",
+                "--backend",
+                "onnxruntime",
+                "--export",
+                str(tiny_export.path),
+                "--method",
+                "ddtree",
+                "--threads",
+                "1",
+                *args,
+                "The cat sees ",
+            ],
+        )
         cli.main()
         return capsys.readouterr()
 
@@ -181,8 +208,19 @@ def edit_manifest(path, fn):
 
 
 def expect_cli_error(monkeypatch, capsys, export, *fragments, args=()):
-    code, out, err = run_cli(monkeypatch, capsys, "run", "--backend", "onnxruntime", "--export", str(export),
-                             "--method", "ddtree", *args, "The cat")
+    code, out, err = run_cli(
+        monkeypatch,
+        capsys,
+        "run",
+        "--backend",
+        "onnxruntime",
+        "--export",
+        str(export),
+        "--method",
+        "ddtree",
+        *args,
+        "The cat",
+    )
     assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: "), err
     for f in fragments:
         assert f in err, err
@@ -219,27 +257,50 @@ def test_other_dtrt_version(broken, monkeypatch, capsys):
 
 def test_export_from_another_model(broken, monkeypatch, capsys):
     edit_manifest(broken, lambda m: m["source"].update(model="qwen3-4b"))
-    expect_cli_error(monkeypatch, capsys, broken, str(broken / "manifest.json"), "'qwen3-4b', not 'tiny'",
-                     "dtrt export --model tiny --out DIR", args=("--model", "tiny"))
+    expect_cli_error(
+        monkeypatch,
+        capsys,
+        broken,
+        str(broken / "manifest.json"),
+        "'qwen3-4b', not 'tiny'",
+        "dtrt export --model tiny --out DIR",
+        args=("--model", "tiny"),
+    )
 
 
 def test_export_from_another_target(tiny, broken, tmp_path, monkeypatch, capsys):
     other = tmp_path / "target"
     shutil.copytree(tiny.target, other)
     (other / "config.json").write_text((other / "config.json").read_text() + "\n")
-    expect_cli_error(monkeypatch, capsys, broken, str(broken / "manifest.json"),
-                     f"another target checkpoint than {other}", fix(broken), args=("--target", str(other)))
+    expect_cli_error(
+        monkeypatch,
+        capsys,
+        broken,
+        str(broken / "manifest.json"),
+        f"another target checkpoint than {other}",
+        fix(broken),
+        args=("--target", str(other)),
+    )
 
 
 def test_no_domino_scorer_stages(broken, monkeypatch, capsys):
     edit_manifest(broken, lambda m: [m["stages"].pop(s, None) for s in SCORER_STAGES])
-    expect_cli_error(monkeypatch, capsys, broken, str(broken), "no Domino scorer stages", fix(broken), "--arm marg",
-                     args=("--method", "dominotree"))
+    expect_cli_error(
+        monkeypatch,
+        capsys,
+        broken,
+        str(broken),
+        "no Domino scorer stages",
+        fix(broken),
+        "--arm marg",
+        args=("--method", "dominotree"),
+    )
 
 
 def test_bad_options(tiny_export, monkeypatch, capsys):
-    expect_cli_error(monkeypatch, capsys, tiny_export.path, "--max-context", str(tiny_export.path),
-                     args=("--max-new-tokens", "600"))
+    expect_cli_error(
+        monkeypatch, capsys, tiny_export.path, "--max-context", str(tiny_export.path), args=("--max-new-tokens", "600")
+    )
     expect_cli_error(monkeypatch, capsys, tiny_export.path, "--dtype fp16", "fp32", args=("--dtype", "fp16"))
     expect_cli_error(monkeypatch, capsys, tiny_export.path, "--threads 0", args=("--threads", "0"))
     target = tiny_export.manifest["source"]["target"]
@@ -265,8 +326,9 @@ def test_default_sources():
     assert source_defaults(None, None, None, "torch", None) == (DEFAULT_MODEL, "torch")
 
 
-def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(tiny, tiny_export, tiny_export_int8, tmp_path,
-                                                                        monkeypatch):
+def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
+    tiny, tiny_export, tiny_export_int8, tmp_path, monkeypatch
+):
     from dtrt import __version__
     from dtrt.exporter import cache, export
     from dtrt.models.registry import Pair

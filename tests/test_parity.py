@@ -1,5 +1,6 @@
 """`dtrt parity`: every exported stage of the tiny pair matches its PyTorch reference, and a corrupted graph, a
 perturbed reference or a modified checkpoint is caught."""
+
 import json
 import shutil
 
@@ -7,10 +8,9 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from helpers import run_cli
 
 from dtrt.exporter.parity import NS, PS, TOLERANCES, compare, reference_stages, run_parity
-
-from helpers import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,14 @@ def test_every_stage_matches_on_the_grid_and_on_real_inputs(tiny_export, report)
     manifest = tiny_export.manifest["stages"]
     assert list(dict.fromkeys(r.stage for r in report.rows)) == list(manifest)
     grid = {f"N={n} P={p}" for n in NS for p in PS}
-    expected = {"target": grid, **{f"{kind}.{stage}": grid if stage == "context" else {f"P={p}" for p in PS}
-                                   for kind in ("dflash", "domino") for stage in ("context", "block")}}
+    expected = {
+        "target": grid,
+        **{
+            f"{kind}.{stage}": grid if stage == "context" else {f"P={p}" for p in PS}
+            for kind in ("dflash", "domino")
+            for stage in ("context", "block")
+        },
+    }
     for name, meta in manifest.items():
         rows = [r for r in report.rows if r.stage == name]
         cases = {r.case for r in rows}
@@ -73,8 +79,14 @@ def test_compare_rules():
     assert ok("s", [1.0, inf], [1.0, inf]) and not ok("s", [1.0, inf], [inf, 1.0])
     assert not ok("h", [1.0, np.nan], [1.0, np.nan])
     # an argmax flip between near-tied logits is reported, and within tolerance
-    row = compare("s", "c", "logits", np.float32([[2.0, 2.0 - 1e-7, 0.0], [0, 1, 2]]),
-                  np.float32([[2.0 - 1e-7, 2.0, 0.0], [0, 1, 2]]), tol)
+    row = compare(
+        "s",
+        "c",
+        "logits",
+        np.float32([[2.0, 2.0 - 1e-7, 0.0], [0, 1, 2]]),
+        np.float32([[2.0 - 1e-7, 2.0, 0.0], [0, 1, 2]]),
+        tol,
+    )
     assert row.ok and (row.agree, row.rows) == (1, 2)
 
 
@@ -142,8 +154,11 @@ def test_modified_checkpoint_is_one_line_error(tiny, tiny_export, tmp_path, monk
     code, out, err = run_cli(monkeypatch, capsys, "parity", str(copy))
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1
-    expected = {"target": "exported from another target checkpoint",
-                "domino": "exported from another domino drafter checkpoint", "missing": "is not found"}[which]
+    expected = {
+        "target": "exported from another target checkpoint",
+        "domino": "exported from another domino drafter checkpoint",
+        "missing": "is not found",
+    }[which]
     assert err.startswith("error: ") and expected in err and "dtrt export --model tiny" in err
 
 

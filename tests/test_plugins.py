@@ -2,6 +2,7 @@
 ties, unreachable ledger entries and GQA (marked `kernels`). They run on a CUDA GPU, or without one in Triton's
 CPU interpreter (conftest.py sets TRITON_INTERPRET=1), where the largest shapes are too slow: those, and bf16
 attention (the interpreter's bf16 dot product is not IEEE), are also marked `gpu`."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,8 +15,13 @@ from dtrt.ops.topm_corrected_score import topm_corrected_score_ref  # noqa: E402
 from dtrt.ops.tree_attention import tree_attention_ref  # noqa: E402
 from dtrt.ops.tree_causal_conv1d import tree_causal_conv1d_ref  # noqa: E402
 from dtrt.ops.tree_gated_delta_net import tree_gated_delta_net_ref  # noqa: E402
-from dtrt.plugins import ledger_select, topm_corrected_score, tree_attention, tree_causal_conv1d  # noqa: E402
-from dtrt.plugins import tree_gated_delta_net  # noqa: E402
+from dtrt.plugins import (  # noqa: E402
+    ledger_select,
+    topm_corrected_score,
+    tree_attention,
+    tree_causal_conv1d,
+    tree_gated_delta_net,  # noqa: E402
+)
 
 pytestmark = pytest.mark.kernels
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,12 +35,16 @@ PARENTS = [-1, 0, 0, 1, -1, 3, 2, 5, 7, 0]  # a forest: two roots continue the c
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3), gpu(torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,n,past,head_dim", [(4, 2, 17, 40, 24), gpu(32, 8, 33, 300, 128),
-                                                            (8, 8, 1, 0, 64), (4, 1, 200, 0, 64)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,n,past,head_dim",
+    [(4, 2, 17, 40, 24), gpu(32, 8, 33, 300, 128), (8, 8, 1, 0, 64), (4, 1, 200, 0, 64)],
+)
 def test_tree_attention(dtype, atol, heads, kv_heads, n, past, head_dim):
     g = torch.Generator().manual_seed(n + past)
-    q, k, v = (torch.randn(h, m, head_dim, generator=g).to(DEV, dtype)
-               for h, m in ((heads, n), (kv_heads, past + n), (kv_heads, past + n)))
+    q, k, v = (
+        torch.randn(h, m, head_dim, generator=g).to(DEV, dtype)
+        for h, m in ((heads, n), (kv_heads, past + n), (kv_heads, past + n))
+    )
     tree = random_tree_mask(n, g)[1]
     mask = torch.cat((torch.ones(n, past, dtype=torch.bool), tree), 1).to(DEV)
     want = tree_attention_ref(q.float(), k.float(), v.float(), mask)
@@ -64,8 +74,8 @@ def test_tree_attention_over_a_partly_filled_cache(dtype, atol):
 def test_topm_corrected_score(dtype, atol, bs, n, emb, gru, topm):
     g = torch.Generator().manual_seed(bs * n)
     zproj, basec = torch.randn(bs, emb, generator=g), 3 * torch.randn(bs, topm, generator=g)
-    states, w1s = torch.randn(bs, n, gru, generator=g), torch.randn(emb, gru, generator=g) / gru ** 0.5
-    w2c = torch.randn(bs, topm, emb, generator=g) / emb ** 0.5
+    states, w1s = torch.randn(bs, n, gru, generator=g), torch.randn(emb, gru, generator=g) / gru**0.5
+    w2c = torch.randn(bs, topm, emb, generator=g) / emb**0.5
     args = [t.to(DEV) for t in (zproj, states.to(dtype), w1s.to(dtype), basec, w2c)]
     got = topm_corrected_score.run(*args)
     torch.testing.assert_close(got, topm_corrected_score_ref(*args), atol=atol, rtol=atol)
@@ -90,8 +100,9 @@ def ledger(bs: int, depth: int, wk: int, seed: int):
 def test_ledger_select(bs, depth, wk, budget):
     args = [t.to(DEV) for t in ledger(bs, depth, wk, budget)]
     got = ledger_select.run(*args, budget, 151669)
-    for name, a, b in zip(("tokens", "parents", "depths", "scores", "mask"), got,
-                          ledger_select_ref(*args, budget, 151669)):
+    for name, a, b in zip(
+        ("tokens", "parents", "depths", "scores", "mask"), got, ledger_select_ref(*args, budget, 151669)
+    ):
         assert torch.equal(a, b), name
 
 

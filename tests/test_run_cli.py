@@ -1,6 +1,7 @@
 """`dtrt run`: the streamed text is the final text, stop strings cut the output without ever showing a part of
 them that is later taken back, every method on both backends gives the AR text, JSONL in and out, the chat
 template, context truncation, the interactive loop and Ctrl-C."""
+
 import io
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from helpers import run_cli
 
 from dtrt.models.registry import Pair
 from dtrt.runtime import terminal
@@ -18,11 +20,11 @@ from dtrt.runtime.pipeline import build_pipeline
 from dtrt.runtime.requests import Request, TextStream, complete, encode
 from dtrt.runtime.sampling import SamplingConfig
 
-from helpers import run_cli
-
 PROMPT = "The cat sees "
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant: {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -137,11 +139,17 @@ def test_standard_input_and_jsonl(tiny, tiny_chat, tmp_path, monkeypatch, capsys
     from_stdin = run_json(monkeypatch, capsys, "--max-new-tokens", "24")
     assert from_stdin["text"] == run_json(monkeypatch, capsys, "--max-new-tokens", "24", PROMPT)["text"]
 
-    expected = [run_json(monkeypatch, capsys, "--max-new-tokens", n, "--stop", "far", p)["text"]
-                for p, n in ((PROMPT, "24"), ("Some old man ", "12"))]
+    expected = [
+        run_json(monkeypatch, capsys, "--max-new-tokens", n, "--stop", "far", p)["text"]
+        for p, n in ((PROMPT, "24"), ("Some old man ", "12"))
+    ]
     requests = tmp_path / "requests.jsonl"
-    requests.write_text(json.dumps({"id": "a", "prompt": PROMPT, "max_tokens": 24}) + "\n\n"
-                        + json.dumps({"prompt": "Some old man ", "max_tokens": 12, "temperature": 0}) + "\n")
+    requests.write_text(
+        json.dumps({"id": "a", "prompt": PROMPT, "max_tokens": 24})
+        + "\n\n"
+        + json.dumps({"prompt": "Some old man ", "max_tokens": 12, "temperature": 0})
+        + "\n"
+    )
     code, out, err = run_cli(monkeypatch, capsys, "run", *on_tiny("--stop", "far", "--input", str(requests)))
     assert code == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
@@ -149,10 +157,28 @@ def test_standard_input_and_jsonl(tiny, tiny_chat, tmp_path, monkeypatch, capsys
 
     # a chat in a JSONL line goes through the template: the same as the prompt given as PROMPT (templated)
     requests.write_text(json.dumps({"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16}) + "\n")
-    code, out, _ = run_cli(monkeypatch, capsys, "run", "--target", str(tiny_chat.target), "--drafter",
-                           str(tiny.domino), "--input", str(requests))
-    chat = run_json(monkeypatch, capsys, "--target", str(tiny_chat.target), "--drafter", str(tiny.domino),
-                    "--max-new-tokens", "16", PROMPT)
+    code, out, _ = run_cli(
+        monkeypatch,
+        capsys,
+        "run",
+        "--target",
+        str(tiny_chat.target),
+        "--drafter",
+        str(tiny.domino),
+        "--input",
+        str(requests),
+    )
+    chat = run_json(
+        monkeypatch,
+        capsys,
+        "--target",
+        str(tiny_chat.target),
+        "--drafter",
+        str(tiny.domino),
+        "--max-new-tokens",
+        "16",
+        PROMPT,
+    )
     assert code == 0 and json.loads(out)["text"] == chat["text"]
     assert json.loads(out)["prompt_tokens"] == chat["prompt_tokens"] == len(f"user: {PROMPT}\nassistant: ")
 
@@ -196,8 +222,7 @@ def interrupt_at_first_text(monkeypatch):
 def test_ctrl_c_ends_the_generation_and_exits_130(tiny, monkeypatch, capsys):
     interrupt_at_first_text(monkeypatch)
     handler = signal.getsignal(signal.SIGINT)
-    code, out, err = run_cli(monkeypatch, capsys, "run", *on_tiny("--method", "ar", "--max-new-tokens", "2000"),
-                             PROMPT)
+    code, out, err = run_cli(monkeypatch, capsys, "run", *on_tiny("--method", "ar", "--max-new-tokens", "2000"), PROMPT)
     assert code == 130 and "(cancelled)" in err and "Traceback" not in err
     assert out.endswith("\n") and 0 < len(out) - 1 < 2000
     assert signal.getsignal(signal.SIGINT) is handler  # restored
@@ -221,15 +246,29 @@ def test_interactive_loop(tiny, monkeypatch):
 
         return read_line
 
-    terminal.repl(pipe, defaults, False, False, lines(["Some old man ", "", "Some old man ", EOFError()]),
-                  shown.append, logged.append)
+    terminal.repl(
+        pipe,
+        defaults,
+        False,
+        False,
+        lines(["Some old man ", "", "Some old man ", EOFError()]),
+        shown.append,
+        logged.append,
+    )
     assert "".join(shown) == f"> {full}\n> > {full}\n> \n" and len(logged) == 2
 
     # Ctrl-C during the first generation stops it and the loop goes on; Ctrl-C at the prompt ends it
     shown.clear(), logged.clear()
     interrupt_at_first_text(monkeypatch)
-    terminal.repl(pipe, Request(max_new_tokens=2000), False, False,
-                  lines(["Some old man ", "x" * 5000, KeyboardInterrupt()]), shown.append, logged.append)
+    terminal.repl(
+        pipe,
+        Request(max_new_tokens=2000),
+        False,
+        False,
+        lines(["Some old man ", "x" * 5000, KeyboardInterrupt()]),
+        shown.append,
+        logged.append,
+    )
     assert "(cancelled)" in logged[0] and shown[0] == "> " and shown[-1] == "\n"
     assert logged[1].startswith("error: the prompt (5000 tokens)")  # an error is one line; the loop goes on
     assert len(logged) == 2 and shown.count("> ") == 3
@@ -237,12 +276,20 @@ def test_interactive_loop(tiny, monkeypatch):
 
 def test_interactive_loop_is_one_conversation_through_the_chat_template(tiny, monkeypatch):
     pipe = build_pipeline(tiny, DraftConfig("dominotree"))
-    monkeypatch.setattr(pipe.tokenizer, "chat_template", "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n"
-                        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}", raising=False)
+    monkeypatch.setattr(
+        pipe.tokenizer,
+        "chat_template",
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n"
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+        raising=False,
+    )
     prompts, shown, logged = [], [], []
     real = terminal.prompt_ids
-    monkeypatch.setattr(terminal, "prompt_ids", lambda p, req, chat, truncate: prompts.append(req.messages) or
-                        real(p, req, chat, truncate))
+    monkeypatch.setattr(
+        terminal,
+        "prompt_ids",
+        lambda p, req, chat, truncate: prompts.append(req.messages) or real(p, req, chat, truncate),
+    )
     lines = iter(["Some old man ", "The cat sees ", "/new", "Water boils at ", EOFError()])
 
     def read_line(prompt):
@@ -254,9 +301,11 @@ def test_interactive_loop_is_one_conversation_through_the_chat_template(tiny, mo
     terminal.repl(pipe, Request(max_new_tokens=8), True, False, read_line, shown.append, logged.append)
     first_reply = "".join(shown).split("\n")[0].removeprefix("> ")
     assert prompts[0] == [{"role": "user", "content": "Some old man "}]
-    assert prompts[1] == [{"role": "user", "content": "Some old man "},
-                          {"role": "assistant", "content": first_reply},
-                          {"role": "user", "content": "The cat sees "}]
+    assert prompts[1] == [
+        {"role": "user", "content": "Some old man "},
+        {"role": "assistant", "content": first_reply},
+        {"role": "user", "content": "The cat sees "},
+    ]
     assert prompts[2] == [{"role": "user", "content": "Water boils at "}] and "(new conversation)" in logged
 
     # the oldest exchanges are dropped when the conversation outgrows the context

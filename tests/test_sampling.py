@@ -1,5 +1,6 @@
 """At T>0 the committed tokens follow the target's own distribution, for every method (chi-square test against
 the exact distribution of the first three tokens), and the test rejects a wrong distribution."""
+
 import itertools
 
 import pytest
@@ -9,13 +10,22 @@ from dtrt.runtime.methods import DraftConfig
 from dtrt.runtime.pipeline import build_pipeline
 from dtrt.runtime.sampling import SamplingConfig, target_probs
 
-PROMPTS = ["The cat sees ", "The moon is very ", "Every king ", "A small ", "Some old man reads ", "A quick fox ",
-           "The dog ", "One happy child "]
+PROMPTS = [
+    "The cat sees ",
+    "The moon is very ",
+    "Every king ",
+    "A small ",
+    "Some old man reads ",
+    "A quick fox ",
+    "The dog ",
+    "One happy child ",
+]
 T, TOP_P, N, PILOT = 1.0, 0.9, 300, 12
 
 
 def exact_triples(target, prompt, temperature):
     """P(t1, t2, t3) under the target with temperature and top-p, by enumeration."""
+
     def probs(ids):
         n = len(ids)
         logits, _ = target(torch.tensor(ids), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())

@@ -1,6 +1,7 @@
 """`dtrt serve` on loopback: responses (streaming and not) equal `dtrt run`'s at T=0, 32 concurrent clients each get
 their own complete responses, the queue limit (429), request timeouts (504), cancellation on disconnect, graceful
 shutdown in-process and by SIGTERM. Every server here stops by itself; every client loop is bounded."""
+
 import asyncio
 import json
 import os
@@ -19,13 +20,21 @@ from dtrt.runtime.requests import Request, complete, encode
 from dtrt.runtime.sampling import SamplingConfig
 
 aiohttp = pytest.importorskip("aiohttp")
-from dtrt.serve import BackgroundServer, ServeConfig  # noqa: E402 (needs aiohttp)
-
 from helpers import run_cli  # noqa: E402
 from test_run_cli import PROMPT, a_stop_word, tiny_chat  # noqa: E402,F401 (fixture)
 
-PROMPTS = ["The cat sees ", "A quick fox ", "Every king walks ", "The moon is very ", "Some old man reads ",
-           "The dog ", "A small city ", "Far away "]
+from dtrt.serve import BackgroundServer, ServeConfig  # noqa: E402 (needs aiohttp)
+
+PROMPTS = [
+    "The cat sees ",
+    "A quick fox ",
+    "Every king walks ",
+    "The moon is very ",
+    "Some old man reads ",
+    "The dog ",
+    "A small city ",
+    "Far away ",
+]
 LONG = 4000  # new tokens no test waits for: generations that long are cancelled, timed out or rejected
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=120)
 
@@ -112,8 +121,9 @@ def test_responses_equal_dtrt_run(tiny, tiny_chat, server, monkeypatch, capsys):
     stop = a_stop_word(dtrt_run("--max-new-tokens", "40", PROMPT)["text"])
     ref = dtrt_run("--max-new-tokens", "40", "--stop", stop, PROMPT)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stop": stop}
-    chat_ref = dtrt_run("--target", str(tiny_chat.target), "--drafter", str(tiny.domino), "--max-new-tokens", "24",
-                        PROMPT)
+    chat_ref = dtrt_run(
+        "--target", str(tiny_chat.target), "--drafter", str(tiny.domino), "--max-new-tokens", "24", PROMPT
+    )
     chat_body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24, "temperature": 0}
     chat_pipe = build_pipeline(tiny_chat, DraftConfig("dominotree"))
 
@@ -132,8 +142,10 @@ def test_responses_equal_dtrt_run(tiny, tiny_chat, server, monkeypatch, capsys):
             with BackgroundServer(chat_pipe, ServeConfig("tiny-chat")) as chat_server:
                 url = f"{chat_server.url}/v1/chat/completions"
                 status, plain = await post(s, url, chat_body)
-                assert status == 200 and plain["choices"][0]["message"] == {"role": "assistant",
-                                                                            "content": chat_ref["text"]}
+                assert status == 200 and plain["choices"][0]["message"] == {
+                    "role": "assistant",
+                    "content": chat_ref["text"],
+                }
                 assert plain["object"] == "chat.completion"
                 status, events = await stream(s, url, chat_body)
                 assert events[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -145,8 +157,11 @@ def test_responses_equal_dtrt_run(tiny, tiny_chat, server, monkeypatch, capsys):
 
 def test_32_concurrent_clients(pipe, server):
     sizes = (8, 12, 16)
-    expected = {(p, n): complete(pipe, encode(pipe.tokenizer, Request(p), False), n, SamplingConfig()).text
-                for p in PROMPTS for n in sizes}
+    expected = {
+        (p, n): complete(pipe, encode(pipe.tokenizer, Request(p), False), n, SamplingConfig()).text
+        for p in PROMPTS
+        for n in sizes
+    }
     assert len(set(expected.values())) == len(expected)  # every request has its own answer
     before = run(_metrics(server.url))
 
@@ -165,8 +180,7 @@ def test_32_concurrent_clients(pipe, server):
         return got
 
     async def go():
-        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT,
-                                         connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT, connector=aiohttp.TCPConnector(limit=0)) as s:
             results = await asyncio.gather(*(client(s, i) for i in range(32)))
             async with s.get(f"{server.url}/health") as r:
                 health = (r.status, await r.json())
@@ -201,8 +215,9 @@ def test_queue_limit_is_429(ar_pipe):
                 assert status == 429 and body["error"]["type"] == "rate_limit_exceeded"
                 assert "queue is full" in body["error"]["message"]
                 running.cancel(), waiting.cancel()  # the clients hang up: both are cancelled
-                snap = await wait_until(s, srv.url, lambda m: m["requests"]["cancelled"] == 2 and not m["in_flight"],
-                                        "cancelled")
+                snap = await wait_until(
+                    s, srv.url, lambda m: m["requests"]["cancelled"] == 2 and not m["in_flight"], "cancelled"
+                )
                 assert snap["requests"]["rejected"] == 1 and snap["queue_length"] == 0
                 status, body = await post(s, url, {"prompt": PROMPT, "max_tokens": 4})
                 assert status == 200 and len(body["choices"][0]["text"]) == 4
@@ -220,8 +235,9 @@ def test_timeout_is_504_and_cancels(ar_pipe):
                 assert status == 504 and body["error"]["type"] == "timeout" and "1 s" in body["error"]["message"]
                 status, events = await stream(s, url, {"prompt": PROMPT, "max_tokens": LONG})
                 assert status == 200 and events[-1]["error"]["type"] == "timeout" and streamed_text(events[:-1])
-                snap = await wait_until(s, srv.url, lambda m: m["requests"]["timeout"] == 2 and not m["in_flight"],
-                                        "timed out")
+                snap = await wait_until(
+                    s, srv.url, lambda m: m["requests"]["timeout"] == 2 and not m["in_flight"], "timed out"
+                )
                 assert snap["generated_tokens"] < 2 * LONG
 
         run(go())
@@ -229,14 +245,17 @@ def test_timeout_is_504_and_cancels(ar_pipe):
 
 def test_disconnect_cancels_the_generation(ar_pipe):
     with BackgroundServer(ar_pipe, ServeConfig("tiny")) as srv:
+
         async def go():
             async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
-                r = await s.post(f"{srv.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG,
-                                                                    "stream": True})
+                r = await s.post(
+                    f"{srv.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "stream": True}
+                )
                 assert (await r.content.readline()).startswith(b"data: ")
                 r.close()  # hang up mid-stream
-                snap = await wait_until(s, srv.url, lambda m: m["requests"]["cancelled"] == 1 and not m["in_flight"],
-                                        "cancelled")
+                snap = await wait_until(
+                    s, srv.url, lambda m: m["requests"]["cancelled"] == 1 and not m["in_flight"], "cancelled"
+                )
                 assert snap["generated_tokens"] < LONG and snap["requests"]["ok"] == 0
 
         run(go())
@@ -266,9 +285,25 @@ def test_graceful_shutdown(ar_pipe):
 
 
 def test_sigterm_stops_dtrt_serve():
-    proc = subprocess.Popen([sys.executable, "-c", "from dtrt.cli import main; main()", "serve", "--model", "tiny",
-                             "--port", "0", "--threads", "1", "--max-new-tokens", "8"],
-                            stderr=subprocess.PIPE, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from dtrt.cli import main; main()",
+            "serve",
+            "--model",
+            "tiny",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--max-new-tokens",
+            "8",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
     try:
         lines = []
         for line in proc.stderr:  # ends if the process dies

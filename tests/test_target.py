@@ -1,5 +1,6 @@
 """The target matches transformers' Qwen3ForCausalLM and LlamaForCausalLM on the same weights, including a tree
 verify step against re-running every root-to-node path linearly, and the KV commit."""
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -18,8 +19,16 @@ ARCHS = {
 def pair(request, tmp_path_factory):
     cls, cfg_cls, kw = ARCHS[request.param]
     torch.manual_seed(1)
-    cfg = cfg_cls(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, rope_theta=1e4, **kw)
+    cfg = cfg_cls(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=1e4,
+        **kw,
+    )
     hf = cls(cfg).eval()
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)

@@ -1,4 +1,5 @@
 """`dtrt train-drafter` on the tiny target: released layouts, held-out tau, best checkpoint, resume."""
+
 import json
 import sys
 
@@ -12,11 +13,40 @@ from dtrt.runtime.methods import DraftConfig
 from dtrt.runtime.pipeline import build_pipeline
 from dtrt.runtime.sampling import SamplingConfig
 
-PROMPTS = ["The cat sees ", "A quick fox ", "Every king walks ", "The moon is very ", "Some old man reads ",
-           "The dog ", "A small bird ", "One happy child "]
-SMALL = ["--seq-len", "64", "--block-size", "6", "--gru-dim", "16", "--emb-dim", "16", "--batch", "8",
-         "--anchors", "4", "--lr", "3e-3", "--eval-prompts", "2", "--eval-tokens", "24", "--gen-tokens", "32",
-         "--corpus-rows", "64"]
+PROMPTS = [
+    "The cat sees ",
+    "A quick fox ",
+    "Every king walks ",
+    "The moon is very ",
+    "Some old man reads ",
+    "The dog ",
+    "A small bird ",
+    "One happy child ",
+]
+SMALL = [
+    "--seq-len",
+    "64",
+    "--block-size",
+    "6",
+    "--gru-dim",
+    "16",
+    "--emb-dim",
+    "16",
+    "--batch",
+    "8",
+    "--anchors",
+    "4",
+    "--lr",
+    "3e-3",
+    "--eval-prompts",
+    "2",
+    "--eval-tokens",
+    "24",
+    "--gen-tokens",
+    "32",
+    "--corpus-rows",
+    "64",
+]
 
 
 def train(monkeypatch, capsys, *args):
@@ -35,8 +65,16 @@ def inputs(tmp_path_factory):
 
 def test_train_resume_and_use(tiny, inputs, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    common = ["--out", str(out), "--corpus", str(inputs / "corpus.txt"), "--prompts", str(inputs / "prompts.jsonl"),
-              "--eval-every", "10"]
+    common = [
+        "--out",
+        str(out),
+        "--corpus",
+        str(inputs / "corpus.txt"),
+        "--prompts",
+        str(inputs / "prompts.jsonl"),
+        "--eval-every",
+        "10",
+    ]
     train(monkeypatch, capsys, *common, "--steps", "10")
     log = [json.loads(line) for line in (out / ".train" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [10]
@@ -66,8 +104,20 @@ def test_refuses_to_overwrite_and_bad_inputs(inputs, tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit) as e:
         cli.main()
     assert e.value.code == 2 and "--resume" in capsys.readouterr().err
-    monkeypatch.setattr(sys, "argv", ["dtrt", "train-drafter", "--model", "tiny", "--out", str(tmp_path / "new"),
-                                      "--prompts", str(tmp_path / "missing.jsonl")])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "dtrt",
+            "train-drafter",
+            "--model",
+            "tiny",
+            "--out",
+            str(tmp_path / "new"),
+            "--prompts",
+            str(tmp_path / "missing.jsonl"),
+        ],
+    )
     with pytest.raises(SystemExit) as e:
         cli.main()
     err = capsys.readouterr().err
@@ -90,4 +140,4 @@ def test_batched_continuations_equal_ar(tiny):
     rows, lengths = continuations(target, ids[:1], 20, 64, stop=(stop,))
     first = batched[0].index(stop)
     assert lengths.tolist() == [len(ids[0]) + first + 1]
-    assert rows[0, :lengths[0]].tolist() == ids[0] + batched[0][:first + 1]
+    assert rows[0, : lengths[0]].tolist() == ids[0] + batched[0][: first + 1]

@@ -2,14 +2,22 @@ import copy
 
 import pytest
 import torch
+from helpers import no_host_sync
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from dtrt.models.domino import DominoHead
-from dtrt.tree import (CondStaticScorer, DominoScorer, MarginalScorer, Round, Tree, build_ddtree, build_frontier,
-                       build_heap)
-from helpers import no_host_sync
+from dtrt.tree import (
+    CondStaticScorer,
+    DominoScorer,
+    MarginalScorer,
+    Round,
+    Tree,
+    build_ddtree,
+    build_frontier,
+    build_heap,
+)
 
 V, H, G, E = 89, 12, 10, 24
 MASK = 88
@@ -28,8 +36,11 @@ def make_model(seed: int = 0, dtype=torch.float32):
 
 def make_round(bs: int, depth: int, seed: int) -> Round:
     g = torch.Generator().manual_seed(seed)
-    return Round(ph=torch.randn(bs, depth, H, generator=g), base=2 * torch.randn(bs, depth, V, generator=g),
-                 root=torch.randint(0, V - 1, (bs,), generator=g))
+    return Round(
+        ph=torch.randn(bs, depth, H, generator=g),
+        base=2 * torch.randn(bs, depth, V, generator=g),
+        root=torch.randint(0, V - 1, (bs,), generator=g),
+    )
 
 
 def make_scorer(kind: str, rnd: Round, model, k: int, topm: int = 8, prefix_len: int = 1):
@@ -158,8 +169,7 @@ def test_frontier_keeps_every_lane_it_needs(bs):
     for b in range(bs):
         t = ft.tree(b)
         assert t.tokens[0] == b
-        assert_same_tree(heap, Tree(torch.cat((heap.tokens[:1], t.tokens[1:])), t.parents, t.depths, t.scores,
-                                    t.mask))
+        assert_same_tree(heap, Tree(torch.cat((heap.tokens[:1], t.tokens[1:])), t.parents, t.depths, t.scores, t.mask))
 
 
 def test_max_depth_below_block_depth():
@@ -242,8 +252,9 @@ def test_domino_scorer_matches_per_node_reference(topm, prefix_len):
     assert torch.allclose(sc.root_states(), root[0], atol=1e-6)
     states = torch.randn(bs, n, G)
     for d in range(D):
-        assert torch.allclose(sc.bottleneck(states, d), head.bottleneck(rnd.ph[:, d, None].expand(bs, n, H), states),
-                              atol=1e-5)
+        assert torch.allclose(
+            sc.bottleneck(states, d), head.bottleneck(rnd.ph[:, d, None].expand(bs, n, H), states), atol=1e-5
+        )
         tokens, logprobs = sc.children(states, d)
         assert tokens.shape == logprobs.shape == (bs, n, min(k, topm or V))
         assert logprobs.dtype == torch.float32
@@ -310,8 +321,9 @@ def test_bf16_head_scores_in_fp32():
     assert torch.allclose(sc.bottleneck(states, 2), reference, atol=0.05, rtol=0.02)
 
 
-@pytest.mark.parametrize("kind,topm,prefix_len", [("domino", 8, 1), ("domino", 0, 0), ("marginal", 8, 1),
-                                                  ("condstatic", 8, 1)])
+@pytest.mark.parametrize(
+    "kind,topm,prefix_len", [("domino", 8, 1), ("domino", 0, 0), ("marginal", 8, 1), ("condstatic", 8, 1)]
+)
 @pytest.mark.parametrize("bs", [1, 5])
 def test_frontier_has_no_host_sync(monkeypatch, kind, topm, prefix_len, bs):
     model, rnd = make_model(seed=11), make_round(bs, 5, seed=11)
@@ -325,9 +337,16 @@ def test_frontier_has_no_host_sync(monkeypatch, kind, topm, prefix_len, bs):
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**16), bs=st.integers(1, 3), depth=st.integers(1, 5), k=st.integers(1, 4),
-       budget=st.integers(1, 20), topm=st.sampled_from([0, 3, 8]), prefix_len=st.integers(0, 3),
-       kind=st.sampled_from(["domino", "marginal", "condstatic"]))
+@given(
+    seed=st.integers(0, 2**16),
+    bs=st.integers(1, 3),
+    depth=st.integers(1, 5),
+    k=st.integers(1, 4),
+    budget=st.integers(1, 20),
+    topm=st.sampled_from([0, 3, 8]),
+    prefix_len=st.integers(0, 3),
+    kind=st.sampled_from(["domino", "marginal", "condstatic"]),
+)
 def test_builder_invariants(seed, bs, depth, k, budget, topm, prefix_len, kind):
     model, rnd = make_model(seed=seed % 7), make_round(bs, depth, seed=seed)
     heap = build_heap(make_scorer(kind, rnd.select(0), model, k, topm, prefix_len), budget, depth)
@@ -348,7 +367,7 @@ def test_ddtree_invariants(seed, depth, vocab, budget):
     g = torch.Generator().manual_seed(seed)
     t = build_ddtree(torch.log_softmax(3 * torch.randn(depth, vocab, generator=g), -1), budget, root=4)
     check_tree(t)
-    assert t.tokens[0] == 4 and len(t) == 1 + min(budget, sum(vocab ** d for d in range(1, depth + 1)))
+    assert t.tokens[0] == 4 and len(t) == 1 + min(budget, sum(vocab**d for d in range(1, depth + 1)))
     assert t.scores[1:].tolist() == sorted(t.scores[1:].tolist(), reverse=True)
 
 

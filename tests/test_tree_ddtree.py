@@ -88,8 +88,10 @@ def test_cost_aware_stop_with_budget_cap():
 
 
 def test_cost_curve_interpolation_and_extrapolation():
-    curve = CostCurve.fit({0: [(n, 1.0 + 0.01 * n) for n in range(0, 101, 10)],
-                           1000: [(n, 2.0 + 0.02 * n) for n in range(0, 101, 25)]}, draft_cost=0.5)
+    curve = CostCurve.fit(
+        {0: [(n, 1.0 + 0.01 * n) for n in range(0, 101, 10)], 1000: [(n, 2.0 + 0.02 * n) for n in range(0, 101, 25)]},
+        draft_cost=0.5,
+    )
     assert curve.draft_cost == 0.5
     assert curve.verify_cost(50, 0) == pytest.approx(1.5)
     assert curve.verify_cost(55, 0) == pytest.approx(1.55)

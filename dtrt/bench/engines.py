@@ -2,6 +2,7 @@
 
 Both turn a prompt text into one record with the same clock: tokens are the generated ids, the first of them
 chosen at prefill, and decode_s runs from after prefill to the last token."""
+
 import importlib.util
 import time
 from pathlib import Path
@@ -22,8 +23,12 @@ def render(tokenizer, history: list[tuple[str, str]], user: str) -> str:
     if getattr(tokenizer, "chat_template", None):
         msgs = [m for u, a in history for m in ({"role": "user", "content": u}, {"role": "assistant", "content": a})]
         # enable_thinking=False: Qwen3's non-thinking mode, as the protocol runs it; other templates ignore it
-        return tokenizer.apply_chat_template([*msgs, {"role": "user", "content": user}], add_generation_prompt=True,
-                                             tokenize=False, enable_thinking=False)
+        return tokenizer.apply_chat_template(
+            [*msgs, {"role": "user", "content": user}],
+            add_generation_prompt=True,
+            tokenize=False,
+            enable_thinking=False,
+        )
     return "".join(f"{u}{a}\n\n" for u, a in history) + user
 
 
@@ -36,16 +41,23 @@ class DtrtEngine:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         out = self.pipe.generate(ids, max_new_tokens, sampling)
         return {
-            "prompt_tokens": len(ids), "tokens": out.tokens, "tau": out.tau, "rounds": len(out.rounds),
-            "prefill_s": out.prefill_s, "decode_s": out.decode_s, "stop_reason": out.stop_reason,
+            "prompt_tokens": len(ids),
+            "tokens": out.tokens,
+            "tau": out.tau,
+            "rounds": len(out.rounds),
+            "prefill_s": out.prefill_s,
+            "decode_s": out.decode_s,
+            "stop_reason": out.stop_reason,
             "stage_s": {k: sum(getattr(r, f"{k}_s") for r in out.rounds) for k in STAGES},
-            "accepted": [r.accepted for r in out.rounds], "tree_sizes": [r.tree_size for r in out.rounds],
+            "accepted": [r.accepted for r in out.rounds],
+            "tree_sizes": [r.tree_size for r in out.rounds],
             "text": self.tokenizer.decode(out.tokens, skip_special_tokens=True),
         }
 
 
 class LlamaCppEngine:
     """Plain decoding in llama.cpp (llama-cpp-python), prompted with the same rendered text."""
+
     label, method, budget = "llama.cpp", "llama.cpp", None
 
     def __init__(self, gguf: Path, tokenizer, threads: int | None, n_ctx: int):
@@ -64,8 +76,9 @@ class LlamaCppEngine:
         tokens, stop, t_first = [], "length", None
         t0 = time.perf_counter()
         # top_k 0 / min_p 0 / no penalty: the target's own distribution, greedy at temp 0, as dtrt samples
-        for tok in llm.generate(ids, top_k=0, top_p=sampling.top_p, min_p=0.0, temp=sampling.temperature,
-                                repeat_penalty=1.0, reset=True):
+        for tok in llm.generate(
+            ids, top_k=0, top_p=sampling.top_p, min_p=0.0, temp=sampling.temperature, repeat_penalty=1.0, reset=True
+        ):
             if t_first is None:
                 t_first = time.perf_counter()
             tokens.append(int(tok))
@@ -77,15 +90,34 @@ class LlamaCppEngine:
         end = time.perf_counter()
         t_first = t_first or end
         return {
-            "prompt_tokens": len(ids), "tokens": tokens, "tau": 1.0, "rounds": max(len(tokens) - 1, 0),
-            "prefill_s": t_first - t0, "decode_s": end - t_first, "stop_reason": stop, "stage_s": {},
-            "accepted": [], "tree_sizes": [],
+            "prompt_tokens": len(ids),
+            "tokens": tokens,
+            "tau": 1.0,
+            "rounds": max(len(tokens) - 1, 0),
+            "prefill_s": t_first - t0,
+            "decode_s": end - t_first,
+            "stop_reason": stop,
+            "stage_s": {},
+            "accepted": [],
+            "tree_sizes": [],
             "text": llm.detokenize(tokens).decode("utf-8", errors="replace"),
         }
 
 
-def dtrt_engines(pair, methods: list[str], budgets: list[int], explicit: bool, dtype, backend, export, threads,
-                 model, log, device: str | None = None, cuda_graph: bool = False) -> list[DtrtEngine]:
+def dtrt_engines(
+    pair,
+    methods: list[str],
+    budgets: list[int],
+    explicit: bool,
+    dtype,
+    backend,
+    export,
+    threads,
+    model,
+    log,
+    device: str | None = None,
+    cuda_graph: bool = False,
+) -> list[DtrtEngine]:
     """One pipeline per method (per budget for the budget methods), AR first, each with the default builder of
     `device` (`cuda_graph`: the dominotree rows replay their rounds from a CUDA graph, with the frontier). Methods
     the pair cannot serve are skipped with a note when they were not asked for by name."""
@@ -119,7 +151,7 @@ def find_gguf(gguf: str | None, model: str | None) -> Path | None:
 def llamacpp_engine(gguf: Path | None, tokenizer, threads, max_new_tokens: int, log):
     """The llama.cpp peer row, or None with a one-line note saying why it is skipped."""
     if importlib.util.find_spec("llama_cpp") is None:
-        log("llama.cpp row skipped: llama-cpp-python is not installed (pip install -e \".[llamacpp]\")")
+        log('llama.cpp row skipped: llama-cpp-python is not installed (pip install -e ".[llamacpp]")')
         return None
     if gguf is None:
         log("llama.cpp row skipped: pass --gguf PATH (the GGUF of the same target)")

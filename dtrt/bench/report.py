@@ -1,5 +1,6 @@
 """bench.json (config, every record, the summary), bench.md (the table) and bench.png (the plot), each written
 to a temporary name and then renamed, so a reader never sees half a file."""
+
 import json
 import math
 import os
@@ -35,12 +36,21 @@ def summarize(records: list[dict], seed: int = 0) -> list[dict]:
                 if t == 0 and m != "llama.cpp":
                     exact = all(key(r) in ar and r["tokens"] == ar[key(r)]["tokens"] for r in rs)
                 timed = [r for r in rs if r["decode_s"] > 0 and r["rounds"]]
-                rows.append({
-                    "method": m, "dataset": d, "temperature": t, "n": len(rs),
-                    "tau": _mean([r["tau"] for r in timed]),
-                    "tokens_per_s": _mean([r["tokens_per_s"] for r in timed]),
-                    "speedup": sp.value, "ci_low": sp.low, "ci_high": sp.high, "paired": sp.n, "exact": exact,
-                })
+                rows.append(
+                    {
+                        "method": m,
+                        "dataset": d,
+                        "temperature": t,
+                        "n": len(rs),
+                        "tau": _mean([r["tau"] for r in timed]),
+                        "tokens_per_s": _mean([r["tokens_per_s"] for r in timed]),
+                        "speedup": sp.value,
+                        "ci_low": sp.low,
+                        "ci_high": sp.high,
+                        "paired": sp.n,
+                        "exact": exact,
+                    }
+                )
     return rows
 
 
@@ -49,14 +59,19 @@ def _mean(xs):
 
 
 def markdown(rows: list[dict], title: str) -> str:
-    lines = [f"### {title}", "",
-             "| method | dataset | T | n | tau | tok/s | speedup [95% CI] | = AR |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {title}",
+        "",
+        "| method | dataset | T | n | tau | tok/s | speedup [95% CI] | = AR |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         sp = "n/a" if math.isnan(r["speedup"]) else f"{r['speedup']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
         exact = {None: "", True: "yes", False: "**no**"}[r["exact"]]
-        lines.append(f"| {r['method']} | {r['dataset']} | {r['temperature']:g} | {r['n']} | {r['tau']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {sp} | {exact} |")
+        lines.append(
+            f"| {r['method']} | {r['dataset']} | {r['temperature']:g} | {r['n']} | {r['tau']:.2f} | "
+            f"{r['tokens_per_s']:.1f} | {sp} | {exact} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -86,8 +101,9 @@ def write_plot(path: Path, rows: list[dict], title: str) -> bool:
     temps = list(dict.fromkeys(r["temperature"] for r in rows))
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, axes = plt.subplots(2, len(temps), figsize=(1.2 + 0.6 * len(datasets) * len(methods) * len(temps) / 2, 6),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        2, len(temps), figsize=(1.2 + 0.6 * len(datasets) * len(methods) * len(temps) / 2, 6), squeeze=False
+    )
     width = 0.8 / len(methods)
     for col, t in enumerate(temps):
         for j, m in enumerate(methods):

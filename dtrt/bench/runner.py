@@ -1,4 +1,5 @@
 """The benchmark loop: every engine on every prompt, interleaved, so machine noise hits all methods alike."""
+
 from dataclasses import dataclass
 
 from dtrt.bench.datasets import Prompt
@@ -38,13 +39,22 @@ def run(engines, prompts: dict[str, list[Prompt]], cfg: BenchConfig, log) -> lis
                         rec = e.generate(render(e.tokenizer, history[e.label], user), cfg.max_new_tokens, sampling)
                         history[e.label].append((user, rec["text"]))
                         n = len(rec["tokens"])
-                        rec.update(dataset=dataset, prompt_id=prompt.id, turn=turn, temperature=temperature,
-                                   method=e.label, base_method=e.method, budget=e.budget, n_tokens=n,
-                                   tokens_per_s=n / rec["decode_s"] if rec["decode_s"] > 0 else 0.0,
-                                   tpot_s=rec["decode_s"] / n if n else 0.0)
+                        rec.update(
+                            dataset=dataset,
+                            prompt_id=prompt.id,
+                            turn=turn,
+                            temperature=temperature,
+                            method=e.label,
+                            base_method=e.method,
+                            budget=e.budget,
+                            n_tokens=n,
+                            tokens_per_s=n / rec["decode_s"] if rec["decode_s"] > 0 else 0.0,
+                            tpot_s=rec["decode_s"] / n if n else 0.0,
+                        )
                         records.append(rec)
-                        log(f"[T={temperature:g}] {dataset} {i + 1}/{len(items)}"
+                        log(
+                            f"[T={temperature:g}] {dataset} {i + 1}/{len(items)}"
                             f"{f' turn {turn + 1}' if len(prompt.turns) > 1 else ''} {e.label}: "
-                            f"tau {rec['tau']:.2f}  {rec['tokens_per_s']:.1f} tok/s  {n} tokens")
+                            f"tau {rec['tau']:.2f}  {rec['tokens_per_s']:.1f} tok/s  {n} tokens"
+                        )
     return records
-

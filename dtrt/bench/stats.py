@@ -3,6 +3,7 @@
 Each prompt gives one ratio, AR time per output token / the method's, measured on the same prompt; the
 estimate is their mean, and the interval is the 2.5/97.5 percentiles of that mean over prompts resampled
 with replacement, so the prompt-to-prompt spread in difficulty cancels within each pair."""
+
 from dataclasses import dataclass
 
 import numpy as np

@@ -5,6 +5,7 @@ parser takes them for the `dtrt` nodes, the optimization profiles of dtrt.engine
 cache shared by every stage (and kept, so a rebuild re-times nothing). The directory is written under a
 temporary name next to the output and renamed into place when complete.
 """
+
 import json
 import shutil
 import tempfile
@@ -44,28 +45,38 @@ def plan_stages(exp: Export, cfg: BuildConfig) -> dict[str, dict]:
     stages = {}
     for name in exp.manifest["stages"]:
         inputs, outputs = onnx_signature(exp.stage(name))
-        stages[name] = {"plan": f"{name}.plan", "inputs": inputs, "outputs": outputs,
-                        "profiles": [p.to_json() for p in stage_profiles(name, inputs, limits)]}
+        stages[name] = {
+            "plan": f"{name}.plan",
+            "inputs": inputs,
+            "outputs": outputs,
+            "profiles": [p.to_json() for p in stage_profiles(name, inputs, limits)],
+        }
     return stages
 
 
 def engine_manifest(exp: Export, machine: Machine, cfg: BuildConfig, stages: dict) -> dict:
-    return {"format": FORMAT, "dtrt_version": __version__, "machine": machine.to_json(), "key": machine.key,
-            "model": model_name(exp),
-            "export": {"path": str(exp.path.resolve()), "manifest_sha256": export_digest(exp)},
-            "build": asdict(cfg),
-            "plugins": {"namespace": NAMESPACE, "version": PLUGIN_VERSION, "ops": list(OPS),
-                        "sha256": sources_sha256()},
-            "stages": stages}
+    return {
+        "format": FORMAT,
+        "dtrt_version": __version__,
+        "machine": machine.to_json(),
+        "key": machine.key,
+        "model": model_name(exp),
+        "export": {"path": str(exp.path.resolve()), "manifest_sha256": export_digest(exp)},
+        "build": asdict(cfg),
+        "plugins": {"namespace": NAMESPACE, "version": PLUGIN_VERSION, "ops": list(OPS), "sha256": sources_sha256()},
+        "stages": stages,
+    }
 
 
 def build_engines(export_dir, out_root, cfg: BuildConfig = BuildConfig(), force: bool = False, log=None) -> Engine:
     log = log or (lambda msg: None)
     exp = load_export(export_dir)
     if exp.manifest.get("quantized_stages"):
-        raise DtrtError(f"{exp.path}: its drafter stages have int8 weights (--drafter-quant "
-                        f"{exp.manifest['drafter_quant']}), which run on ONNX Runtime only; for TensorRT re-export "
-                        f"with `{exp.fix_hint(drafter_quant='none')}`")
+        raise DtrtError(
+            f"{exp.path}: its drafter stages have int8 weights (--drafter-quant "
+            f"{exp.manifest['drafter_quant']}), which run on ONNX Runtime only; for TensorRT re-export "
+            f"with `{exp.fix_hint(drafter_quant='none')}`"
+        )
     machine = probe_machine("dtrt build-engine")
     out = engine_dir(out_root, machine, model_name(exp))
     if out.exists() and not force:
@@ -76,8 +87,9 @@ def build_engines(export_dir, out_root, cfg: BuildConfig = BuildConfig(), force:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         old_cache = out / TIMING_CACHE
-        cache = _build_plans(exp, stages, machine, cfg, tmp, old_cache.read_bytes() if old_cache.is_file() else b"",
-                             log)
+        cache = _build_plans(
+            exp, stages, machine, cfg, tmp, old_cache.read_bytes() if old_cache.is_file() else b"", log
+        )
         (tmp / TIMING_CACHE).write_bytes(cache)
         manifest = engine_manifest(exp, machine, cfg, stages)
         manifest["files"] = {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
@@ -91,8 +103,9 @@ def build_engines(export_dir, out_root, cfg: BuildConfig = BuildConfig(), force:
     return read_engine(out)
 
 
-def _build_plans(exp: Export, stages: dict, machine: Machine, cfg: BuildConfig, out: Path, cache_bytes: bytes,
-                 log) -> bytes:
+def _build_plans(
+    exp: Export, stages: dict, machine: Machine, cfg: BuildConfig, out: Path, cache_bytes: bytes, log
+) -> bytes:
     """Write `<stage>.plan` for every stage into `out`; returns the serialized timing cache."""
     import tensorrt as trt
 
@@ -117,8 +130,9 @@ def _build_plans(exp: Export, stages: dict, machine: Machine, cfg: BuildConfig, 
         path = exp.stage(name)
         if not parser.parse_from_file(str(path)):
             errors = "; ".join(str(parser.get_error(j)) for j in range(parser.num_errors))
-            raise DtrtError(f"{path}: the TensorRT ONNX parser rejects it ({errors[:300]}); "
-                            f"re-export with `{exp.fix_hint()}`")
+            raise DtrtError(
+                f"{path}: the TensorRT ONNX parser rejects it ({errors[:300]}); re-export with `{exp.fix_hint()}`"
+            )
         config = builder.create_builder_config()
         config.builder_optimization_level = cfg.opt_level
         if cache is None:

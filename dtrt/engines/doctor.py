@@ -3,6 +3,7 @@ each one that is missing, why and what to do.
 
 Every probe is a function of the results before it, so a test can replace any of them with a fake.
 """
+
 import os
 import platform
 import sys
@@ -18,7 +19,7 @@ class Check:
     name: str
     ok: bool
     detail: str = ""  # what is there (version, devices, ...)
-    why: str = ""     # when not ok: the reason and the fix
+    why: str = ""  # when not ok: the reason and the fix
 
 
 def _python(r):
@@ -42,8 +43,9 @@ def _onnxruntime(r):
 
 def _cuda(r):
     devices, why = cuda_status()
-    return Check("CUDA devices", bool(devices), "; ".join(f"cuda:{i} {n} (sm {cc})" for i, (n, cc) in
-                                                        enumerate(devices)), why)
+    return Check(
+        "CUDA devices", bool(devices), "; ".join(f"cuda:{i} {n} (sm {cc})" for i, (n, cc) in enumerate(devices)), why
+    )
 
 
 def _triton(r):
@@ -69,8 +71,11 @@ def _builder(r):
     else:
         err = "it returned nothing"
     if builder is None:
-        return Check("TensorRT builder", False, why=f"TensorRT cannot create a builder ({err}): CUDA failed to "
-                                                    f"initialize for it; check the driver")
+        return Check(
+            "TensorRT builder",
+            False,
+            why=f"TensorRT cannot create a builder ({err}): CUDA failed to initialize for it; check the driver",
+        )
     return Check("TensorRT builder", True, f"TensorRT {trt.__version__} can build on this GPU")
 
 
@@ -78,9 +83,12 @@ def _plugins(r):
     ops = ", ".join(OPS)
     missing = [c for c in (r["TensorRT builder"], r["Triton"]) if not c.ok]
     if missing:
-        return Check("plugin libraries", False,
-                     why=f"the dtrt plugins ({ops}; {NAMESPACE} v{PLUGIN_VERSION}) need "
-                         f"{' and '.join(c.name for c in missing)} (see above)")
+        return Check(
+            "plugin libraries",
+            False,
+            why=f"the dtrt plugins ({ops}; {NAMESPACE} v{PLUGIN_VERSION}) need "
+            f"{' and '.join(c.name for c in missing)} (see above)",
+        )
     import tensorrt as trt
 
     from dtrt.plugins.trt import register_plugins, registered_plugins
@@ -99,8 +107,16 @@ def _plugins(r):
     return Check("plugin libraries", True, f"{std}; dtrt {', '.join(OPS)} (v{PLUGIN_VERSION}, AOT Triton, sm {cc})")
 
 
-PROBES = {"python": _python, "torch": _torch, "onnxruntime": _onnxruntime, "CUDA devices": _cuda,
-          "Triton": _triton, "TensorRT": _tensorrt, "TensorRT builder": _builder, "plugin libraries": _plugins}
+PROBES = {
+    "python": _python,
+    "torch": _torch,
+    "onnxruntime": _onnxruntime,
+    "CUDA devices": _cuda,
+    "Triton": _triton,
+    "TensorRT": _tensorrt,
+    "TensorRT builder": _builder,
+    "plugin libraries": _plugins,
+}
 
 
 def _torch_devices(r: dict) -> str:
@@ -120,8 +136,12 @@ def backend_checks(r: dict) -> list[Check]:
     ort = Check("onnxruntime", r["onnxruntime"].ok, r["onnxruntime"].detail, r["onnxruntime"].why)
     need = [r[n] for n in ("TensorRT", "CUDA devices", "TensorRT builder", "plugin libraries")]
     bad = next((c for c in need if not c.ok), None)
-    trt = Check("tensorrt", bad is None, "engines from `dtrt build-engine`" if bad is None else "",
-                "" if bad is None else f"{bad.name}: {bad.why}")
+    trt = Check(
+        "tensorrt",
+        bad is None,
+        "engines from `dtrt build-engine`" if bad is None else "",
+        "" if bad is None else f"{bad.name}: {bad.why}",
+    )
     return [torch_, ort, trt]
 
 
@@ -145,5 +165,9 @@ def render(checks: list[Check], backends: list[Check]) -> str:
 
 
 def to_json(checks: list[Check], backends: list[Check]) -> dict:
-    return {"dtrt_version": __version__, "checks": [asdict(c) for c in checks],
-            "backends": {c.name: asdict(c) for c in backends}, "trt_install": TRT_INSTALL}
+    return {
+        "dtrt_version": __version__,
+        "checks": [asdict(c) for c in checks],
+        "backends": {c.name: asdict(c) for c in backends},
+        "trt_install": TRT_INSTALL,
+    }

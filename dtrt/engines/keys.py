@@ -3,6 +3,7 @@
 A plan runs only on the TensorRT version and GPU architecture it was built with, so engines are kept per
 machine: `<root>/<gpu-name>-sm<cc>-trt<version>-cu<cuda>/<model>/`.
 """
+
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -10,21 +11,27 @@ from pathlib import Path
 from dtrt.errors import DtrtError
 
 TRT_INSTALL = 'pip install "dtrt[trt]" on a machine with a CUDA GPU'
-LABELS = {"gpu_name": "GPU", "compute_capability": "compute capability", "tensorrt_version": "TensorRT",
-          "cuda_version": "CUDA"}
+LABELS = {
+    "gpu_name": "GPU",
+    "compute_capability": "compute capability",
+    "tensorrt_version": "TensorRT",
+    "cuda_version": "CUDA",
+}
 
 
 @dataclass(frozen=True)
 class Machine:
-    gpu_name: str            # as CUDA reports it, e.g. "NVIDIA H200"
+    gpu_name: str  # as CUDA reports it, e.g. "NVIDIA H200"
     compute_capability: str  # "9.0"
-    tensorrt_version: str    # "11.4.0.106"
-    cuda_version: str        # the CUDA runtime of torch, which owns the device buffers: "12.8"
+    tensorrt_version: str  # "11.4.0.106"
+    cuda_version: str  # the CUDA runtime of torch, which owns the device buffers: "12.8"
 
     @property
     def key(self) -> str:
-        return (f"{slug(self.gpu_name)}-sm{self.compute_capability.replace('.', '')}"
-                f"-trt{self.tensorrt_version}-cu{self.cuda_version}")
+        return (
+            f"{slug(self.gpu_name)}-sm{self.compute_capability.replace('.', '')}"
+            f"-trt{self.tensorrt_version}-cu{self.cuda_version}"
+        )
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -63,10 +70,14 @@ def cuda_status() -> tuple[list[tuple[str, str]], str]:
     if torch.version.cuda is None:
         return [], f"torch {torch.__version__} is a CPU-only build (install a CUDA build of torch)"
     if not torch.cuda.is_available():
-        return [], (f"no CUDA device is visible to torch {torch.__version__} (CUDA {torch.version.cuda}): check the "
-                    f"driver and CUDA_VISIBLE_DEVICES")
-    return [(torch.cuda.get_device_name(i), "{}.{}".format(*torch.cuda.get_device_capability(i)))
-            for i in range(torch.cuda.device_count())], ""
+        return [], (
+            f"no CUDA device is visible to torch {torch.__version__} (CUDA {torch.version.cuda}): check the "
+            f"driver and CUDA_VISIBLE_DEVICES"
+        )
+    return [
+        (torch.cuda.get_device_name(i), "{}.{}".format(*torch.cuda.get_device_capability(i)))
+        for i in range(torch.cuda.device_count())
+    ], ""
 
 
 def probe_machine(what: str, device: int = 0) -> Machine:

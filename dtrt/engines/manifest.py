@@ -1,5 +1,6 @@
 """The engine directory contract (DESIGN.md section 4): one plan per stage, the timing cache and
 manifest.json, checked against the machine before any plan is deserialized."""
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +56,10 @@ def read_engine(path) -> Engine:
         raise DtrtError(f"{mpath}: not a dtrt engine manifest; {build}")
     eng = Engine(path, manifest)
     if manifest.get("dtrt_version") != __version__:
-        raise DtrtError(f"{mpath}: written by dtrt {manifest.get('dtrt_version')}, this is dtrt {__version__}; "
-                        f"rebuild with `{eng.rebuild_hint()}`")
+        raise DtrtError(
+            f"{mpath}: written by dtrt {manifest.get('dtrt_version')}, this is dtrt {__version__}; "
+            f"rebuild with `{eng.rebuild_hint()}`"
+        )
     for name, meta in manifest["files"].items():
         f = path / name
         if not f.is_file() or f.stat().st_size != meta["size"]:
@@ -72,20 +75,28 @@ def check_engine(eng: Engine, machine: Machine, plugins_sha256: str) -> Export:
     built = eng.manifest["machine"]
     for field, here in machine.to_json().items():
         if built.get(field) != here:
-            raise DtrtError(f"{mpath}: {field} {built.get(field)!r} differs from this machine's {here!r} "
-                            f"(the plans only run on the {LABELS[field]} they were built for); "
-                            f"rebuild with `{eng.rebuild_hint()}`")
+            raise DtrtError(
+                f"{mpath}: {field} {built.get(field)!r} differs from this machine's {here!r} "
+                f"(the plans only run on the {LABELS[field]} they were built for); "
+                f"rebuild with `{eng.rebuild_hint()}`"
+            )
     if eng.manifest["plugins"]["sha256"] != plugins_sha256:
-        raise DtrtError(f"{mpath}: plugins.sha256 differs from this dtrt's plugin kernels (they changed since the "
-                        f"build); rebuild with `{eng.rebuild_hint()}`")
+        raise DtrtError(
+            f"{mpath}: plugins.sha256 differs from this dtrt's plugin kernels (they changed since the "
+            f"build); rebuild with `{eng.rebuild_hint()}`"
+        )
     if not (eng.export_path / MANIFEST).is_file():
-        raise DtrtError(f"{eng.export_path}: the export these engines were built from is missing (the runtime reads "
-                        f"its manifest and tokenizer); restore it, or export again and rebuild with "
-                        f"`{eng.rebuild_hint()}`")
+        raise DtrtError(
+            f"{eng.export_path}: the export these engines were built from is missing (the runtime reads "
+            f"its manifest and tokenizer); restore it, or export again and rebuild with "
+            f"`{eng.rebuild_hint()}`"
+        )
     exp = load_export(eng.export_path)
     if export_digest(exp) != eng.manifest["export"]["manifest_sha256"]:
-        raise DtrtError(f"{mpath}: built from another export than {exp.path} holds now (it was re-exported); "
-                        f"rebuild with `{eng.rebuild_hint()}`")
+        raise DtrtError(
+            f"{mpath}: built from another export than {exp.path} holds now (it was re-exported); "
+            f"rebuild with `{eng.rebuild_hint()}`"
+        )
     return exp
 
 
@@ -99,15 +110,20 @@ def resolve_engine_dir(path, machine: Machine, model: str | None = None) -> Path
     if not keyed.is_dir():
         have = sorted(p.name for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
         others = f" (it has engines for: {', '.join(have)})" if have else ""
-        raise DtrtError(f"{path}: no engines for this machine ({machine.key}){others}; build them with "
-                        f"`dtrt build-engine EXPORT_DIR --out {path}`")
+        raise DtrtError(
+            f"{path}: no engines for this machine ({machine.key}){others}; build them with "
+            f"`dtrt build-engine EXPORT_DIR --out {path}`"
+        )
     models = sorted(p.name for p in keyed.iterdir() if (p / MANIFEST).is_file())
     if model is not None and model in models:
         return keyed / model
     if model is None and len(models) == 1:
         return keyed / models[0]
     if not models:
-        raise DtrtError(f"{keyed}: holds no engine directory; build one with "
-                        f"`dtrt build-engine EXPORT_DIR --out {path}`")
-    raise DtrtError(f"{keyed}: holds engines for {', '.join(models)}; pass --export {keyed}/NAME"
-                    + (f" (none is for {model!r})" if model else ""))
+        raise DtrtError(
+            f"{keyed}: holds no engine directory; build one with `dtrt build-engine EXPORT_DIR --out {path}`"
+        )
+    raise DtrtError(
+        f"{keyed}: holds engines for {', '.join(models)}; pass --export {keyed}/NAME"
+        + (f" (none is for {model!r})" if model else "")
+    )

@@ -5,6 +5,7 @@ positions, bs requests. A decode profile covers what a round needs (N up to the 
 context); the stages that also read a prompt (the target, the drafters' context) get a second, prefill profile
 with N up to the whole context. The runtime picks the first profile that holds the shapes of a call.
 """
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,11 +17,11 @@ PREFILL_OPT = 256  # prompt length the prefill profile is tuned for
 
 @dataclass(frozen=True)
 class Limits:
-    budget: int       # draft nodes of the tree methods
-    k_draft: int      # the largest drafter depth (chain methods verify k_draft + 1 tokens)
-    node_topk: int    # children per node (the heap advances k states at once)
+    budget: int  # draft nodes of the tree methods
+    k_draft: int  # the largest drafter depth (chain methods verify k_draft + 1 tokens)
+    node_topk: int  # children per node (the heap advances k states at once)
     max_context: int  # largest past + new tokens
-    max_batch: int    # requests of the batched stages (the frontier)
+    max_batch: int  # requests of the batched stages (the frontier)
 
     @classmethod
     def of_export(cls, manifest: dict, max_batch: int) -> "Limits":
@@ -39,8 +40,11 @@ class Profile:
     shapes: dict[str, Range]  # input -> (min, opt, max)
 
     def holds(self, shapes: dict[str, tuple[int, ...]]) -> bool:
-        return all(all(lo <= s <= hi for s, lo, hi in zip(shape, self.shapes[n][0], self.shapes[n][2]))
-                   and len(shape) == len(self.shapes[n][0]) for n, shape in shapes.items())
+        return all(
+            all(lo <= s <= hi for s, lo, hi in zip(shape, self.shapes[n][0], self.shapes[n][2]))
+            and len(shape) == len(self.shapes[n][0])
+            for n, shape in shapes.items()
+        )
 
     def to_json(self) -> dict:
         return {"name": self.name, "shapes": {n: [list(r) for r in rng] for n, rng in self.shapes.items()}}
@@ -80,8 +84,10 @@ def stage_profiles(stage: str, inputs: dict[str, dict], limits: Limits) -> list[
                 elif d in dims:
                     rng.append(dims[d])
                 else:
-                    raise DtrtError(f"stage {stage}: input {inp} has a dynamic dim {d!r} that no profile covers "
-                                    f"(known: N, P, bs); re-export it with this dtrt's `dtrt export`")
+                    raise DtrtError(
+                        f"stage {stage}: input {inp} has a dynamic dim {d!r} that no profile covers "
+                        f"(known: N, P, bs); re-export it with this dtrt's `dtrt export`"
+                    )
             shapes[inp] = tuple(tuple(r[i] for r in rng) for i in range(3))
         profile = Profile(name, shapes)
         if not profiles or profile.shapes != profiles[0].shapes:

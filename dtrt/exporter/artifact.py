@@ -1,4 +1,5 @@
 """The export directory contract: `manifest.json` next to one ONNX file per stage, checked on every load."""
+
 import hashlib
 import json
 from dataclasses import dataclass
@@ -42,9 +43,14 @@ class Export:
         m = self.manifest
         src = m.get("source", {})
         how = f"--model {src['model']}" if src.get("model") else "--target DIR --drafter DIR"
-        flags = {"dtype": m.get("dtype"), "max_context": m.get("max_context"), "budget": m.get("budget"),
-                 "topm": m.get("topm"), "node_topk": m.get("node_topk"),
-                 "drafter_quant": None if m.get("drafter_quant", "none") == "none" else m["drafter_quant"]} | changes
+        flags = {
+            "dtype": m.get("dtype"),
+            "max_context": m.get("max_context"),
+            "budget": m.get("budget"),
+            "topm": m.get("topm"),
+            "node_topk": m.get("node_topk"),
+            "drafter_quant": None if m.get("drafter_quant", "none") == "none" else m["drafter_quant"],
+        } | changes
         opts = "".join(f" --{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None)
         return f"dtrt export {how}{opts} --out {self.path} --force"
 
@@ -67,15 +73,19 @@ def load_export(path, verify_hashes: bool = False) -> Export:
         raise DtrtError(f"{mpath}: not a dtrt export manifest; {rerun}")
     exp = Export(path, manifest)
     if manifest.get("dtrt_version") != __version__:
-        raise DtrtError(f"{mpath}: written by dtrt {manifest.get('dtrt_version')}, this is dtrt {__version__}; "
-                        f"re-export with `{exp.fix_hint()}`")
+        raise DtrtError(
+            f"{mpath}: written by dtrt {manifest.get('dtrt_version')}, this is dtrt {__version__}; "
+            f"re-export with `{exp.fix_hint()}`"
+        )
     for name, meta in manifest.get("files", {}).items():
         f = path / name
         if not f.is_file():
             raise DtrtError(f"{f}: missing from the export; re-export with `{exp.fix_hint()}`")
         if f.stat().st_size != meta["size"]:
-            raise DtrtError(f"{f}: {f.stat().st_size} bytes, the manifest records {meta['size']} (truncated or "
-                            f"modified); re-export with `{exp.fix_hint()}`")
+            raise DtrtError(
+                f"{f}: {f.stat().st_size} bytes, the manifest records {meta['size']} (truncated or "
+                f"modified); re-export with `{exp.fix_hint()}`"
+            )
         if verify_hashes and sha256(f) != meta["sha256"]:
             raise DtrtError(f"{f}: sha256 differs from the manifest (modified); re-export with `{exp.fix_hint()}`")
     return exp
@@ -87,15 +97,23 @@ def check_source(exp: Export, target: Path, model: str | None = None, drafters: 
     src = exp.manifest["source"]
     mpath = exp.path / MANIFEST
     if model is not None and src.get("model") not in (None, model):
-        raise DtrtError(f"{mpath}: exported from model {src['model']!r}, not {model!r}; "
-                        f"use another --export or run `dtrt export --model {model} --out DIR`")
+        raise DtrtError(
+            f"{mpath}: exported from model {src['model']!r}, not {model!r}; "
+            f"use another --export or run `dtrt export --model {model} --out DIR`"
+        )
     checks = [("target", Path(target), src["target_hashes"])]
-    checks += [(f"{kind} drafter", Path(p), src["drafters"][kind]["hashes"])
-               for kind, p in (drafters or {}).items() if kind in src["drafters"]]
+    checks += [
+        (f"{kind} drafter", Path(p), src["drafters"][kind]["hashes"])
+        for kind, p in (drafters or {}).items()
+        if kind in src["drafters"]
+    ]
     for what, path, hashes in checks:
         if not path.is_dir():
-            raise DtrtError(f"{path}: the {what} checkpoint this export was made from is not found; "
-                            f"restore it or re-export with `{exp.fix_hint()}`")
+            raise DtrtError(
+                f"{path}: the {what} checkpoint this export was made from is not found; "
+                f"restore it or re-export with `{exp.fix_hint()}`"
+            )
         if checkpoint_hashes(path) != hashes:
-            raise DtrtError(f"{mpath}: exported from another {what} checkpoint than {path}; "
-                            f"re-export with `{exp.fix_hint()}`")
+            raise DtrtError(
+                f"{mpath}: exported from another {what} checkpoint than {path}; re-export with `{exp.fix_hint()}`"
+            )

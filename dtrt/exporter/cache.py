@@ -2,6 +2,7 @@
 <cache>/exports/<model>-<dtrt version> with `dtrt export`'s defaults and `--drafter-quant int8` (this export only
 ever runs on ONNX Runtime's CPU kernels, where int8 drafter weights cut the draft time and leave the output
 unchanged), checked against the checkpoints on every load and made again when they or those options changed."""
+
 from pathlib import Path
 
 from dtrt import __version__

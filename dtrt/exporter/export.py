@@ -1,5 +1,6 @@
 """`dtrt export`: a target and its drafters -> one ONNX graph per stage + manifest.json, written to a temporary
 directory next to the output and renamed into place only when complete."""
+
 import json
 import os
 import shutil
@@ -19,16 +20,32 @@ from dtrt.models.config import HybridConfig
 from dtrt.models.registry import Pair
 
 EXPORT_DTYPES = ("fp32", "fp16")  # ONNX Runtime has no bf16 CPU kernels
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "chat_template.jinja", "generation_config.json", "config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+    "config.json",
+)
 
 
 def drafter_dims(d) -> dict:
     cfg = d.cfg
-    dims = {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim, "block_size": cfg.block_size, "k_draft": cfg.k_draft,
-            "mask_token_id": cfg.mask_token_id, "shift_label": cfg.shift_label,
-            "pure_draft_prefix_len": cfg.pure_draft_prefix_len, "target_layer_ids": cfg.target_layer_ids}
+    dims = {
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_layers,
+        "num_kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "block_size": cfg.block_size,
+        "k_draft": cfg.k_draft,
+        "mask_token_id": cfg.mask_token_id,
+        "shift_label": cfg.shift_label,
+        "pure_draft_prefix_len": cfg.pure_draft_prefix_len,
+        "target_layer_ids": cfg.target_layer_ids,
+    }
     if d.head is not None:
         dims.update(gru_dim=d.head.gru_dim, emb_dim=d.head.emb_dim)
     return dims
@@ -67,9 +84,19 @@ def pair_stages(target, drafters: dict, budget: int, topm: int, node_topk: int) 
     return stages
 
 
-def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "fp32", max_context: int = 4096,
-                budget: int = 16, topm: int = 64, node_topk: int = 8, force: bool = False, drafter_quant: str = "none",
-                log=None) -> Export:
+def export_pair(
+    pair: Pair,
+    out: Path,
+    model: str | None = None,
+    dtype: str = "fp32",
+    max_context: int = 4096,
+    budget: int = 16,
+    topm: int = 64,
+    node_topk: int = 8,
+    force: bool = False,
+    drafter_quant: str = "none",
+    log=None,
+) -> Export:
     log = log or (lambda msg: None)
     out = Path(out)
     if dtype not in EXPORT_DTYPES:
@@ -99,17 +126,36 @@ def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "f
                 shutil.copy2(pair.target / name, tmp / "tokenizer" / name)
         cfg = target.cfg
         manifest = {
-            "format": FORMAT, "dtrt_version": __version__, "opset": OPSET, "op_flavour": "dtrt-functions",
-            "dtype": dtype, "max_context": max_context, "budget": budget, "topm": topm, "node_topk": node_topk,
-            "drafter_quant": drafter_quant, "quantized_stages": quantized,
-            "source": {"model": model, "target": str(pair.target.resolve()),
-                       "target_hashes": checkpoint_hashes(pair.target),
-                       "drafters": {k: {"path": str(p.resolve()), "hashes": checkpoint_hashes(p)}
-                                    for k, (p, _) in drafters.items()}},
-            "target": {"arch": cfg.arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-                       "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-                       "taps": target.taps, "eos_token_id": list(cfg.eos_token_id),
-                       **(cfg.recurrent_dims() if isinstance(cfg, HybridConfig) else {})},
+            "format": FORMAT,
+            "dtrt_version": __version__,
+            "opset": OPSET,
+            "op_flavour": "dtrt-functions",
+            "dtype": dtype,
+            "max_context": max_context,
+            "budget": budget,
+            "topm": topm,
+            "node_topk": node_topk,
+            "drafter_quant": drafter_quant,
+            "quantized_stages": quantized,
+            "source": {
+                "model": model,
+                "target": str(pair.target.resolve()),
+                "target_hashes": checkpoint_hashes(pair.target),
+                "drafters": {
+                    k: {"path": str(p.resolve()), "hashes": checkpoint_hashes(p)} for k, (p, _) in drafters.items()
+                },
+            },
+            "target": {
+                "arch": cfg.arch,
+                "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.hidden_size,
+                "num_layers": cfg.num_layers,
+                "num_kv_heads": cfg.num_kv_heads,
+                "head_dim": cfg.head_dim,
+                "taps": target.taps,
+                "eos_token_id": list(cfg.eos_token_id),
+                **(cfg.recurrent_dims() if isinstance(cfg, HybridConfig) else {}),
+            },
             "drafters": {k: drafter_dims(d) for k, (_, d) in drafters.items()},
             "stages": stage_meta,
         }
@@ -122,8 +168,11 @@ def export_pair(pair: Pair, out: Path, model: str | None = None, dtype: str = "f
 
 def write_manifest(tmp: Path, manifest: dict):
     """manifest.json with the size and sha256 of every file under `tmp`; everything made world-readable."""
-    manifest["files"] = {str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256(f)}
-                         for f in sorted(tmp.rglob("*")) if f.is_file() and f != tmp / MANIFEST}
+    manifest["files"] = {
+        str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256(f)}
+        for f in sorted(tmp.rglob("*"))
+        if f.is_file() and f != tmp / MANIFEST
+    }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     for f in tmp.rglob("*"):
         f.chmod(0o755 if f.is_dir() else 0o644)

@@ -1,4 +1,5 @@
 """torch -> ONNX for one stage: dynamo export with named dynamic dims, dtrt nodes with model-local functions."""
+
 import contextlib
 import io
 import logging
@@ -18,20 +19,37 @@ for _name in ("torch.onnx", "onnxscript"):
 
 def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int, max_batch: int = 64) -> list[Path]:
     """Write `path` (+ `path.data` for the weights); return the files written."""
-    dims = {"N": torch.export.Dim("N", min=1, max=max_tokens), "P": torch.export.Dim("P", min=0, max=max_context),
-            "bs": torch.export.Dim("bs", min=1, max=max_batch)}
+    dims = {
+        "N": torch.export.Dim("N", min=1, max=max_tokens),
+        "P": torch.export.Dim("P", min=0, max=max_context),
+        "bs": torch.export.Dim("bs", min=1, max=max_batch),
+    }
     example = stage.example(3, 5, torch.Generator().manual_seed(0))
     args = tuple(example[name] for name in stage.inputs)
     shapes = tuple({axis: dims[d] for axis, d in stage.dynamic.get(name, {}).items()} or None for name in stage.inputs)
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(stage.module.eval(), args, input_names=stage.inputs, output_names=stage.outputs,
-                                    dynamic_shapes=shapes, dynamo=True, opset_version=OPSET, verbose=False)
+        program = torch.onnx.export(
+            stage.module.eval(),
+            args,
+            input_names=stage.inputs,
+            output_names=stage.outputs,
+            dynamic_shapes=shapes,
+            dynamo=True,
+            opset_version=OPSET,
+            verbose=False,
+        )
     model = program.model_proto
     used = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
     model.functions.extend(onnx_functions(used))
     data = path.with_suffix(".onnx.data")
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data.name, size_threshold=1024)
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=data.name,
+        size_threshold=1024,
+    )
     onnx.checker.check_model(str(path))
     return [path, data] if data.exists() else [path]

@@ -14,6 +14,7 @@ only move between entries the reference has within 2b of each other.
 The tolerances sit well above what a correct graph shows (fp32: max abs ~3e-6 of the output's scale, cosine
 1 - 1e-12; fp16: ~2e-3 and 1 - 1e-6 on the tiny pair) and well below what one corrupted weight does.
 """
+
 import math
 import time
 from collections import OrderedDict, defaultdict
@@ -36,10 +37,10 @@ from dtrt.exporter.export import load_sources, pair_stages
 from dtrt.exporter.stages import Stage
 from dtrt.models.checkpoint import parse_dtype
 from dtrt.models.hybrid import HybridCache, tree_parents
-from dtrt.runtime.ort_backend import cpu_session
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.generate import generate
 from dtrt.runtime.methods import DraftConfig, make_method
+from dtrt.runtime.ort_backend import cpu_session
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.torch_backend import TorchBackend
 from dtrt.tree import DominoScorer, Round
@@ -48,8 +49,8 @@ from dtrt.tree import DominoScorer, Round
 @dataclass(frozen=True)
 class Tolerance:
     cosine: float  # least cosine similarity
-    rel: float     # largest max abs difference, as a fraction of the reference's max abs
-    ties: bool     # integer outputs may differ on inputs with exactly equal values in a row (see _tied)
+    rel: float  # largest max abs difference, as a fraction of the reference's max abs
+    ties: bool  # integer outputs may differ on inputs with exactly equal values in a row (see _tied)
 
 
 TOLERANCES = {"fp32": Tolerance(0.99999, 5e-4, False), "fp16": Tolerance(0.9999, 2e-2, True)}
@@ -59,12 +60,21 @@ TOLERANCES = {"fp32": Tolerance(0.99999, 5e-4, False), "fp16": Tolerance(0.9999,
 QUANT_TOLERANCE = Tolerance(0.995, 0.15, False)
 LOGITS = ("logits", "base")
 NS, PS = (1, 9, 17, 33), (0, 7, 100)
-PROMPTS = ("The cat sees ", "Some old man ", "Once upon a time, ", "def add(a, b):\n    return ",
-           "Water boils at ", "The capital of France is ", "1, 2, 3, 4, ", "She opened the door and ")
+PROMPTS = (
+    "The cat sees ",
+    "Some old man ",
+    "Once upon a time, ",
+    "def add(a, b):\n    return ",
+    "Water boils at ",
+    "The capital of France is ",
+    "1, 2, 3, 4, ",
+    "She opened the door and ",
+)
 MAX_NEW_TOKENS = 32
 
 
 # the torch side: the export's stages rebuilt from the checkpoints it names
+
 
 def reference_stages(exp: Export) -> dict[str, Stage]:
     """The torch wrappers of every stage in the export's manifest, built from the checkpoints it was exported
@@ -73,18 +83,24 @@ def reference_stages(exp: Export) -> dict[str, Stage]:
     drafter_paths = {kind: Path(d["path"]) for kind, d in src["drafters"].items()}
     check_source(exp, Path(src["target"]), drafters=drafter_paths)
     target, drafters = load_sources(Path(src["target"]), drafter_paths, parse_dtype(m["dtype"]))
-    built = {s.name: s for s in pair_stages(target, {k: d for k, (_, d) in drafters.items()},
-                                            m["budget"], m["topm"], m["node_topk"])}
+    built = {
+        s.name: s
+        for s in pair_stages(target, {k: d for k, (_, d) in drafters.items()}, m["budget"], m["topm"], m["node_topk"])
+    }
     out = {}
     for name, meta in m["stages"].items():
         if name not in built:
-            raise DtrtError(f"{exp.path / MANIFEST}: this dtrt has no PyTorch reference for stage {name!r}; "
-                            f"re-export with `{exp.fix_hint()}`")
+            raise DtrtError(
+                f"{exp.path / MANIFEST}: this dtrt has no PyTorch reference for stage {name!r}; "
+                f"re-export with `{exp.fix_hint()}`"
+            )
         s = built[name]
         if (s.inputs, s.outputs) != (meta["inputs"], meta["outputs"]):
-            raise DtrtError(f"{exp.path / MANIFEST}: stage {name!r} records inputs {meta['inputs']} and outputs "
-                            f"{meta['outputs']}, this dtrt builds {s.inputs} -> {s.outputs}; "
-                            f"re-export with `{exp.fix_hint()}`")
+            raise DtrtError(
+                f"{exp.path / MANIFEST}: stage {name!r} records inputs {meta['inputs']} and outputs "
+                f"{meta['outputs']}, this dtrt builds {s.inputs} -> {s.outputs}; "
+                f"re-export with `{exp.fix_hint()}`"
+            )
         out[name] = s
     return out
 
@@ -119,9 +135,11 @@ class TorchRunner(BaseRunner):
 
 # inputs
 
+
 def random_cases(stage: Stage) -> list[tuple[str, dict]]:
     """example() over the N x P grid; a dimension the stage's inputs do not depend on is not varied, and a
     stage that depends on neither gets three seeds."""
+
     def example(n, p, seed=0):
         return stage.example(n, p, torch.Generator().manual_seed(seed))
 
@@ -156,8 +174,13 @@ class Recorder(TorchBackend):
 
     def target_forward(self, ids, positions, mask):
         p = self.cache.past
-        inputs = {"ids": ids, "positions": positions, "mask": mask,
-                  "past_k": self.cache.k[:, :, :p], "past_v": self.cache.v[:, :, :p]}
+        inputs = {
+            "ids": ids,
+            "positions": positions,
+            "mask": mask,
+            "past_k": self.cache.k[:, :, :p],
+            "past_v": self.cache.v[:, :, :p],
+        }
         if isinstance(self.cache, HybridCache):
             inputs.update(parents=tree_parents(mask), state=self.cache.state, conv=self.cache.conv)
         self.keep("target", inputs)
@@ -169,8 +192,15 @@ class Recorder(TorchBackend):
 
     def draft_block(self, root: int, start: int):
         cache, n = self.draft_cache, self.draft_cache.length
-        self.keep(f"{self.kind}.block", {"root": torch.tensor([root]), "start": torch.tensor([start]),
-                                         "cache_k": cache.k[:, :, :n], "cache_v": cache.v[:, :, :n]})
+        self.keep(
+            f"{self.kind}.block",
+            {
+                "root": torch.tensor([root]),
+                "start": torch.tensor([start]),
+                "cache_k": cache.k[:, :, :n],
+                "cache_v": cache.v[:, :, :n],
+            },
+        )
         ph, base = super().draft_block(root, start)
         self.keep(f"{self.kind}.rows", {"root": torch.tensor([root]), "ph": ph, "base": base})
         return ph, base
@@ -178,8 +208,15 @@ class Recorder(TorchBackend):
     def scorer(self, arm: str, rnd: Round, k: int, topm: int):
         if arm != "dominotree":
             return super().scorer(arm, rnd, k, topm)
-        return RecordingScorer(self, rnd, self.drafter.head, self.target.model.embed_tokens, k, topm,
-                               self.drafter.cfg.pure_draft_prefix_len)
+        return RecordingScorer(
+            self,
+            rnd,
+            self.drafter.head,
+            self.target.model.embed_tokens,
+            k,
+            topm,
+            self.drafter.cfg.pure_draft_prefix_len,
+        )
 
 
 class RecordingScorer(DominoScorer):
@@ -192,9 +229,15 @@ class RecordingScorer(DominoScorer):
 
     def children(self, states, depth):
         if depth >= self.prefix_len and self.topm:  # shallower depths take the base marginal, no stage
-            self.recorder.keep(f"{self.recorder.kind}.scorer_children",
-                               {"zproj": self.zp[0, depth], "states": states[0], "basec": self.basec[0, depth],
-                                "w2c": self.w2c[0, depth]})
+            self.recorder.keep(
+                f"{self.recorder.kind}.scorer_children",
+                {
+                    "zproj": self.zp[0, depth],
+                    "states": states[0],
+                    "basec": self.basec[0, depth],
+                    "w2c": self.w2c[0, depth],
+                },
+            )
         return super().children(states, depth)
 
     def advance(self, states, tokens):
@@ -206,8 +249,10 @@ def _from_rows(stage: Stage, rows: list[dict]) -> list[dict]:
     """Inputs of a stage that reads only a round's root and drafter rows (the scorer root and setup, the frontier),
     with the leading axes its example has and the rows lack (a batch of one request)."""
     ex = stage.example(1, 0, torch.Generator().manual_seed(0))
-    return [{n: r[n].reshape((1,) * (ex[n].ndim - r[n].ndim) + tuple(r[n].shape)).to(ex[n].dtype)
-             for n in stage.inputs} for r in rows]
+    return [
+        {n: r[n].reshape((1,) * (ex[n].ndim - r[n].ndim) + tuple(r[n].shape)).to(ex[n].dtype) for n in stage.inputs}
+        for r in rows
+    ]
 
 
 def real_inputs(exp: Export, stages: dict[str, Stage], prompts: int) -> dict[str, list[dict]]:
@@ -217,8 +262,9 @@ def real_inputs(exp: Export, stages: dict[str, Stage], prompts: int) -> dict[str
     tokenizer = load_tokenizer(exp.path / "tokenizer")
     eos = set(m["target"]["eos_token_id"]) | ({tokenizer.eos_token_id} - {None})
     target = stages["target"].module.target
-    runs = [(kind, stages[f"{kind}.block"].module.drafter) for kind in m["source"]["drafters"]
-            if f"{kind}.block" in stages] or [("", None)]
+    runs = [
+        (kind, stages[f"{kind}.block"].module.drafter) for kind in m["source"]["drafters"] if f"{kind}.block" in stages
+    ] or [("", None)]
     calls = defaultdict(list)
     taps = list(target.taps)
     try:
@@ -227,8 +273,15 @@ def real_inputs(exp: Export, stages: dict[str, Stage], prompts: int) -> dict[str
             draft = DraftConfig(method, m["budget"], topm=m["topm"], node_topk=m["node_topk"])
             for prompt in PROMPTS[:prompts]:
                 ids = tokenizer.encode(prompt, add_special_tokens=False)
-                generate(Recorder(target, drafter, kind, calls), make_method(draft), ids, MAX_NEW_TOKENS,
-                         SamplingConfig(), tuple(sorted(eos)), draft.budget)
+                generate(
+                    Recorder(target, drafter, kind, calls),
+                    make_method(draft),
+                    ids,
+                    MAX_NEW_TOKENS,
+                    SamplingConfig(),
+                    tuple(sorted(eos)),
+                    draft.budget,
+                )
     finally:
         target.taps = taps  # the backend sets the taps from the drafter; the reference keeps the export's
     for name, stage in stages.items():
@@ -240,6 +293,7 @@ def real_inputs(exp: Export, stages: dict[str, Stage], prompts: int) -> dict[str
 
 # comparison
 
+
 @dataclass
 class Row:
     stage: str
@@ -247,19 +301,27 @@ class Row:
     output: str
     cosine: float
     max_abs: float
-    rel: float                 # max_abs / max|torch|
-    agree: int | None = None   # rows whose argmax agrees (logits-like outputs), of `rows`
+    rel: float  # max_abs / max|torch|
+    agree: int | None = None  # rows whose argmax agrees (logits-like outputs), of `rows`
     rows: int | None = None
     ok: bool = True
     note: str = ""
     calls: int = 1
-    tied: int = 0              # calls that differ only as ties allow (Tolerance.ties)
+    tied: int = 0  # calls that differ only as ties allow (Tolerance.ties)
 
 
 def compare(stage: str, case: str, name: str, ref: np.ndarray, out: np.ndarray, tol: Tolerance) -> Row:
     if ref.shape != out.shape or ref.dtype != out.dtype:
-        return Row(stage, case, name, math.nan, math.nan, math.nan, ok=False,
-                   note=f"onnxruntime gives {out.dtype}{list(out.shape)}, torch {ref.dtype}{list(ref.shape)}")
+        return Row(
+            stage,
+            case,
+            name,
+            math.nan,
+            math.nan,
+            math.nan,
+            ok=False,
+            note=f"onnxruntime gives {out.dtype}{list(out.shape)}, torch {ref.dtype}{list(ref.shape)}",
+        )
     r, o = ref.astype(np.float64).ravel(), out.astype(np.float64).ravel()
     if np.isnan(r).any() or np.isnan(o).any():
         return Row(stage, case, name, math.nan, math.nan, math.nan, ok=False, note="NaN in the output")
@@ -285,16 +347,27 @@ def compare(stage: str, case: str, name: str, ref: np.ndarray, out: np.ndarray, 
 
 def merge(rows: list[Row], case: str) -> Row:
     """The worst of several rows of one stage output (the real inputs, summarised); NaN is the worst."""
+
     def worst(values, pick):
         values = list(values)
         return math.nan if any(math.isnan(v) for v in values) else pick(values)
 
     agree = [r for r in rows if r.rows is not None]
     notes = [r.note for r in rows if r.note]
-    return Row(rows[0].stage, case, rows[0].output, worst((r.cosine for r in rows), min),
-               worst((r.max_abs for r in rows), max), worst((r.rel for r in rows), max),
-               sum(r.agree for r in agree) if agree else None, sum(r.rows for r in agree) if agree else None,
-               all(r.ok for r in rows), notes[0] if notes else "", len(rows), sum(r.tied for r in rows))
+    return Row(
+        rows[0].stage,
+        case,
+        rows[0].output,
+        worst((r.cosine for r in rows), min),
+        worst((r.max_abs for r in rows), max),
+        worst((r.rel for r in rows), max),
+        sum(r.agree for r in agree) if agree else None,
+        sum(r.rows for r in agree) if agree else None,
+        all(r.ok for r in rows),
+        notes[0] if notes else "",
+        len(rows),
+        sum(r.tied for r in rows),
+    )
 
 
 def _tied(feed: dict) -> bool:
@@ -312,8 +385,9 @@ def _check_signature(sess: ort.InferenceSession, stage: Stage, feed: dict, path:
     """The graph takes the stage's inputs in its dtypes (the Comparator would cast them silently)."""
     names = [i.name for i in sess.get_inputs()], [o.name for o in sess.get_outputs()]
     if names != (stage.inputs, stage.outputs):
-        raise ValueError(f"{path.name} has inputs {names[0]} and outputs {names[1]}, the stage "
-                         f"{stage.inputs} -> {stage.outputs}")
+        raise ValueError(
+            f"{path.name} has inputs {names[0]} and outputs {names[1]}, the stage {stage.inputs} -> {stage.outputs}"
+        )
     for i in sess.get_inputs():
         dtype = np.dtype(DataType.to_dtype(DataType.from_dtype(i.type, "onnxruntime"), "numpy"))
         if dtype != feed[i.name].dtype:
@@ -329,21 +403,22 @@ def compare_stage(stage: Stage, path: Path, cases: list[tuple[str, dict]], tol: 
         with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
             sess = cpu_session(path)
             _check_signature(sess, stage, feeds[0], path)
-            results = Comparator.run([OnnxrtRunner(sess), TorchRunner(stage, feeds[0])], data_loader=feeds,
-                                     streaming=True)
+            results = Comparator.run(
+                [OnnxrtRunner(sess), TorchRunner(stage, feeds[0])], data_loader=feeds, streaming=True
+            )
             for (case, _), feed, result in zip(cases, feeds, results):
                 (_, [got]), (_, [want]) = result
                 case_rows = [compare(stage.name, case, n, want[n], got[n], tol) for n in stage.outputs]
-                if tol.ties and any(not r.ok and want[r.output].dtype.kind in "biu" for r in case_rows) \
-                        and _tied(feed):
+                if tol.ties and any(not r.ok and want[r.output].dtype.kind in "biu" for r in case_rows) and _tied(feed):
                     for r in case_rows:  # not a shape, dtype or NaN failure (cosine NaN)
                         if not r.ok and math.isfinite(r.cosine):
                             r.ok, r.tied = True, 1
                 rows += case_rows
     except Exception as e:  # onnxruntime and polygraphy raise many types; the stage fails either way
         msg = " ".join(str(e).split())[:300]
-        rows.append(Row(stage.name, "-", "-", math.nan, math.nan, math.nan, ok=False,
-                        note=f"{e.__class__.__name__}: {msg}"))
+        rows.append(
+            Row(stage.name, "-", "-", math.nan, math.nan, math.nan, ok=False, note=f"{e.__class__.__name__}: {msg}")
+        )
     return rows
 
 
@@ -365,10 +440,16 @@ class Report:
 
     def to_json(self) -> dict:
         stages = list(dict.fromkeys(r.stage for r in self.rows))
-        return {"export": str(self.export), "dtype": self.dtype, "ok": self.ok, "failed": self.failed,
-                "tolerance": asdict(self.tol), "quantized": {s: asdict(QUANT_TOLERANCE) for s in self.quantized},
-                "stages": {s: s not in self.failed for s in stages},
-                "rows": [{k: _finite(v) for k, v in asdict(r).items()} for r in self.rows]}
+        return {
+            "export": str(self.export),
+            "dtype": self.dtype,
+            "ok": self.ok,
+            "failed": self.failed,
+            "tolerance": asdict(self.tol),
+            "quantized": {s: asdict(QUANT_TOLERANCE) for s in self.quantized},
+            "stages": {s: s not in self.failed for s in stages},
+            "rows": [{k: _finite(v) for k, v in asdict(r).items()} for r in self.rows],
+        }
 
     def table(self) -> str:
         head = ("stage", "case", "output", "cosine", "max abs", "rel", "argmax", "result")
@@ -377,17 +458,22 @@ class Report:
             argmax = f"{r.agree}/{r.rows}" if r.rows is not None else "-"
             result = ("ok" if r.ok else "FAIL") + (f" ({r.tied} tied)" if r.tied else "")
             result += f"  {r.note}" if r.note else ""
-            lines.append((r.stage, r.case, r.output, f"{r.cosine:.8f}", f"{r.max_abs:.2e}", f"{r.rel:.2e}", argmax,
-                          result))
+            lines.append(
+                (r.stage, r.case, r.output, f"{r.cosine:.8f}", f"{r.max_abs:.2e}", f"{r.rel:.2e}", argmax, result)
+            )
         widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head) - 1)]
         fmt = "  ".join(f"{{:{w}}}" for w in widths) + "  {}"
-        summary = (f"{self.export}: {self.dtype}, pass = cosine >= {self.tol.cosine} and max abs <= "
-                   f"{self.tol.rel:g} x max|torch| (rel); integer outputs exact"
-                   + (" (tied: differ on inputs with equal values in a row)" if self.tol.ties else ""))
+        summary = (
+            f"{self.export}: {self.dtype}, pass = cosine >= {self.tol.cosine} and max abs <= "
+            f"{self.tol.rel:g} x max|torch| (rel); integer outputs exact"
+            + (" (tied: differ on inputs with equal values in a row)" if self.tol.ties else "")
+        )
         if self.quantized:
-            summary += (f"\nint8 drafter stages {', '.join(self.quantized)}: cosine >= {QUANT_TOLERANCE.cosine} "
-                        f"and rel <= {QUANT_TOLERANCE.rel:g} (drafts only; the target verifies every token)")
-        verdict = ("all stages pass" if self.ok else f"FAILED: {', '.join(self.failed)}")
+            summary += (
+                f"\nint8 drafter stages {', '.join(self.quantized)}: cosine >= {QUANT_TOLERANCE.cosine} "
+                f"and rel <= {QUANT_TOLERANCE.rel:g} (drafts only; the target verifies every token)"
+            )
+        verdict = "all stages pass" if self.ok else f"FAILED: {', '.join(self.failed)}"
         return "\n".join([summary, fmt.format(*head), *(fmt.format(*x) for x in lines), verdict])
 
 

@@ -8,6 +8,7 @@ dtype, verifies every drafted token, so the output is unchanged and only accepta
 ONNX Runtime's dynamic quantization: weights int8 per output channel, activations uint8 per tensor, measured at
 run time (MatMulInteger). The context stages, the scorer stages and the target are left as exported.
 """
+
 import logging
 import os
 from pathlib import Path
@@ -51,17 +52,29 @@ def quantize_stage(path: Path):
     tmp_data = tmp.with_name(tmp.name + ".data")
     logging.disable(logging.WARNING)  # its advice to pre-process (shape inference) is for conv nets
     try:
-        quantize_dynamic(path, tmp, weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul", "Gemm"], use_external_data_format=True,
-                         extra_options={"MatMulConstBOnly": True})
+        quantize_dynamic(
+            path,
+            tmp,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            op_types_to_quantize=["MatMul", "Gemm"],
+            use_external_data_format=True,
+            extra_options={"MatMulConstBOnly": True},
+        )
         import onnx
 
         model = onnx.load(str(tmp))  # the weights, renamed to the stage's own .data file
         data = path.with_name(path.name + ".data")
         for f in (path, data):
             f.unlink(missing_ok=True)
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data.name, size_threshold=1024)
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=data.name,
+            size_threshold=1024,
+        )
     finally:
         logging.disable(logging.NOTSET)
         for f in (tmp, tmp_data):

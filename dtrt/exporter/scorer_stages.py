@@ -15,6 +15,7 @@ The frontier stage is the whole builder (budget, node_topk, M and D fixed at exp
 M = topm, or the vocabulary when topm = 0: the split stages then renormalise over every token (DominoScorer's
 full-vocabulary softmax, up to rounding); the frontier stage keeps DominoScorer's own full-vocabulary path.
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,15 +86,17 @@ class ScorerAdvanceStage(HeadStage):
 
 
 class FrontierStage(HeadStage):
-    def __init__(self, head, embed, budget: int, node_topk: int, topm: int, prefix_len: int, depth: int,
-                 mask_token_id: int):
+    def __init__(
+        self, head, embed, budget: int, node_topk: int, topm: int, prefix_len: int, depth: int, mask_token_id: int
+    ):
         super().__init__(head, embed)
         self.budget, self.node_topk, self.topm, self.prefix_len = budget, node_topk, topm, prefix_len
         self.depth, self.mask_token_id = depth, mask_token_id
 
     def forward(self, ph, base, root):
-        scorer = OpDominoScorer(Round(ph, base, root), self.head, self.embed, self.node_topk, self.topm,
-                                self.prefix_len)
+        scorer = OpDominoScorer(
+            Round(ph, base, root), self.head, self.embed, self.node_topk, self.topm, self.prefix_len
+        )
         ft = build_frontier(scorer, self.budget, self.depth, self.mask_token_id)
         return ft.tokens, ft.parents, ft.depths, ft.scores, ft.mask
 
@@ -103,8 +106,10 @@ def _root_example(stage, n, p, gen):
 
 
 def _rows(head: DominoHead, lead: tuple, depth: int, gen):
-    return (torch.randn(*lead, depth, head.hidden, generator=gen).to(head.w2.dtype),
-            2 * torch.randn(*lead, depth, head.vocab, generator=gen))
+    return (
+        torch.randn(*lead, depth, head.hidden, generator=gen).to(head.w2.dtype),
+        2 * torch.randn(*lead, depth, head.vocab, generator=gen),
+    )
 
 
 def _setup_example(stage, n, p, gen):
@@ -115,15 +120,20 @@ def _setup_example(stage, n, p, gen):
 def _children_example(stage, n, p, gen):
     head = stage.module.head
     M = stage.module.topm
-    return {"zproj": torch.randn(head.emb_dim, generator=gen),
-            "states": torch.randn(n, head.gru_dim, generator=gen).to(head.w2.dtype),
-            "basec": 2 * torch.randn(M, generator=gen), "w2c": torch.randn(M, head.emb_dim, generator=gen)}
+    return {
+        "zproj": torch.randn(head.emb_dim, generator=gen),
+        "states": torch.randn(n, head.gru_dim, generator=gen).to(head.w2.dtype),
+        "basec": 2 * torch.randn(M, generator=gen),
+        "w2c": torch.randn(M, head.emb_dim, generator=gen),
+    }
 
 
 def _advance_example(stage, n, p, gen):
     head = stage.module.head
-    return {"tokens": torch.randint(0, head.vocab, (n,), generator=gen),
-            "states": torch.randn(n, head.gru_dim, generator=gen).to(head.w2.dtype)}
+    return {
+        "tokens": torch.randint(0, head.vocab, (n,), generator=gen),
+        "states": torch.randn(n, head.gru_dim, generator=gen).to(head.w2.dtype),
+    }
 
 
 def _frontier_example(stage, n, p, gen):
@@ -144,14 +154,36 @@ def scorer_stages(target: Target, drafter: Drafter, budget: int, topm: int, node
     requests = {0: "bs"}
     return [
         Stage("scorer_root", ScorerRootStage(head, embed), ["root"], ["state"], {}, _root_example),
-        Stage("scorer_setup", ScorerSetupStage(head, embed, M, D), ["ph", "base"], ["cand", "basec", "zproj", "w2c"],
-              {}, _setup_example),
-        Stage("scorer_children", ScorerChildrenStage(head, embed, M), ["zproj", "states", "basec", "w2c"],
-              ["logprobs"], {"states": nodes}, _children_example),
-        Stage("scorer_advance", ScorerAdvanceStage(head, embed), ["tokens", "states"], ["next_states"],
-              {"tokens": nodes, "states": nodes}, _advance_example),
-        Stage("frontier", FrontierStage(head, embed, budget, node_topk, topm, cfg.pure_draft_prefix_len, D,
-                                        cfg.mask_token_id),
-              ["ph", "base", "root"], ["tokens", "parents", "depths", "scores", "mask"],
-              {"ph": requests, "base": requests, "root": requests}, _frontier_example),
+        Stage(
+            "scorer_setup",
+            ScorerSetupStage(head, embed, M, D),
+            ["ph", "base"],
+            ["cand", "basec", "zproj", "w2c"],
+            {},
+            _setup_example,
+        ),
+        Stage(
+            "scorer_children",
+            ScorerChildrenStage(head, embed, M),
+            ["zproj", "states", "basec", "w2c"],
+            ["logprobs"],
+            {"states": nodes},
+            _children_example,
+        ),
+        Stage(
+            "scorer_advance",
+            ScorerAdvanceStage(head, embed),
+            ["tokens", "states"],
+            ["next_states"],
+            {"tokens": nodes, "states": nodes},
+            _advance_example,
+        ),
+        Stage(
+            "frontier",
+            FrontierStage(head, embed, budget, node_topk, topm, cfg.pure_draft_prefix_len, D, cfg.mask_token_id),
+            ["ph", "base", "root"],
+            ["tokens", "parents", "depths", "scores", "mask"],
+            {"ph": requests, "base": requests, "root": requests},
+            _frontier_example,
+        ),
     ]

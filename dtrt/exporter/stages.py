@@ -10,6 +10,7 @@ These wrappers are what gets exported and what `dtrt parity` compares ONNX Runti
     drafter_context hidden [n, taps*H], positions [n] -> ctx_k/ctx_v [Ld, KVHd, n, HDd]
     drafter_block   root [1], start [1], cache_k/cache_v [Ld, KVHd, C, HDd] -> ph [D, H], base [D, V] fp32
 """
+
 from dataclasses import dataclass, field
 
 import torch
@@ -69,8 +70,14 @@ class HybridTargetStage(TargetStage):
     def forward(self, ids, positions, mask, parents, past_k, past_v, state, conv):
         cache = ConcatHybridCache(past_k, past_v, state, conv)
         logits, hidden = self.target(ids, positions, mask, cache, parents)
-        return (logits, hidden, torch.stack(cache.new_k), torch.stack(cache.new_v), torch.stack(cache.node_states),
-                torch.stack(cache.node_windows))
+        return (
+            logits,
+            hidden,
+            torch.stack(cache.new_k),
+            torch.stack(cache.new_v),
+            torch.stack(cache.node_states),
+            torch.stack(cache.node_windows),
+        )
 
 
 class DrafterContextStage(nn.Module):
@@ -133,8 +140,13 @@ def _target_example(stage, n, p, gen, kv_layers: int | None = None):
     cfg, dtype = t.cfg, t.dtype
     depth, mask = random_tree_mask(n, gen)
     kv = (cfg.num_layers if kv_layers is None else kv_layers, cfg.num_kv_heads, p, cfg.head_dim)
-    return {"ids": torch.randint(0, cfg.vocab_size, (n,), generator=gen), "positions": p + depth, "mask": mask,
-            "past_k": torch.randn(kv, generator=gen).to(dtype), "past_v": torch.randn(kv, generator=gen).to(dtype)}
+    return {
+        "ids": torch.randint(0, cfg.vocab_size, (n,), generator=gen),
+        "positions": p + depth,
+        "mask": mask,
+        "past_k": torch.randn(kv, generator=gen).to(dtype),
+        "past_v": torch.randn(kv, generator=gen).to(dtype),
+    }
 
 
 def _hybrid_target_example(stage, n, p, gen):
@@ -144,8 +156,11 @@ def _hybrid_target_example(stage, n, p, gen):
     layers = len(cfg.recurrent_layers)
     state = (layers, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     conv = (layers, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
-    return example | {"parents": tree_parents(example["mask"]), "state": torch.randn(state, generator=gen),
-                      "conv": torch.randn(conv, generator=gen).to(t.dtype)}
+    return example | {
+        "parents": tree_parents(example["mask"]),
+        "state": torch.randn(state, generator=gen),
+        "conv": torch.randn(conv, generator=gen).to(t.dtype),
+    }
 
 
 def _context_example(stage, n, p, gen):
@@ -158,28 +173,58 @@ def _block_example(stage, n, p, gen):
     d = stage.module.drafter
     cfg = d.cfg
     kv = (cfg.num_layers, cfg.num_kv_heads, p, cfg.head_dim)
-    return {"root": torch.randint(0, cfg.vocab_size, (1,), generator=gen), "start": torch.tensor([p]),
-            "cache_k": torch.randn(kv, generator=gen).to(d.dtype), "cache_v": torch.randn(kv, generator=gen).to(d.dtype)}
+    return {
+        "root": torch.randint(0, cfg.vocab_size, (1,), generator=gen),
+        "start": torch.tensor([p]),
+        "cache_k": torch.randn(kv, generator=gen).to(d.dtype),
+        "cache_v": torch.randn(kv, generator=gen).to(d.dtype),
+    }
 
 
 def target_stage(target: Target) -> Stage:
     if isinstance(target, HybridTarget):
-        return Stage("target", HybridTargetStage(target),
-                     ["ids", "positions", "mask", "parents", "past_k", "past_v", "state", "conv"],
-                     ["logits", "hidden", "new_k", "new_v", "states", "windows"],
-                     {"ids": {0: "N"}, "positions": {0: "N"}, "mask": {0: "N", 1: "N"}, "parents": {0: "N"},
-                      "past_k": {2: "P"}, "past_v": {2: "P"}}, _hybrid_target_example)
-    return Stage("target", TargetStage(target), ["ids", "positions", "mask", "past_k", "past_v"],
-                 ["logits", "hidden", "new_k", "new_v"],
-                 {"ids": {0: "N"}, "positions": {0: "N"}, "mask": {0: "N", 1: "N"},
-                  "past_k": {2: "P"}, "past_v": {2: "P"}}, _target_example)
+        return Stage(
+            "target",
+            HybridTargetStage(target),
+            ["ids", "positions", "mask", "parents", "past_k", "past_v", "state", "conv"],
+            ["logits", "hidden", "new_k", "new_v", "states", "windows"],
+            {
+                "ids": {0: "N"},
+                "positions": {0: "N"},
+                "mask": {0: "N", 1: "N"},
+                "parents": {0: "N"},
+                "past_k": {2: "P"},
+                "past_v": {2: "P"},
+            },
+            _hybrid_target_example,
+        )
+    return Stage(
+        "target",
+        TargetStage(target),
+        ["ids", "positions", "mask", "past_k", "past_v"],
+        ["logits", "hidden", "new_k", "new_v"],
+        {"ids": {0: "N"}, "positions": {0: "N"}, "mask": {0: "N", 1: "N"}, "past_k": {2: "P"}, "past_v": {2: "P"}},
+        _target_example,
+    )
 
 
 def drafter_stages(target: Target, drafter: Drafter, kind: str) -> list[Stage]:
     """`<kind>.context` and `<kind>.block` for a drafter (kind: dflash or domino)."""
     return [
-        Stage(f"{kind}.context", DrafterContextStage(drafter), ["hidden", "positions"], ["ctx_k", "ctx_v"],
-              {"hidden": {0: "N"}, "positions": {0: "N"}}, _context_example),
-        Stage(f"{kind}.block", DrafterBlockStage(target, drafter), ["root", "start", "cache_k", "cache_v"],
-              ["ph", "base"], {"cache_k": {2: "P"}, "cache_v": {2: "P"}}, _block_example),
+        Stage(
+            f"{kind}.context",
+            DrafterContextStage(drafter),
+            ["hidden", "positions"],
+            ["ctx_k", "ctx_v"],
+            {"hidden": {0: "N"}, "positions": {0: "N"}},
+            _context_example,
+        ),
+        Stage(
+            f"{kind}.block",
+            DrafterBlockStage(target, drafter),
+            ["root", "start", "cache_k", "cache_v"],
+            ["ph", "base"],
+            {"cache_k": {2: "P"}, "cache_v": {2: "P"}},
+            _block_example,
+        ),
     ]

@@ -1,6 +1,7 @@
 """Loaders for Hugging Face checkpoint directories: config.json + model.safetensors (or shards listed in
 model.safetensors.index.json). Tensor names and shapes are checked against the config before anything is
 built, and every problem is a one-line DtrtError naming the file."""
+
 import json
 from pathlib import Path
 
@@ -41,8 +42,10 @@ class Checkpoint:
                 raise DtrtError(f"{index}: not a valid safetensors index ({e.__class__.__name__}); restore the file")
             files = [self.path / f for f in sorted(set(weight_map.values()))]
         else:
-            raise DtrtError(f"{self.path}: no model.safetensors or model.safetensors.index.json; "
-                            "pass a Hugging Face checkpoint directory")
+            raise DtrtError(
+                f"{self.path}: no model.safetensors or model.safetensors.index.json; "
+                "pass a Hugging Face checkpoint directory"
+            )
         self.file_of: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for f in files:
@@ -66,15 +69,21 @@ class Checkpoint:
             if name not in self.shapes:
                 if name in optional:
                     continue
-                raise DtrtError(f"{self.path}: tensor {name!r} is missing (config.json expects it); "
-                                "is this the right kind of checkpoint?")
+                raise DtrtError(
+                    f"{self.path}: tensor {name!r} is missing (config.json expects it); "
+                    "is this the right kind of checkpoint?"
+                )
             if self.shapes[name] != tuple(shape):
-                raise DtrtError(f"{self.file_of[name]}: tensor {name!r} has shape {list(self.shapes[name])}, "
-                                f"config.json implies {list(shape)}")
+                raise DtrtError(
+                    f"{self.file_of[name]}: tensor {name!r} has shape {list(self.shapes[name])}, "
+                    f"config.json implies {list(shape)}"
+                )
         extra = [n for n in self.shapes if n not in expected and not n.endswith(IGNORED_SUFFIXES)]
         if extra:
-            raise DtrtError(f"{self.path}: unexpected tensor {extra[0]!r} ({len(extra)} in all); "
-                            "is this the right kind of checkpoint?")
+            raise DtrtError(
+                f"{self.path}: unexpected tensor {extra[0]!r} ({len(extra)} in all); "
+                "is this the right kind of checkpoint?"
+            )
 
     def load(self, names, dtype) -> dict[str, torch.Tensor]:
         out = {}
@@ -120,16 +129,21 @@ def load_drafter(path, dtype=torch.float32) -> Drafter:
         with torch.device("meta"):
             head = DominoHead(cfg.hidden_size, gru_dim, emb_dim, cfg.vocab_size)
     elif cfg.projector_type is not None:
-        raise DtrtError(f"{path}: config.json says projector_type {cfg.projector_type!r} but the checkpoint has no "
-                        "Domino head tensors (prefix_gru.*, embed_proj.*)")
+        raise DtrtError(
+            f"{path}: config.json says projector_type {cfg.projector_type!r} but the checkpoint has no "
+            "Domino head tensors (prefix_gru.*, embed_proj.*)"
+        )
     with torch.device("meta"):
         model = Drafter(cfg)
     model.head = head
     expected = {k.removeprefix("head."): tuple(v.shape) for k, v in model.state_dict().items()}
     ckpt.check(expected)
     state = ckpt.load(list(expected), dtype)
-    model.load_state_dict({("head." + k if k.startswith(("prefix_gru.", "embed_proj.")) else k): v
-                           for k, v in state.items()}, strict=True, assign=True)
+    model.load_state_dict(
+        {("head." + k if k.startswith(("prefix_gru.", "embed_proj.")) else k): v for k, v in state.items()},
+        strict=True,
+        assign=True,
+    )
     return model.eval()
 
 
@@ -137,15 +151,21 @@ def check_pair(target: Target, drafter: Drafter, drafter_path="drafter"):
     """A drafter reads the target's features and uses its embedding and lm_head: the dims must agree."""
     t, d = target.cfg, drafter.cfg
     if d.hidden_size != t.hidden_size:
-        raise DtrtError(f"{drafter_path}: drafter hidden_size {d.hidden_size} does not match the target's "
-                        f"{t.hidden_size}; use the drafter trained for this target")
+        raise DtrtError(
+            f"{drafter_path}: drafter hidden_size {d.hidden_size} does not match the target's "
+            f"{t.hidden_size}; use the drafter trained for this target"
+        )
     if d.vocab_size != t.vocab_size:
-        raise DtrtError(f"{drafter_path}: drafter vocab_size {d.vocab_size} does not match the target's "
-                        f"{t.vocab_size}; use the drafter trained for this target")
+        raise DtrtError(
+            f"{drafter_path}: drafter vocab_size {d.vocab_size} does not match the target's "
+            f"{t.vocab_size}; use the drafter trained for this target"
+        )
     bad = [i for i in d.target_layer_ids if not 0 <= i < t.num_layers]
     if bad:
-        raise DtrtError(f"{drafter_path}: target_layer_ids {d.target_layer_ids} name layer {bad[0]}, but the target "
-                        f"has {t.num_layers} layers")
+        raise DtrtError(
+            f"{drafter_path}: target_layer_ids {d.target_layer_ids} name layer {bad[0]}, but the target "
+            f"has {t.num_layers} layers"
+        )
     if not 0 <= d.mask_token_id < t.vocab_size:
         raise DtrtError(f"{drafter_path}: mask_token_id {d.mask_token_id} is outside the target vocabulary")
 
@@ -169,8 +189,10 @@ def save_checkpoint(path, config: dict, state: dict[str, torch.Tensor], shards: 
         part = {n: state[n] for n in names[s::shards]}
         save_file(part, str(path / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in part})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-             "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+        "weight_map": weight_map,
+    }
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 

@@ -1,4 +1,5 @@
 """Model configs read from Hugging Face `config.json` files (target) and z-lab / Domino drafters."""
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +61,10 @@ class TargetConfig:
         if arch in HYBRID_ARCHS:
             return HybridConfig.from_dict(cfg, path)
         if arch not in TARGET_ARCHS:
-            raise DtrtError(f"{path}: model_type {arch!r} is not a supported target "
-                            f"(supported: {', '.join((*TARGET_ARCHS, *HYBRID_ARCHS))})")
+            raise DtrtError(
+                f"{path}: model_type {arch!r} is not a supported target "
+                f"(supported: {', '.join((*TARGET_ARCHS, *HYBRID_ARCHS))})"
+            )
         return cls(**_target_fields(cfg, path))
 
 
@@ -125,15 +128,22 @@ class HybridConfig(TargetConfig):
     @property
     def conv_dim(self) -> int:
         """Channels of the short convolution: q, k and v of every head."""
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
-            self.linear_num_value_heads * self.linear_value_head_dim
+        return (
+            2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        )
 
     def recurrent_dims(self) -> dict:
         """What a runtime needs to hold the recurrent caches (also recorded in an export's manifest)."""
-        return {"kv_layers": len(self.attention_layers), "recurrent_layers": len(self.recurrent_layers),
-                "linear_num_value_heads": self.linear_num_value_heads, "linear_key_head_dim": self.linear_key_head_dim,
-                "linear_value_head_dim": self.linear_value_head_dim, "conv_dim": self.conv_dim,
-                "linear_conv_kernel_dim": self.linear_conv_kernel_dim}
+        return {
+            "kv_layers": len(self.attention_layers),
+            "recurrent_layers": len(self.recurrent_layers),
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "conv_dim": self.conv_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+        }
 
     @classmethod
     def from_dict(cls, cfg: dict, path: Path) -> "HybridConfig":
@@ -148,19 +158,34 @@ class HybridConfig(TargetConfig):
         dense = set(cfg.get("mlp_only_layers") or [])
         sparse = [i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0]
         if sparse:
-            raise DtrtError(f"{path}: layer {sparse[0]} is a sparse MoE layer (num_experts {experts}); only dense "
-                            "Qwen3-Next targets are supported (num_experts 0 or every layer in mlp_only_layers)")
+            raise DtrtError(
+                f"{path}: layer {sparse[0]} is a sparse MoE layer (num_experts {experts}); only dense "
+                "Qwen3-Next targets are supported (num_experts 0 or every layer in mlp_only_layers)"
+            )
         if cfg.get("hidden_act", "silu") != "silu":
             raise DtrtError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
-        linear = {k: int(cfg.get(k, cls.__dataclass_fields__[k].default))
-                  for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                            "linear_value_head_dim", "linear_conv_kernel_dim")}
+        linear = {
+            k: int(cfg.get(k, cls.__dataclass_fields__[k].default))
+            for k in (
+                "linear_num_key_heads",
+                "linear_num_value_heads",
+                "linear_key_head_dim",
+                "linear_value_head_dim",
+                "linear_conv_kernel_dim",
+            )
+        }
         if linear["linear_num_value_heads"] % linear["linear_num_key_heads"] or linear["linear_conv_kernel_dim"] < 2:
-            raise DtrtError(f"{path}: linear_num_value_heads must be a multiple of linear_num_key_heads and "
-                            "linear_conv_kernel_dim at least 2")
+            raise DtrtError(
+                f"{path}: linear_num_value_heads must be a multiple of linear_num_key_heads and "
+                "linear_conv_kernel_dim at least 2"
+            )
         rotary = cfg.get("partial_rotary_factor", (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25))
-        return cls(**_target_fields(cfg, path, head_dim=256), layer_types=tuple(types), **linear,
-                   partial_rotary_factor=float(rotary))
+        return cls(
+            **_target_fields(cfg, path, head_dim=256),
+            layer_types=tuple(types),
+            **linear,
+            partial_rotary_factor=float(rotary),
+        )
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

@@ -4,6 +4,7 @@ projection to the full vocabulary, added to the drafter's base logits.
     delta  = W2 . SiLU(W1 [z; s])              W1 = embed_proj.0.weight [E, H+G], W2 = embed_proj.2.weight [V, E]
     s'     = GRU(e(token), s)                  gate order (r, z, n), no biases, e = the target's embedding
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn

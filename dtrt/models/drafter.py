@@ -7,6 +7,7 @@ Block: B positions from `start`: slot 0 = the committed root token, slots 1.. = 
 the target's table. Queries come from the block only and attend, with no mask, to all cached context and to
 the whole block. Output = norm(x); the target's lm_head turns rows into base logits.
 """
+
 import torch
 from torch import nn
 
@@ -19,8 +20,9 @@ class DraftLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Projections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                     cfg.rms_norm_eps, qk_norm=True)
+        self.self_attn = Projections(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, qk_norm=True
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -48,12 +50,12 @@ class DraftCache:
         if self.length + n > self.capacity:
             raise RuntimeError(f"draft cache overflow: {self.length + n} > capacity {self.capacity}")
         for i, (k, v) in enumerate(kv):
-            self.k[i, :, self.length:self.length + n] = k
-            self.v[i, :, self.length:self.length + n] = v
+            self.k[i, :, self.length : self.length + n] = k
+            self.v[i, :, self.length : self.length + n] = v
         self.length += n
 
     def layer(self, i):
-        return self.k[i, :, :self.length], self.v[i, :, :self.length]
+        return self.k[i, :, : self.length], self.v[i, :, : self.length]
 
     def reset(self):
         self.length = 0
@@ -94,4 +96,4 @@ class Drafter(nn.Module):
 
     def proposal_rows(self, hidden):
         """The rows that predict draft depths 0..k_draft-1 (shift_label: rows 0..B-1; DFlash: rows 1..B-1)."""
-        return hidden[..., self.cfg.first_row:self.cfg.first_row + self.cfg.k_draft, :]
+        return hidden[..., self.cfg.first_row : self.cfg.first_row + self.cfg.k_draft, :]

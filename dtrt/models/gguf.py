@@ -1,6 +1,7 @@
 """Convert a llama-architecture GGUF file into a Hugging Face checkpoint directory: fp32 weights in
 model.safetensors, config.json, generation_config.json and the tokenizer with its chat template. Offline;
 the `gguf` package reads and dequantizes the file."""
+
 import json
 import os
 import shutil
@@ -13,9 +14,15 @@ import torch
 from dtrt.errors import DtrtError
 
 LAYER_TENSORS = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
@@ -53,14 +60,24 @@ def llama_config(f: dict, has_output: bool) -> dict:
     # GGUF stores eps as float32; its shortest float32 repr is the value the model was configured with
     eps = float(str(np.float32(f[f"{a}.attention.layer_norm_rms_epsilon"])))
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": int(f.get(f"{a}.vocab_size") or len(f["tokenizer.ggml.tokens"])), "hidden_size": hidden,
-        "intermediate_size": f[f"{a}.feed_forward_length"], "num_hidden_layers": f[f"{a}.block_count"],
-        "num_attention_heads": heads, "num_key_value_heads": f.get(f"{a}.attention.head_count_kv", heads),
-        "head_dim": f.get(f"{a}.attention.key_length", hidden // heads), "hidden_act": "silu",
-        "max_position_embeddings": f[f"{a}.context_length"], "rms_norm_eps": eps, "rope_theta": theta,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(f.get(f"{a}.vocab_size") or len(f["tokenizer.ggml.tokens"])),
+        "hidden_size": hidden,
+        "intermediate_size": f[f"{a}.feed_forward_length"],
+        "num_hidden_layers": f[f"{a}.block_count"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": f.get(f"{a}.attention.head_count_kv", heads),
+        "head_dim": f.get(f"{a}.attention.key_length", hidden // heads),
+        "hidden_act": "silu",
+        "max_position_embeddings": f[f"{a}.context_length"],
+        "rms_norm_eps": eps,
+        "rope_theta": theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "tie_word_embeddings": not has_output, "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        "tie_word_embeddings": not has_output,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
     }
     for key, gkey in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         if f"tokenizer.ggml.{gkey}_token_id" in f:
@@ -104,17 +121,26 @@ def write_tokenizer(f: dict, path: Path):
     tok.decoder = decoders.ByteLevel()
     bos = f.get("tokenizer.ggml.bos_token_id")
     if f.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
-                                                           special_tokens=[(tokens[bos], bos)])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
+        )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_tokens([AddedToken(tokens[i], special=types[i] == CONTROL, normalized=False)
-                    for i in range(len(tokens)) if types[i] in (CONTROL, USER_DEFINED)])
+    tok.add_tokens(
+        [
+            AddedToken(tokens[i], special=types[i] == CONTROL, normalized=False)
+            for i in range(len(tokens))
+            if types[i] in (CONTROL, USER_DEFINED)
+        ]
+    )
     tok.save(str(path / "tokenizer.json"))
 
-    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-            "add_bos_token": bool(f.get("tokenizer.ggml.add_bos_token", False)),
-            "model_max_length": int(f[f"{f['general.architecture']}.context_length"])}
+    tcfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": bool(f.get("tokenizer.ggml.add_bos_token", False)),
+        "model_max_length": int(f[f"{f['general.architecture']}.context_length"]),
+    }
     for key, gkey in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
         if f"tokenizer.ggml.{gkey}_token_id" in f:
             tcfg[key] = tokens[f[f"tokenizer.ggml.{gkey}_token_id"]]

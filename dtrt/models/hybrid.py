@@ -11,6 +11,7 @@ benchmarks only): the recurrent layers read the nodes as one chain in array orde
 Numerics follow transformers' Qwen3NextForCausalLM: RMSNorm weights stored as offsets from one, an output gate
 on attention, partial RoPE, L2-normalised q/k, fp32 recurrence, and the gated RMSNorm before out_proj.
 """
+
 from dataclasses import replace
 
 import torch
@@ -48,8 +49,9 @@ class HybridCache(KVCache):
     def __init__(self, cfg: HybridConfig, capacity: int, dtype=torch.float32, device="cpu", batch: tuple = ()):
         super().__init__(replace(cfg, num_layers=len(cfg.attention_layers)), capacity, dtype, device, batch)
         n = len(cfg.recurrent_layers)
-        self.state = torch.zeros(n, *batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                 cfg.linear_value_head_dim, device=device)
+        self.state = torch.zeros(
+            n, *batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, device=device
+        )
         self.conv = torch.zeros(n, *batch, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
         self.node_states: list = [None] * n
         self.node_windows: list = [None] * n
@@ -131,15 +133,16 @@ class GatedDeltaNet(nn.Module):
         qkvz = self.in_proj_qkvz(x).unflatten(-1, (self.hk, 2 * self.dk + 2 * r * self.dv))
         q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
         b, a = self.in_proj_ba(x).unflatten(-1, (self.hk, 2 * r)).split([r, r], dim=-1)
-        mixed = torch.cat((q.flatten(-2), k.flatten(-2), v.flatten(-2)), dim=-1)   # [..., N, C]
+        mixed = torch.cat((q.flatten(-2), k.flatten(-2), v.flatten(-2)), dim=-1)  # [..., N, C]
         beta = b.reshape(*lead, self.hv).sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.reshape(*lead, self.hv).float() + self.dt_bias)
         weight = self.conv1d.weight[:, 0]
         # plain sequences with nothing to keep (training): a padded conv and the chunked rule
         sequences = cache is None and torch.equal(parents, torch.arange(-1, lead[-1] - 1, device=parents.device))
         if sequences:
-            mixed = F.silu(F.conv1d(F.pad(mixed.transpose(-1, -2), (self.kernel - 1, 0)), weight[:, None],
-                                    groups=weight.shape[0])).transpose(-1, -2)
+            mixed = F.silu(
+                F.conv1d(F.pad(mixed.transpose(-1, -2), (self.kernel - 1, 0)), weight[:, None], groups=weight.shape[0])
+            ).transpose(-1, -2)
         else:
             if cache is not None:
                 state0, conv0 = cache.recurrent(self.index)
@@ -149,7 +152,7 @@ class GatedDeltaNet(nn.Module):
             mixed, windows = tree_causal_conv1d(mixed, parents, conv0, weight)
         q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         q, k = (l2norm(t.unflatten(-1, (self.hk, self.dk)).float()).repeat_interleave(r, dim=-2) for t in (q, k))
-        args = (q * self.dk ** -0.5, k, v.unflatten(-1, (self.hv, self.dv)).float(), g, beta)
+        args = (q * self.dk**-0.5, k, v.unflatten(-1, (self.hv, self.dv)).float(), g, beta)
         if sequences:
             out = chunk_gated_delta_rule(*args)
         else:
@@ -235,8 +238,10 @@ class HybridTarget(Target):
 
     def forward(self, ids, positions, mask, cache: HybridCache | None = None, parents=None):
         if mask.dim() != 2:
-            raise DtrtError("a hybrid target takes one [N, N] mask for the whole batch; per-row masks (left-padded "
-                            "batches) are not supported for Gated-DeltaNet layers")
+            raise DtrtError(
+                "a hybrid target takes one [N, N] mask for the whole batch; per-row masks (left-padded "
+                "batches) are not supported for Gated-DeltaNet layers"
+            )
         if cache is not None and not hasattr(cache, "recurrent"):
             raise DtrtError("a hybrid target needs a cache with recurrent state: use HybridTarget.new_cache")
         if parents is None:

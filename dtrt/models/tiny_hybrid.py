@@ -2,6 +2,7 @@
 one gated full-attention layer, dense MLPs) is trained briefly on tiny's seeded synthetic text, and a Domino drafter
 (which also serves the DFlash methods) is distilled on the target's own greedy continuations, so drafts really get
 accepted. Written once in the Hugging Face layouts, to a temp dir and then renamed."""
+
 import os
 import shutil
 import tempfile
@@ -21,15 +22,32 @@ from dtrt.train.distill import DistillConfig, distill
 TINY_HYBRID_VERSION = 1
 
 TARGET_CONFIG = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": tiny.VOCAB,
-    "hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 4,
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": tiny.VOCAB,
+    "hidden_size": 96,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4, "num_experts": 0, "mlp_only_layers": [], "hidden_act": "silu",
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 24,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 0,
+    "mlp_only_layers": [],
+    "hidden_act": "silu",
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "max_position_embeddings": 4096, "attention_bias": False,
-    "eos_token_id": tiny.EOS, "bos_token_id": tiny.EOS, "torch_dtype": "float32",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+    "attention_bias": False,
+    "eos_token_id": tiny.EOS,
+    "bos_token_id": tiny.EOS,
+    "torch_dtype": "float32",
 }
 
 
@@ -54,8 +72,9 @@ def build(path: Path, log=None, seed: int = 0, target_steps: int = 200, distill_
             drafter.norm.weight.copy_(1 + target.model.norm.weight)
         if log:
             log("distilling the domino drafter")
-        distill(target, drafter, seqs, tiny.features(target, seqs), DistillConfig(steps=distill_steps, seed=seed),
-                log=log)
+        distill(
+            target, drafter, seqs, tiny.features(target, seqs), DistillConfig(steps=distill_steps, seed=seed), log=log
+        )
         save_checkpoint(tmp / "domino", cfg_json, drafter_state(drafter))
         save_checkpoint(tmp / "target", TARGET_CONFIG, target_state(target))
         tiny.write_tokenizer(tmp / "target")
@@ -78,8 +97,9 @@ def greedy_continuations(target: HybridTarget, prompts, new_tokens: int):
     seqs, ids = prompts, prompts
     for _ in range(new_tokens):
         m = ids.shape[1]
-        logits, _ = target(ids, torch.arange(cache.past, cache.past + m), torch.ones(m, m, dtype=torch.bool).tril(),
-                           cache)
+        logits, _ = target(
+            ids, torch.arange(cache.past, cache.past + m), torch.ones(m, m, dtype=torch.bool).tril(), cache
+        )
         cache.commit(torch.arange(m))
         ids = logits[:, -1:].argmax(-1)
         seqs = torch.cat((seqs, ids), dim=1)

@@ -1,4 +1,5 @@
 """Plumbing shared by the dtrt ops: emitting a `dtrt` node during export and collecting the function bodies."""
+
 import onnxscript
 import torch
 
@@ -23,7 +24,9 @@ def onnx_functions(names) -> list:
 def emit(name: str, inputs: tuple, dtypes: tuple, shapes: tuple, attrs: dict | None = None):
     """A `dtrt::<name>` node in the exported graph (one output, or a tuple when several dtypes are given)."""
     if len(dtypes) == 1:
-        return torch.onnx.ops.symbolic(f"{DOMAIN}::{name}", inputs, attrs or {}, dtype=dtypes[0], shape=shapes[0],
-                                       version=VERSION)
-    return torch.onnx.ops.symbolic_multi_out(f"{DOMAIN}::{name}", inputs, attrs or {}, dtypes=dtypes, shapes=shapes,
-                                             version=VERSION)
+        return torch.onnx.ops.symbolic(
+            f"{DOMAIN}::{name}", inputs, attrs or {}, dtype=dtypes[0], shape=shapes[0], version=VERSION
+        )
+    return torch.onnx.ops.symbolic_multi_out(
+        f"{DOMAIN}::{name}", inputs, attrs or {}, dtypes=dtypes, shapes=shapes, version=VERSION
+    )

@@ -8,6 +8,7 @@ DTRT_KERNELS=triton: the kernel for every batch-free call, on any device. CPU te
 (TRITON_INTERPRET=1, set before dtrt.plugins is imported): that is how the CPU tests run the kernels inside the
 decode loop.
 """
+
 import functools
 import importlib
 import os

@@ -9,6 +9,7 @@ The tree is the first B entries of a stable descending sort of the depth-major l
 being shallower, precedes its child). Ledger parents are remapped to tree indices, unreachable slots become
 mask_token_id leaves under the root, and the ancestor mask is built by D parent hops.
 """
+
 import onnxscript
 import torch
 from onnxscript import BOOL, FLOAT, INT64
@@ -18,9 +19,14 @@ from dtrt.ops.base import OPSET, emit, register_function
 from dtrt.ops.kernels import kernel
 
 
-def ledger_select_ref(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, root: torch.Tensor,
-                      budget: int, mask_token_id: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def ledger_select_ref(
+    scores: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    root: torch.Tensor,
+    budget: int,
+    mask_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     bs, D, Wk = scores.shape
     L, N, dev = D * Wk, budget + 1, scores.device
     sorted_scores, order = torch.sort(scores.reshape(bs, L), dim=1, descending=True, stable=True)
@@ -58,10 +64,13 @@ def ledger_select(scores, tokens, parents, root, budget: int, mask_token_id: int
     (dtrt.ops.kernels)."""
     if torch.onnx.is_in_onnx_export():
         bs, n = scores.shape[0], budget + 1
-        return emit("LedgerSelect", (scores, tokens, parents, root),
-                    (torch.int64, torch.int64, torch.int64, torch.float32, torch.bool),
-                    ((bs, n), (bs, n), (bs, n), (bs, n), (bs, n, n)),
-                    {"budget": budget, "mask_token_id": mask_token_id})
+        return emit(
+            "LedgerSelect",
+            (scores, tokens, parents, root),
+            (torch.int64, torch.int64, torch.int64, torch.float32, torch.bool),
+            ((bs, n), (bs, n), (bs, n), (bs, n), (bs, n, n)),
+            {"budget": budget, "mask_token_id": mask_token_id},
+        )
     if (run := kernel("ledger_select", scores)) is not None:
         return run(scores, tokens, parents, root, budget, mask_token_id)
     return ledger_select_ref(scores, tokens, parents, root, budget, mask_token_id)
@@ -69,8 +78,9 @@ def ledger_select(scores, tokens, parents, root, budget: int, mask_token_id: int
 
 @register_function
 @onnxscript.script(OPSET, default_opset=op)
-def LedgerSelect(scores: FLOAT, tokens: INT64, parents: INT64, root: INT64, budget: int, mask_token_id: int
-                 ) -> (INT64, INT64, INT64, FLOAT, BOOL):
+def LedgerSelect(
+    scores: FLOAT, tokens: INT64, parents: INT64, root: INT64, budget: int, mask_token_id: int
+) -> (INT64, INT64, INT64, FLOAT, BOOL):
     zero = op.Constant(value_int=0)
     one = op.Constant(value_int=1)
     bs = op.Shape(scores, start=0, end=1)
@@ -98,21 +108,28 @@ def LedgerSelect(scores: FLOAT, tokens: INT64, parents: INT64, root: INT64, budg
     valid = op.And(op.Not(op.IsInf(values)), op.Equal(values, values))
     sel_tokens = op.GatherElements(op.Reshape(tokens, flat), sel, axis=1)
     sel_parents = op.GatherElements(op.Reshape(parents, flat), sel, axis=1)
-    position = op.ScatterElements(op.Expand(op.Constant(value_int=-1), op.Shape(s)), sel,
-                                  op.Expand(op.Unsqueeze(ranks, [0]), op.Shape(sel)), axis=1)
+    position = op.ScatterElements(
+        op.Expand(op.Constant(value_int=-1), op.Shape(s)),
+        sel,
+        op.Expand(op.Unsqueeze(ranks, [0]), op.Shape(sel)),
+        axis=1,
+    )
     parent_index = op.Add(op.GatherElements(position, op.Max(sel_parents, zero), axis=1), one)
     parent_index = op.Where(op.Less(sel_parents, zero), zero, parent_index)
 
     column = op.Concat(bs, op.Constant(value_ints=[1]), axis=0)
-    out_tokens = op.Concat(op.Unsqueeze(root, [1]),
-                           op.Where(valid, sel_tokens, op.Constant(value_int=mask_token_id)), axis=1)
+    out_tokens = op.Concat(
+        op.Unsqueeze(root, [1]), op.Where(valid, sel_tokens, op.Constant(value_int=mask_token_id)), axis=1
+    )
     out_parents = op.Concat(op.Expand(op.Constant(value_int=-1), column), op.Where(valid, parent_index, zero), axis=1)
     depths = op.Concat(op.Expand(zero, column), op.Where(valid, op.Add(op.Div(sel, wk), one), one), axis=1)
     out_scores = op.Concat(op.Expand(op.Constant(value_float=0.0), column), values, axis=1)
 
     nodes = op.Range(zero, op.Add(op.Squeeze(b), one), one)
-    mask = op.Expand(op.Equal(op.Unsqueeze(nodes, [1]), op.Unsqueeze(nodes, [0])),
-                     op.Concat(bs, op.Shape(nodes), op.Shape(nodes), axis=0))
+    mask = op.Expand(
+        op.Equal(op.Unsqueeze(nodes, [1]), op.Unsqueeze(nodes, [0])),
+        op.Concat(bs, op.Shape(nodes), op.Shape(nodes), axis=0),
+    )
     cur = out_parents  # D parent hops: an ONNX Loop whose trip count is the ledger's depth
     for unused_hop in range(op.Squeeze(op.Shape(scores, start=1, end=2))):
         alive = op.GreaterOrEqual(cur, zero)

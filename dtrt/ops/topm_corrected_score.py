@@ -8,6 +8,7 @@ w2c [bs, M, E] fp32 (W2 rows of the candidates) -> logprobs [bs, n, M] fp32:
 
 W1s . s runs in the model dtype and everything after it in fp32, as DominoScorer does.
 """
+
 import onnxscript
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,9 @@ from dtrt.ops.base import OPSET, emit, register_function
 from dtrt.ops.kernels import kernel
 
 
-def topm_corrected_score_ref(zproj: torch.Tensor, states: torch.Tensor, w1s: torch.Tensor, basec: torch.Tensor,
-                             w2c: torch.Tensor) -> torch.Tensor:
+def topm_corrected_score_ref(
+    zproj: torch.Tensor, states: torch.Tensor, w1s: torch.Tensor, basec: torch.Tensor, w2c: torch.Tensor
+) -> torch.Tensor:
     h = F.silu(zproj.unsqueeze(-2) + F.linear(states.to(w1s.dtype), w1s).float())
     return torch.log_softmax(basec.unsqueeze(-2) + h @ w2c.transpose(-1, -2), dim=-1)
 

@@ -3,6 +3,7 @@
 q [H, N, hd], k/v [KVH, M, hd] (M = past + new; H a multiple of KVH), mask bool [N, M] (True = attend),
 out [H, N, hd]. The tree mask makes a node see the whole past, its ancestors and itself.
 """
+
 import onnxscript
 import torch
 import torch.nn.functional as F

@@ -8,6 +8,7 @@ sequence), conv_state [C, K-1] (the last K-1 committed inputs, oldest first), we
 Node i's window is its own ancestor chain, [..., grandparent, parent, i], continued into conv_state above the
 root, never a sibling's input. Leading batch dims on x and conv_state are allowed (one parents for all).
 """
+
 import onnxscript
 import torch
 import torch.nn.functional as F
@@ -30,10 +31,11 @@ def window_index(parents: torch.Tensor, kernel: int) -> torch.Tensor:
     return torch.stack(rows, dim=-1)
 
 
-def tree_causal_conv1d_ref(x: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    src = torch.cat((conv_state.transpose(-1, -2).to(x.dtype), x), dim=-2)     # [..., K-1+N, C]
-    window = src[..., window_index(parents, weight.shape[-1]), :]              # [..., N, K, C]
+def tree_causal_conv1d_ref(
+    x: torch.Tensor, parents: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    src = torch.cat((conv_state.transpose(-1, -2).to(x.dtype), x), dim=-2)  # [..., K-1+N, C]
+    window = src[..., window_index(parents, weight.shape[-1]), :]  # [..., N, K, C]
     out = F.silu((window * weight.transpose(0, 1).to(x.dtype)).sum(-2))
     return out, window[..., 1:, :].transpose(-1, -2).contiguous()
 
@@ -47,8 +49,12 @@ def tree_causal_conv1d(x, parents, conv_state, weight):
     if x.dim() == 2:
         if torch.onnx.is_in_onnx_export():
             n, c = x.shape
-            return emit("TreeCausalConv1d", (x, parents, conv_state, weight), (x.dtype, x.dtype),
-                        ((n, c), (n, c, weight.shape[-1] - 1)))
+            return emit(
+                "TreeCausalConv1d",
+                (x, parents, conv_state, weight),
+                (x.dtype, x.dtype),
+                ((n, c), (n, c, weight.shape[-1] - 1)),
+            )
         if (run := kernel("tree_causal_conv1d", x, conv_state, weight)) is not None:
             return run(x, parents, conv_state, weight)
     return tree_causal_conv1d_ref(x, parents, conv_state, weight)
@@ -72,9 +78,14 @@ def TreeCausalConv1d(x: FLOAT, parents: INT64, conv_state: FLOAT, weight: FLOAT)
         cur = op.Gather(up, cur)
         rows = op.Where(op.Equal(kernel, op.Sub(op.Sub(ctx, hop), one)), op.Unsqueeze(cur, [1]), rows)
     window = op.Gather(src, rows)  # [N, K, C]
-    conv = op.ReduceSum(op.Mul(window, op.Unsqueeze(op.Transpose(op.CastLike(weight, x), perm=[1, 0]), [0])),
-                        op.Constant(value_ints=[1]), keepdims=0)
+    conv = op.ReduceSum(
+        op.Mul(window, op.Unsqueeze(op.Transpose(op.CastLike(weight, x), perm=[1, 0]), [0])),
+        op.Constant(value_ints=[1]),
+        keepdims=0,
+    )
     out = op.Mul(conv, op.Sigmoid(conv))
-    windows = op.Transpose(op.Slice(window, op.Constant(value_ints=[1]), op.Unsqueeze(op.Add(ctx, one), [0]),
-                                    op.Constant(value_ints=[1])), perm=[0, 2, 1])
+    windows = op.Transpose(
+        op.Slice(window, op.Constant(value_ints=[1]), op.Unsqueeze(op.Add(ctx, one), [0]), op.Constant(value_ints=[1])),
+        perm=[0, 2, 1],
+    )
     return out, windows

@@ -9,6 +9,7 @@ beta [N, H], parents [N] int64 (-1: the node continues state0), state0 [H, dk, d
 Node i never sees a sibling's update, so verifying a tree gives every node the state of its own path, and a
 commit takes the state of the last accepted node as it is. Leading batch dims are allowed (one parents for all).
 """
+
 import onnxscript
 import torch
 import torch.nn.functional as F
@@ -19,8 +20,15 @@ from dtrt.ops.base import OPSET, emit, register_function
 from dtrt.ops.kernels import kernel
 
 
-def tree_gated_delta_net_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                             parents: torch.Tensor, state0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_gated_delta_net_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    parents: torch.Tensor,
+    state0: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     states, outs = [], []
     for i, p in enumerate(parents.tolist()):
         s = (states[p] if p >= 0 else state0) * g[..., i, :, None, None].exp()
@@ -68,8 +76,12 @@ def tree_gated_delta_net(q, k, v, g, beta, parents, state0):
     if q.dim() == 3:
         if torch.onnx.is_in_onnx_export():
             n, h, dk = q.shape
-            return emit("TreeGatedDeltaNet", (q, k, v, g, beta, parents, state0), (torch.float32, torch.float32),
-                        ((n, h, v.shape[-1]), (n, h, dk, v.shape[-1])))
+            return emit(
+                "TreeGatedDeltaNet",
+                (q, k, v, g, beta, parents, state0),
+                (torch.float32, torch.float32),
+                ((n, h, v.shape[-1]), (n, h, dk, v.shape[-1])),
+            )
         if (run := kernel("tree_gated_delta_net", q, k, v, g, beta, state0)) is not None:
             return run(q, k, v, g, beta, parents, state0)
     return tree_gated_delta_net_ref(q, k, v, g, beta, parents, state0)
@@ -77,21 +89,24 @@ def tree_gated_delta_net(q, k, v, g, beta, parents, state0):
 
 @register_function
 @onnxscript.script(OPSET, default_opset=op)
-def TreeGatedDeltaNet(q: FLOAT, k: FLOAT, v: FLOAT, g: FLOAT, beta: FLOAT, parents: INT64, state0: FLOAT
-                      ) -> (FLOAT, FLOAT):
+def TreeGatedDeltaNet(
+    q: FLOAT, k: FLOAT, v: FLOAT, g: FLOAT, beta: FLOAT, parents: INT64, state0: FLOAT
+) -> (FLOAT, FLOAT):
     one = op.Constant(value_int=1)
     n = op.Shape(q, start=0, end=1)
     # slot 0 holds state0, slot i+1 the state after node i: a node reads slot parent+1
-    slots = op.Concat(op.Unsqueeze(state0, [0]),
-                      op.Expand(op.CastLike(op.Constant(value_float=0.0), state0),
-                                op.Concat(n, op.Shape(state0), axis=0)), axis=0)
+    slots = op.Concat(
+        op.Unsqueeze(state0, [0]),
+        op.Expand(op.CastLike(op.Constant(value_float=0.0), state0), op.Concat(n, op.Shape(state0), axis=0)),
+        axis=0,
+    )
     outs = op.Expand(op.CastLike(op.Constant(value_float=0.0), v), op.Shape(v))
     for i in range(op.Squeeze(n)):
         at = op.Unsqueeze(i, [0])
-        s = op.Gather(slots, op.Add(op.Gather(parents, i), one))                      # [H, dk, dv]
+        s = op.Gather(slots, op.Add(op.Gather(parents, i), one))  # [H, dk, dv]
         s = op.Mul(s, op.Unsqueeze(op.Exp(op.Gather(g, i)), [1, 2]))
-        k_i = op.Unsqueeze(op.Gather(k, i), [2])                                       # [H, dk, 1]
-        kv = op.ReduceSum(op.Mul(s, k_i), op.Constant(value_ints=[1]), keepdims=0)   # [H, dv]
+        k_i = op.Unsqueeze(op.Gather(k, i), [2])  # [H, dk, 1]
+        kv = op.ReduceSum(op.Mul(s, k_i), op.Constant(value_ints=[1]), keepdims=0)  # [H, dv]
         delta = op.Mul(op.Sub(op.Gather(v, i), kv), op.Unsqueeze(op.Gather(beta, i), [1]))
         s = op.Add(s, op.Mul(k_i, op.Unsqueeze(delta, [1])))
         o = op.ReduceSum(op.Mul(s, op.Unsqueeze(op.Gather(q, i), [2])), op.Constant(value_ints=[1]), keepdims=0)

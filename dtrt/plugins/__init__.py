@@ -6,6 +6,7 @@ registers every op with TensorRT's Python plugin API under the ONNX node's name,
 an ahead-of-time implementation: the kernel is compiled to PTX for the build GPU and embedded in the plan, so
 running an engine needs no Python. Importing this package needs neither Triton nor TensorRT.
 """
+
 import hashlib
 from pathlib import Path
 

@@ -8,6 +8,7 @@ bits, then the ledger index, so ties keep ledger order); the first B indices are
 which is overwritten once they are read back. Parents are remapped by matching ledger indices, and the
 ancestor mask is built by D parent hops, as the reference does.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +21,23 @@ MAX_LEDGER = 16384  # entries one program sorts in registers
 
 
 @triton.jit
-def ledger_select_kernel(scores_ptr, tokens_ptr, parents_ptr, root_ptr,
-                         out_tokens_ptr, out_parents_ptr, out_depths_ptr, out_scores_ptr, out_mask_ptr,
-                         D: tl.constexpr, WK: tl.constexpr, BUDGET: tl.constexpr, MASK_TOKEN: tl.constexpr,
-                         BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
+def ledger_select_kernel(
+    scores_ptr,
+    tokens_ptr,
+    parents_ptr,
+    root_ptr,
+    out_tokens_ptr,
+    out_parents_ptr,
+    out_depths_ptr,
+    out_scores_ptr,
+    out_mask_ptr,
+    D: tl.constexpr,
+    WK: tl.constexpr,
+    BUDGET: tl.constexpr,
+    MASK_TOKEN: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     L: tl.constexpr = D * WK
     N: tl.constexpr = BUDGET + 1
@@ -78,26 +92,56 @@ class Launch:
 def config(depth: int, wk: int, budget: int, mask_token_id: int) -> Launch:
     ledger = depth * wk
     if ledger > MAX_LEDGER:
-        raise ValueError(f"the LedgerSelect kernel sorts at most {MAX_LEDGER} ledger entries in one program; this "
-                         f"ledger has {depth} x {wk} = {ledger} (lower the budget or node_topk)")
+        raise ValueError(
+            f"the LedgerSelect kernel sorts at most {MAX_LEDGER} ledger entries in one program; this "
+            f"ledger has {depth} x {wk} = {ledger} (lower the budget or node_topk)"
+        )
     block_l = next_pow2(ledger, 16)
-    return Launch({"D": depth, "WK": wk, "BUDGET": budget, "MASK_TOKEN": mask_token_id, "BLOCK_L": block_l,
-                   "BLOCK_N": next_pow2(budget + 1, 16)}, num_warps=8 if block_l >= 4096 else 4)
+    return Launch(
+        {
+            "D": depth,
+            "WK": wk,
+            "BUDGET": budget,
+            "MASK_TOKEN": mask_token_id,
+            "BLOCK_L": block_l,
+            "BLOCK_N": next_pow2(budget + 1, 16),
+        },
+        num_warps=8 if block_l >= 4096 else 4,
+    )
 
 
-SIGNATURE = {"scores_ptr": "*fp32", "tokens_ptr": "*i64", "parents_ptr": "*i64", "root_ptr": "*i64",
-             "out_tokens_ptr": "*i64", "out_parents_ptr": "*i64", "out_depths_ptr": "*i64", "out_scores_ptr": "*fp32",
-             "out_mask_ptr": "*i1"}
+SIGNATURE = {
+    "scores_ptr": "*fp32",
+    "tokens_ptr": "*i64",
+    "parents_ptr": "*i64",
+    "root_ptr": "*i64",
+    "out_tokens_ptr": "*i64",
+    "out_parents_ptr": "*i64",
+    "out_depths_ptr": "*i64",
+    "out_scores_ptr": "*fp32",
+    "out_mask_ptr": "*i1",
+}
 
 
 def run(scores, tokens, parents, root, budget: int, mask_token_id: int):
     bs, depth, wk = scores.shape
     launch = config(depth, wk, budget, mask_token_id)
     n, dev = budget + 1, scores.device
-    outs = (torch.empty(bs, n, dtype=torch.long, device=dev), torch.empty(bs, n, dtype=torch.long, device=dev),
-            torch.empty(bs, n, dtype=torch.long, device=dev), torch.empty(bs, n, dtype=torch.float32, device=dev),
-            torch.empty(bs, n, n, dtype=torch.bool, device=dev))
-    ledger_select_kernel[(bs,)](scores.float().contiguous(), tokens.contiguous(), parents.contiguous(),
-                                root.contiguous(), *outs, **launch.constexprs, num_warps=launch.num_warps,
-                                num_stages=launch.num_stages)
+    outs = (
+        torch.empty(bs, n, dtype=torch.long, device=dev),
+        torch.empty(bs, n, dtype=torch.long, device=dev),
+        torch.empty(bs, n, dtype=torch.long, device=dev),
+        torch.empty(bs, n, dtype=torch.float32, device=dev),
+        torch.empty(bs, n, n, dtype=torch.bool, device=dev),
+    )
+    ledger_select_kernel[(bs,)](
+        scores.float().contiguous(),
+        tokens.contiguous(),
+        parents.contiguous(),
+        root.contiguous(),
+        *outs,
+        **launch.constexprs,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )
     return outs

@@ -1,11 +1,18 @@
 """Triton kernels compiled ahead of time for TensorRT: PTX for one GPU architecture, with the launch ABI
 TensorRT's AOT plugins use (tensor inputs, then int32 scalars, then tensor outputs)."""
+
 import re
 
 import torch
 
-TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
-                torch.int32: "i32", torch.bool: "i1"}
+TRITON_TYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.bool: "i1",
+}
 SHARED_LIMIT = 48 * 1024  # bytes of static shared memory a kernel may use without an opt-in launch attribute
 
 
@@ -21,7 +28,7 @@ def strip_hidden_params(ptx: str, name: str, n_args: int) -> str:
     if head is None:
         raise ValueError(f"PTX has no entry {name}")
     end = ptx.index(")", head.end())
-    params = [p.strip() for p in ptx[head.end():end].split(",") if p.strip()]
+    params = [p.strip() for p in ptx[head.end() : end].split(",") if p.strip()]
     if len(params) < n_args:
         raise ValueError(f"entry {name} declares {len(params)} parameters, the kernel has {n_args}")
     body = ptx[end:]
@@ -30,24 +37,30 @@ def strip_hidden_params(ptx: str, name: str, n_args: int) -> str:
         if re.search(rf"\b{re.escape(pname)}\b", body):
             raise ValueError(f"entry {name} reads its hidden parameter {pname}; it cannot be launched by TensorRT")
     kept = ",\n\t".join(params[:n_args])
-    return f"{ptx[:head.end()]}\n\t{kept}\n{ptx[end:]}"
+    return f"{ptx[: head.end()]}\n\t{kept}\n{ptx[end:]}"
 
 
-def compile_ptx(fn, signature: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
-                compute_capability: str) -> tuple[str, str, int]:
+def compile_ptx(
+    fn, signature: dict[str, str], constexprs: dict, num_warps: int, num_stages: int, compute_capability: str
+) -> tuple[str, str, int]:
     """(kernel name, PTX with the TensorRT launch ABI, static shared memory bytes) of `fn` for sm<cc>."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     major, minor = (int(x) for x in compute_capability.split("."))
-    src = triton.compiler.ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                                    constexprs=constexprs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", major * 10 + minor, 32),
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+    src = triton.compiler.ASTSource(
+        fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs
+    )
+    kernel = triton.compile(
+        src,
+        target=GPUTarget("cuda", major * 10 + minor, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
     meta = kernel.metadata
     if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
         raise ValueError(f"{meta.name}: needs Triton scratch memory, which a TensorRT AOT launch cannot provide")
     if meta.shared > SHARED_LIMIT:
-        raise ValueError(f"{meta.name}: {meta.shared} bytes of shared memory, over the {SHARED_LIMIT} a TensorRT "
-                         f"AOT launch allows")
+        raise ValueError(
+            f"{meta.name}: {meta.shared} bytes of shared memory, over the {SHARED_LIMIT} a TensorRT AOT launch allows"
+        )
     return meta.name, strip_hidden_params(kernel.asm["ptx"], meta.name, len(signature)), meta.shared

@@ -6,6 +6,7 @@ One program per (node, request): W1s . s accumulated in fp32 and rounded to the 
 reference's matmul is, SiLU, the M corrected logits in blocks with a running log-sum-exp, then a second
 pass over the written row subtracts it.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -16,9 +17,21 @@ from dtrt.plugins.ptx import TRITON_TYPES, next_pow2
 
 
 @triton.jit
-def topm_corrected_score_kernel(zproj_ptr, states_ptr, w1s_ptr, basec_ptr, w2c_ptr, n_nodes, out_ptr,
-                                E: tl.constexpr, G: tl.constexpr, M: tl.constexpr, BLOCK_E: tl.constexpr,
-                                BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
+def topm_corrected_score_kernel(
+    zproj_ptr,
+    states_ptr,
+    w1s_ptr,
+    basec_ptr,
+    w2c_ptr,
+    n_nodes,
+    out_ptr,
+    E: tl.constexpr,
+    G: tl.constexpr,
+    M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     node = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     row = b * n_nodes + node
@@ -67,16 +80,30 @@ class Launch:
 def config(emb: int, gru: int, topm: int) -> Launch:
     block_e = next_pow2(emb, 16)
     budget = 8192  # elements of one [BLOCK_E, BLOCK_G] or [BLOCK_M, BLOCK_E] tile
-    return Launch({"E": emb, "G": gru, "M": topm, "BLOCK_E": block_e,
-                   "BLOCK_G": max(16, min(next_pow2(gru), budget // block_e)),
-                   "BLOCK_M": max(16, min(next_pow2(topm), budget // block_e))},
-                  num_warps=8 if block_e >= 256 else 4)
+    return Launch(
+        {
+            "E": emb,
+            "G": gru,
+            "M": topm,
+            "BLOCK_E": block_e,
+            "BLOCK_G": max(16, min(next_pow2(gru), budget // block_e)),
+            "BLOCK_M": max(16, min(next_pow2(topm), budget // block_e)),
+        },
+        num_warps=8 if block_e >= 256 else 4,
+    )
 
 
 def signature(state_dtype: torch.dtype) -> dict[str, str]:
     s = TRITON_TYPES[state_dtype]
-    return {"zproj_ptr": "*fp32", "states_ptr": f"*{s}", "w1s_ptr": f"*{s}", "basec_ptr": "*fp32",
-            "w2c_ptr": "*fp32", "n_nodes": "i32", "out_ptr": "*fp32"}
+    return {
+        "zproj_ptr": "*fp32",
+        "states_ptr": f"*{s}",
+        "w1s_ptr": f"*{s}",
+        "basec_ptr": "*fp32",
+        "w2c_ptr": "*fp32",
+        "n_nodes": "i32",
+        "out_ptr": "*fp32",
+    }
 
 
 def run(zproj, states, w1s, basec, w2c) -> torch.Tensor:
@@ -85,8 +112,16 @@ def run(zproj, states, w1s, basec, w2c) -> torch.Tensor:
     launch = config(emb, gru, topm)
     out = torch.empty(bs, n, topm, dtype=torch.float32, device=states.device)
     states = states.to(w1s.dtype).contiguous()
-    topm_corrected_score_kernel[(n, bs)](zproj.float().contiguous(), states, w1s.contiguous(),
-                                         basec.float().contiguous(), w2c.float().contiguous(), n, out,
-                                         **launch.constexprs, num_warps=launch.num_warps,
-                                         num_stages=launch.num_stages)
+    topm_corrected_score_kernel[(n, bs)](
+        zproj.float().contiguous(),
+        states,
+        w1s.contiguous(),
+        basec.float().contiguous(),
+        w2c.float().contiguous(),
+        n,
+        out,
+        **launch.constexprs,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )
     return out

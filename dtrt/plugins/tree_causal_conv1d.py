@@ -5,6 +5,7 @@
 One program per (node, block of channels) walks the node's ancestor chain, newest first, continuing into the
 committed conv state above the root, exactly as dtrt.ops.tree_causal_conv1d.window_index does.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +16,18 @@ from dtrt.plugins.ptx import TRITON_TYPES, next_pow2
 
 
 @triton.jit
-def tree_causal_conv1d_kernel(x_ptr, parents_ptr, conv_state_ptr, weight_ptr, n_nodes, out_ptr, windows_ptr,
-                              C: tl.constexpr, K: tl.constexpr, BLOCK_C: tl.constexpr):
+def tree_causal_conv1d_kernel(
+    x_ptr,
+    parents_ptr,
+    conv_state_ptr,
+    weight_ptr,
+    n_nodes,
+    out_ptr,
+    windows_ptr,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     i = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
@@ -56,9 +67,15 @@ def config(channels: int, kernel: int) -> Launch:
 
 def signature(x_dtype: torch.dtype, state_dtype: torch.dtype, weight_dtype: torch.dtype) -> dict[str, str]:
     x = TRITON_TYPES[x_dtype]
-    return {"x_ptr": f"*{x}", "parents_ptr": "*i64", "conv_state_ptr": f"*{TRITON_TYPES[state_dtype]}",
-            "weight_ptr": f"*{TRITON_TYPES[weight_dtype]}", "n_nodes": "i32", "out_ptr": f"*{x}",
-            "windows_ptr": f"*{x}"}
+    return {
+        "x_ptr": f"*{x}",
+        "parents_ptr": "*i64",
+        "conv_state_ptr": f"*{TRITON_TYPES[state_dtype]}",
+        "weight_ptr": f"*{TRITON_TYPES[weight_dtype]}",
+        "n_nodes": "i32",
+        "out_ptr": f"*{x}",
+        "windows_ptr": f"*{x}",
+    }
 
 
 def run(x, parents, conv_state, weight):
@@ -69,6 +86,15 @@ def run(x, parents, conv_state, weight):
     out = torch.empty_like(x)  # after .contiguous(): empty_like keeps a transposed input's strides
     windows = torch.empty(n, channels, kernel - 1, dtype=x.dtype, device=x.device)
     tree_causal_conv1d_kernel[(n, triton.cdiv(channels, launch.block_c))](
-        x, parents.contiguous(), conv_state.contiguous(), weight.contiguous(), n, out, windows,
-        **launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
+        x,
+        parents.contiguous(),
+        conv_state.contiguous(),
+        weight.contiguous(),
+        n,
+        out,
+        windows,
+        **launch.constexprs,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )
     return out, windows

@@ -5,6 +5,7 @@ state0 [H, dk, dv], fp32 -> out [N, H, dv], states [N, H, dk, dv].
 One program per (head, block of dv columns) runs the nodes in order (parents precede children); a node reads
 its parent's state back from the states output, which the same program wrote.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +16,23 @@ from dtrt.plugins.ptx import next_pow2
 
 
 @triton.jit
-def tree_gated_delta_net_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, parents_ptr, state0_ptr, n_nodes,
-                                out_ptr, states_ptr,
-                                H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-                                BLOCK_V: tl.constexpr):
+def tree_gated_delta_net_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    parents_ptr,
+    state0_ptr,
+    n_nodes,
+    out_ptr,
+    states_ptr,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     h = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
     vv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -58,9 +72,18 @@ def config(heads: int, dk: int, dv: int) -> Launch:
     return Launch({"H": heads, "DK": dk, "DV": dv, "BLOCK_K": block_k, "BLOCK_V": block_v}, block_v=block_v)
 
 
-SIGNATURE = {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "g_ptr": "*fp32", "beta_ptr": "*fp32",
-             "parents_ptr": "*i64", "state0_ptr": "*fp32", "n_nodes": "i32", "out_ptr": "*fp32",
-             "states_ptr": "*fp32"}
+SIGNATURE = {
+    "q_ptr": "*fp32",
+    "k_ptr": "*fp32",
+    "v_ptr": "*fp32",
+    "g_ptr": "*fp32",
+    "beta_ptr": "*fp32",
+    "parents_ptr": "*i64",
+    "state0_ptr": "*fp32",
+    "n_nodes": "i32",
+    "out_ptr": "*fp32",
+    "states_ptr": "*fp32",
+}
 
 
 def run(q, k, v, g, beta, parents, state0):
@@ -71,6 +94,14 @@ def run(q, k, v, g, beta, parents, state0):
     states = torch.empty(n, heads, dk, dv, dtype=torch.float32, device=q.device)
     args = [t.float().contiguous() for t in (q, k, v, g, beta)]
     tree_gated_delta_net_kernel[(heads, triton.cdiv(dv, launch.block_v))](
-        *args, parents.contiguous(), state0.float().contiguous(), n, out, states, **launch.constexprs,
-        num_warps=launch.num_warps, num_stages=launch.num_stages)
+        *args,
+        parents.contiguous(),
+        state0.float().contiguous(),
+        n,
+        out,
+        states,
+        **launch.constexprs,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )
     return out, states

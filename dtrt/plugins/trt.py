@@ -6,7 +6,6 @@ Only ahead-of-time implementations are given: at build time the Triton kernel is
 build GPU with the launch grid as shape expressions, and TensorRT embeds both in the plan. Attributes
 (LedgerSelect's budget and mask token) are compiled into the kernel, as AOT plugins do not serialize them.
 """
-from typing import Tuple, Union
 
 import torch
 
@@ -34,8 +33,10 @@ def register_plugins(compute_capability: str):
     """Register every dtrt plugin in this process (once), compiling kernels for sm<compute_capability>."""
     if _registered:
         if _registered["cc"] != compute_capability:
-            raise DtrtError(f"the dtrt plugins are registered for sm {_registered['cc']} in this process, not "
-                            f"{compute_capability}; build for one GPU per process")
+            raise DtrtError(
+                f"the dtrt plugins are registered for sm {_registered['cc']} in this process, not "
+                f"{compute_capability}; build for one GPU per process"
+            )
         return
     import tensorrt as trt
     import tensorrt.plugin as trtp
@@ -47,14 +48,19 @@ def register_plugins(compute_capability: str):
     from dtrt.plugins import tree_gated_delta_net as gd
     from dtrt.plugins.ptx import compile_ptx
 
-    torch_types = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
-                   trt.int64: torch.int64, trt.int32: torch.int32, trt.bool: torch.bool}
+    torch_types = {
+        trt.float32: torch.float32,
+        trt.float16: torch.float16,
+        trt.bfloat16: torch.bfloat16,
+        trt.int64: torch.int64,
+        trt.int32: torch.int32,
+        trt.bool: torch.bool,
+    }
     Desc = trtp.TensorDesc
-    Aot = Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]
+    Aot = tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]
 
     def launch(kernel, sig: dict, cfg, grid: tuple, scalars: tuple):
-        name, ptx, shared = compile_ptx(kernel, sig, cfg.constexprs, cfg.num_warps, cfg.num_stages,
-                                        compute_capability)
+        name, ptx, shared = compile_ptx(kernel, sig, cfg.constexprs, cfg.num_warps, cfg.num_stages, compute_capability)
         params = trtp.KernelLaunchParams()
         params.grid_x = grid[0]
         if len(grid) > 1:
@@ -68,44 +74,64 @@ def register_plugins(compute_capability: str):
 
     # TreeAttention: q [H, N, hd], k, v [KVH, M, hd], mask [N, M] -> [H, N, hd]
     @trtp.register(f"{NAMESPACE}::TreeAttention")
-    def tree_attention(q: Desc, k: Desc, v: Desc, mask: Desc) -> Tuple[Desc]:
+    def tree_attention(q: Desc, k: Desc, v: Desc, mask: Desc) -> tuple[Desc]:
         return q.like()
 
     @trtp.aot_impl(f"{NAMESPACE}::TreeAttention")
-    def tree_attention_aot(q: Desc, k: Desc, v: Desc, mask: Desc, outputs: Tuple[Desc], tactic: int) -> Aot:
+    def tree_attention_aot(q: Desc, k: Desc, v: Desc, mask: Desc, outputs: tuple[Desc], tactic: int) -> Aot:
         heads, head_dim = _dims(q, 0, 2)
         (kv_heads,) = _dims(k, 0)
         cfg = ta.config(head_dim, heads // kv_heads, torch_types[q.dtype])
-        return launch(ta.tree_attention_kernel, ta.signature(torch_types[q.dtype]), cfg,
-                      (trtp.cdiv(q.shape_expr[1], cfg.block_n), heads), (q.shape_expr[1], k.shape_expr[1]))
+        return launch(
+            ta.tree_attention_kernel,
+            ta.signature(torch_types[q.dtype]),
+            cfg,
+            (trtp.cdiv(q.shape_expr[1], cfg.block_n), heads),
+            (q.shape_expr[1], k.shape_expr[1]),
+        )
 
     # TopMCorrectedScore: zproj [bs, E], states [bs, n, G], w1s [E, G], basec [bs, M], w2c [bs, M, E] -> [bs, n, M]
     @trtp.register(f"{NAMESPACE}::TopMCorrectedScore")
-    def topm_corrected_score(zproj: Desc, states: Desc, w1s: Desc, basec: Desc, w2c: Desc) -> Tuple[Desc]:
+    def topm_corrected_score(zproj: Desc, states: Desc, w1s: Desc, basec: Desc, w2c: Desc) -> tuple[Desc]:
         s = states.shape_expr
         return trtp.from_shape_expr((s[0], s[1], basec.shape_expr[1]), dtype=trt.float32)
 
     @trtp.aot_impl(f"{NAMESPACE}::TopMCorrectedScore")
-    def topm_corrected_score_aot(zproj: Desc, states: Desc, w1s: Desc, basec: Desc, w2c: Desc, outputs: Tuple[Desc],
-                                 tactic: int) -> Aot:
+    def topm_corrected_score_aot(
+        zproj: Desc, states: Desc, w1s: Desc, basec: Desc, w2c: Desc, outputs: tuple[Desc], tactic: int
+    ) -> Aot:
         emb, gru = _dims(w1s, 0, 1)
         (topm,) = _dims(basec, 1)
         cfg = tm.config(emb, gru, topm)
-        return launch(tm.topm_corrected_score_kernel, tm.signature(torch_types[w1s.dtype]), cfg,
-                      (states.shape_expr[1], states.shape_expr[0]), (states.shape_expr[1],))
+        return launch(
+            tm.topm_corrected_score_kernel,
+            tm.signature(torch_types[w1s.dtype]),
+            cfg,
+            (states.shape_expr[1], states.shape_expr[0]),
+            (states.shape_expr[1],),
+        )
 
     # LedgerSelect: scores, tokens, parents [bs, D, Wk], root [bs] -> tokens, parents, depths, scores [bs, N],
     # mask [bs, N, N]
     @trtp.register(f"{NAMESPACE}::LedgerSelect")
-    def ledger_select(scores: Desc, tokens: Desc, parents: Desc, root: Desc, budget: int, mask_token_id: int
-                      ) -> Tuple[Desc, Desc, Desc, Desc, Desc]:
+    def ledger_select(
+        scores: Desc, tokens: Desc, parents: Desc, root: Desc, budget: int, mask_token_id: int
+    ) -> tuple[Desc, Desc, Desc, Desc, Desc]:
         bs, n = scores.shape_expr[0], budget + 1
         rows = [trtp.from_shape_expr((bs, n), dtype=t) for t in (trt.int64, trt.int64, trt.int64, trt.float32)]
         return (*rows, trtp.from_shape_expr((bs, n, n), dtype=trt.bool))
 
     @trtp.aot_impl(f"{NAMESPACE}::LedgerSelect")
-    def ledger_select_aot(scores: Desc, tokens: Desc, parents: Desc, root: Desc, budget: int, mask_token_id: int,
-                          outputs: Tuple[Desc], tactic: int) -> Aot:
+    def ledger_select_aot(
+        scores: Desc,
+        tokens: Desc,
+        parents: Desc,
+        root: Desc,
+        budget: int,
+        mask_token_id: int,
+        outputs: tuple[Desc],
+        tactic: int,
+    ) -> Aot:
         depth, wk = _dims(scores, 1, 2)
         cfg = ls.config(depth, wk, budget, mask_token_id)
         return launch(ls.ledger_select_kernel, ls.SIGNATURE, cfg, (scores.shape_expr[0],), ())
@@ -113,34 +139,39 @@ def register_plugins(compute_capability: str):
     # TreeGatedDeltaNet: q, k [N, H, dk], v [N, H, dv], g, beta [N, H], parents [N], state0 [H, dk, dv]
     # -> out [N, H, dv], states [N, H, dk, dv]
     @trtp.register(f"{NAMESPACE}::TreeGatedDeltaNet")
-    def tree_gated_delta_net(q: Desc, k: Desc, v: Desc, g: Desc, beta: Desc, parents: Desc, state0: Desc
-                             ) -> Tuple[Desc, Desc]:
+    def tree_gated_delta_net(
+        q: Desc, k: Desc, v: Desc, g: Desc, beta: Desc, parents: Desc, state0: Desc
+    ) -> tuple[Desc, Desc]:
         n, h, dk = (q.shape_expr[i] for i in range(3))
         return (v.like(), trtp.from_shape_expr((n, h, dk, v.shape_expr[2]), dtype=trt.float32))
 
     @trtp.aot_impl(f"{NAMESPACE}::TreeGatedDeltaNet")
-    def tree_gated_delta_net_aot(q: Desc, k: Desc, v: Desc, g: Desc, beta: Desc, parents: Desc, state0: Desc,
-                                 outputs: Tuple[Desc], tactic: int) -> Aot:
+    def tree_gated_delta_net_aot(
+        q: Desc, k: Desc, v: Desc, g: Desc, beta: Desc, parents: Desc, state0: Desc, outputs: tuple[Desc], tactic: int
+    ) -> Aot:
         heads, dk = _dims(q, 1, 2)
         (dv,) = _dims(v, 2)
         cfg = gd.config(heads, dk, dv)
-        return launch(gd.tree_gated_delta_net_kernel, gd.SIGNATURE, cfg, (heads, -(-dv // cfg.block_v)),
-                      (q.shape_expr[0],))
+        return launch(
+            gd.tree_gated_delta_net_kernel, gd.SIGNATURE, cfg, (heads, -(-dv // cfg.block_v)), (q.shape_expr[0],)
+        )
 
     # TreeCausalConv1d: x [N, C], parents [N], conv_state [C, K-1], weight [C, K] -> out [N, C], windows [N, C, K-1]
     @trtp.register(f"{NAMESPACE}::TreeCausalConv1d")
-    def tree_causal_conv1d(x: Desc, parents: Desc, conv_state: Desc, weight: Desc) -> Tuple[Desc, Desc]:
+    def tree_causal_conv1d(x: Desc, parents: Desc, conv_state: Desc, weight: Desc) -> tuple[Desc, Desc]:
         s = x.shape_expr
         return (x.like(), trtp.from_shape_expr((s[0], s[1], conv_state.shape_expr[1]), dtype=x.dtype))
 
     @trtp.aot_impl(f"{NAMESPACE}::TreeCausalConv1d")
-    def tree_causal_conv1d_aot(x: Desc, parents: Desc, conv_state: Desc, weight: Desc, outputs: Tuple[Desc],
-                               tactic: int) -> Aot:
+    def tree_causal_conv1d_aot(
+        x: Desc, parents: Desc, conv_state: Desc, weight: Desc, outputs: tuple[Desc], tactic: int
+    ) -> Aot:
         channels, kernel = _dims(weight, 0, 1)
         cfg = cv.config(channels, kernel)
         sig = cv.signature(torch_types[x.dtype], torch_types[conv_state.dtype], torch_types[weight.dtype])
-        return launch(cv.tree_causal_conv1d_kernel, sig, cfg, (x.shape_expr[0], -(-channels // cfg.block_c)),
-                      (x.shape_expr[0],))
+        return launch(
+            cv.tree_causal_conv1d_kernel, sig, cfg, (x.shape_expr[0], -(-channels // cfg.block_c)), (x.shape_expr[0],)
+        )
 
     _registered["cc"] = compute_capability
 

@@ -1,5 +1,6 @@
 """CaDDTree's cost model, measured on the running backend: verify latency against tree width at the current
 and at the largest context of this generation, and the drafter's block latency."""
+
 import statistics
 import time
 

@@ -6,6 +6,7 @@ length are device tensors written before each replay. The graph is captured on t
 whenever the draft cache is reallocated. Off CUDA the same fixed-shape step runs eagerly, which is how the CPU
 tests check it.
 """
+
 import torch
 
 from dtrt.tree import Round, Tree

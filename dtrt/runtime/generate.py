@@ -1,4 +1,5 @@
 """The one decode loop: draft -> build -> verify -> accept -> commit, for every method and backend."""
+
 import time
 from dataclasses import dataclass, field
 
@@ -11,8 +12,8 @@ from dtrt.tree import Tree, accept
 
 @dataclass
 class RoundStats:
-    accepted: int    # accepted draft nodes + 1 (the bonus token): this round's tau
-    tree_size: int   # verify width, root included
+    accepted: int  # accepted draft nodes + 1 (the bonus token): this round's tau
+    tree_size: int  # verify width, root included
     draft_s: float
     build_s: float
     verify_s: float
@@ -43,8 +44,16 @@ def capacity_for(prompt_len: int, max_new_tokens: int, budget: int, block_size: 
 
 
 @torch.no_grad()
-def generate(backend, method: Method, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig,
-             eos: tuple[int, ...] = (), budget: int = 16, on_tokens=None) -> Generation:
+def generate(
+    backend,
+    method: Method,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    eos: tuple[int, ...] = (),
+    budget: int = 16,
+    on_tokens=None,
+) -> Generation:
     """Generate up to `max_new_tokens` tokens after `prompt`; `on_tokens(list)` streams committed tokens and may
     return a reason (e.g. "stop", "cancelled") to end the generation after this round with that stop_reason."""
     drafter = backend.drafter if method.uses_drafter else None
@@ -56,8 +65,9 @@ def generate(backend, method: Method, prompt: list[int], max_new_tokens: int, sa
 
     t0 = time.perf_counter()
     n = len(prompt)
-    logits, hidden = backend.target_forward(torch.tensor(prompt), torch.arange(n),
-                                            torch.ones(n, n, dtype=torch.bool).tril())
+    logits, hidden = backend.target_forward(
+        torch.tensor(prompt), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+    )
     backend.commit(torch.arange(n))
     root = int(choose(logits[-1:], sampling, gen)[0])
     if drafter is not None:

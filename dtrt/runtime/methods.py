@@ -1,13 +1,14 @@
 """Speculative methods as small strategy objects: each turns one round's drafter output into a Tree.
 
-    ar          no draft; the tree is the root alone
-    dflash      chain of the drafter's marginal argmax (one child per node)
-    domino      chain of Domino's corrected argmax
-    ddtree      best-first over the marginals (lazy sibling/child heap), fixed budget
-    caddtree    ddtree with the cost-aware stopping rule on this backend's measured verify-cost curve
-    dominotree  best-first over corrected scores, per realized path (`--arm` condstatic / marg for ablations)
-    cadominotree  dominotree with caddtree's cost-aware stopping rule (heap builder; --budget is the cap)
+ar          no draft; the tree is the root alone
+dflash      chain of the drafter's marginal argmax (one child per node)
+domino      chain of Domino's corrected argmax
+ddtree      best-first over the marginals (lazy sibling/child heap), fixed budget
+caddtree    ddtree with the cost-aware stopping rule on this backend's measured verify-cost curve
+dominotree  best-first over corrected scores, per realized path (`--arm` condstatic / marg for ablations)
+cadominotree  dominotree with caddtree's cost-aware stopping rule (heap builder; --budget is the cap)
 """
+
 import time
 from dataclasses import dataclass
 
@@ -27,29 +28,39 @@ ARMS = ("dominotree", "condstatic", "marg")
 @dataclass
 class DraftConfig:
     method: str = "dominotree"
-    budget: int = 16       # draft nodes per tree (verify width budget + 1); caddtree, cadominotree: the cap
+    budget: int = 16  # draft nodes per tree (verify width budget + 1); caddtree, cadominotree: the cap
     builder: str = "heap"  # dominotree only (cadominotree: heap)
     arm: str = "dominotree"
-    topm: int = 64         # Domino candidates per depth (0 = full vocabulary)
-    node_topk: int = 8     # children per node
+    topm: int = 64  # Domino candidates per depth (0 = full vocabulary)
+    node_topk: int = 8  # children per node
     cuda_graph: bool = False  # dominotree with the frontier: drafting + tree building replayed as one CUDA graph
 
     def __post_init__(self):
-        for flag, value, allowed in (("--method", self.method, METHODS), ("--builder", self.builder, BUILDERS),
-                                     ("--arm", self.arm, ARMS)):
+        for flag, value, allowed in (
+            ("--method", self.method, METHODS),
+            ("--builder", self.builder, BUILDERS),
+            ("--arm", self.arm, ARMS),
+        ):
             if value not in allowed:
                 raise DtrtError(f"{flag} {value!r}: use one of {', '.join(allowed)}")
-        for flag, value, low in (("--budget", self.budget, 1), ("--node-topk", self.node_topk, 1),
-                                 ("--topm", self.topm, 0)):
+        for flag, value, low in (
+            ("--budget", self.budget, 1),
+            ("--node-topk", self.node_topk, 1),
+            ("--topm", self.topm, 0),
+        ):
             if value < low:
                 raise DtrtError(f"{flag} {value}: must be >= {low}")
         if self.method == "cadominotree" and self.builder != "heap":
-            raise DtrtError(f"--builder {self.builder}: cadominotree decides per node whether to grow the tree, "
-                            f"which the host heap builder does; use --builder heap (or --method dominotree)")
+            raise DtrtError(
+                f"--builder {self.builder}: cadominotree decides per node whether to grow the tree, "
+                f"which the host heap builder does; use --builder heap (or --method dominotree)"
+            )
         if self.cuda_graph and (self.method != "dominotree" or self.builder != "frontier"):
             given = f"--method {self.method}" if self.method != "dominotree" else f"--builder {self.builder}"
-            raise DtrtError(f"--cuda-graph: captures DominoTree's fixed-shape frontier build, not {given}; use "
-                            f"--method dominotree --builder frontier")
+            raise DtrtError(
+                f"--cuda-graph: captures DominoTree's fixed-shape frontier build, not {given}; use "
+                f"--method dominotree --builder frontier"
+            )
 
     @property
     def needs_head(self) -> bool:
@@ -108,6 +119,7 @@ class DDTree(Method):
 class CostAware:
     """CaDDTree's stopping rule for a best-first builder: admit a node only while it raises the expected tokens
     per second on the verify-cost curve measured on the first generation's backend (then reused)."""
+
     curve = None
 
     def prepare(self, backend, max_depth):
@@ -137,14 +149,14 @@ class DominoTree(Method):
         c = self.cfg
         if c.builder == "frontier":
             return self.trees(backend, rnd).tree(0)
-        return build_heap(backend.scorer(c.arm, rnd, c.node_topk, c.topm), c.budget, self.max_depth,
-                          self.stop(backend))
+        return build_heap(backend.scorer(c.arm, rnd, c.node_topk, c.topm), c.budget, self.max_depth, self.stop(backend))
 
     def trees(self, backend, rnd):
         """The frontier's FrontierTrees, still on the round's device."""
         c = self.cfg
-        return build_frontier(backend.scorer(c.arm, rnd, c.node_topk, c.topm), c.budget, self.max_depth,
-                              backend.drafter.cfg.mask_token_id)
+        return build_frontier(
+            backend.scorer(c.arm, rnd, c.node_topk, c.topm), c.budget, self.max_depth, backend.drafter.cfg.mask_token_id
+        )
 
     def draft(self, backend, root, start):
         if self.graph is None:

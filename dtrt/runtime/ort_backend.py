@@ -8,6 +8,7 @@ change, saves no copy on top of that on the CPU and measured slower, so plain `r
 The stages take the past K/V dense, [layers, kv_heads, P, head_dim]; see PackedKV for how the caches keep
 that layout without copying the past on every call.
 """
+
 import ctypes
 from dataclasses import dataclass, fields
 
@@ -67,6 +68,7 @@ class PackedKV:
 @dataclass(frozen=True)
 class DrafterDims:
     """A drafter's entry in the export manifest: the `drafter.cfg` fields the decode loop and methods read."""
+
     hidden_size: int
     num_layers: int
     num_kv_heads: int
@@ -91,14 +93,17 @@ def drafter_dims(exp: Export, kind: str) -> DrafterDims:
     dims = exp.drafters.get(kind)
     if dims is None:
         have = ", ".join(exp.drafters) or "none"
-        raise DtrtError(f"{exp.path}: the export has no {kind} drafter (it has: {have}); "
-                        f"re-export with `{exp.fix_hint()}` and a {kind} drafter")
+        raise DtrtError(
+            f"{exp.path}: the export has no {kind} drafter (it has: {have}); "
+            f"re-export with `{exp.fix_hint()}` and a {kind} drafter"
+        )
     known = {f.name for f in fields(DrafterDims)}
     try:
         return DrafterDims(**{k: tuple(v) if k == "target_layer_ids" else v for k, v in dims.items() if k in known})
     except TypeError as e:
-        raise DtrtError(f"{exp.path / MANIFEST}: drafters.{kind} is incomplete ({e}); "
-                        f"re-export with `{exp.fix_hint()}`") from None
+        raise DtrtError(
+            f"{exp.path / MANIFEST}: drafters.{kind} is incomplete ({e}); re-export with `{exp.fix_hint()}`"
+        ) from None
 
 
 def cpu_session(path, threads: int | None = None):
@@ -123,13 +128,16 @@ def open_session(exp: Export, name: str, threads: int | None = None):
         sess = cpu_session(path, threads)
     except Exception as e:  # ONNX Runtime raises its own exception types for unreadable or invalid graphs
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        raise DtrtError(f"{path}: ONNX Runtime cannot load it ({e.__class__.__name__}: {first}); "
-                        f"re-export with `{exp.fix_hint()}`") from None
+        raise DtrtError(
+            f"{path}: ONNX Runtime cannot load it ({e.__class__.__name__}: {first}); re-export with `{exp.fix_hint()}`"
+        ) from None
     meta = exp.manifest["stages"][name]
     got = ([i.name for i in sess.get_inputs()], [o.name for o in sess.get_outputs()])
     if got != (meta["inputs"], meta["outputs"]):
-        raise DtrtError(f"{path}: inputs/outputs {got[0]} -> {got[1]} differ from the manifest's "
-                        f"{meta['inputs']} -> {meta['outputs']}; re-export with `{exp.fix_hint()}`")
+        raise DtrtError(
+            f"{path}: inputs/outputs {got[0]} -> {got[1]} differ from the manifest's "
+            f"{meta['inputs']} -> {meta['outputs']}; re-export with `{exp.fix_hint()}`"
+        )
     return sess
 
 
@@ -173,13 +181,16 @@ class OrtBackend:
     def reset(self, capacity: int):
         """Fresh caches for one generation of at most `capacity` positions (prompt + output + one tree)."""
         if capacity > self.max_context:
-            raise DtrtError(f"this generation needs up to {capacity} positions (prompt + --max-new-tokens + one "
-                            f"tree) but {self.export.path} was exported for {self.max_context}; shorten it or "
-                            f"re-export with `{self.export.fix_hint(max_context=capacity)}`")
+            raise DtrtError(
+                f"this generation needs up to {capacity} positions (prompt + --max-new-tokens + one "
+                f"tree) but {self.export.path} was exported for {self.max_context}; shorten it or "
+                f"re-export with `{self.export.fix_hint(max_context=capacity)}`"
+            )
         if self.cache is None or self.cache.capacity < capacity:
             t = self.target_dims
-            self.cache = self.kv_cache(t.get("kv_layers", t["num_layers"]), t["num_kv_heads"], t["head_dim"], capacity,
-                                       self.dtype)
+            self.cache = self.kv_cache(
+                t.get("kv_layers", t["num_layers"]), t["num_kv_heads"], t["head_dim"], capacity, self.dtype
+            )
             if self.drafter is not None:
                 d = self.drafter.cfg
                 self.draft_cache = self.kv_cache(d.num_layers, d.num_kv_heads, d.head_dim, capacity, self.dtype)
@@ -190,18 +201,27 @@ class OrtBackend:
         if self.recurrent:
             t = self.target_dims
             layers = t["recurrent_layers"]
-            self.state = np.zeros((layers, t["linear_num_value_heads"], t["linear_key_head_dim"],
-                                   t["linear_value_head_dim"]), np.float32)
+            self.state = np.zeros(
+                (layers, t["linear_num_value_heads"], t["linear_key_head_dim"], t["linear_value_head_dim"]), np.float32
+            )
             self.conv = np.zeros((layers, t["conv_dim"], t["linear_conv_kernel_dim"] - 1), self.dtype)
 
     # target stages
     def _target(self, ids, positions, mask, past: int):
         past_k, past_v = self.cache.view(past)
-        feed = {"ids": _np(ids, np.int64), "positions": _np(positions, np.int64), "mask": _np(mask, np.bool_),
-                "past_k": past_k, "past_v": past_v}
+        feed = {
+            "ids": _np(ids, np.int64),
+            "positions": _np(positions, np.int64),
+            "mask": _np(mask, np.bool_),
+            "past_k": past_k,
+            "past_v": past_v,
+        }
         if self.recurrent:
-            feed.update(parents=_np(recurrent_parents(feed["mask"], self.flatten_tree), np.int64), state=self.state,
-                        conv=self.conv)
+            feed.update(
+                parents=_np(recurrent_parents(feed["mask"], self.flatten_tree), np.int64),
+                state=self.state,
+                conv=self.conv,
+            )
         return self.sessions["target"].run(None, feed)
 
     def target_forward(self, ids, positions, mask):
@@ -224,16 +244,23 @@ class OrtBackend:
 
     # drafter stages
     def draft_context(self, hidden, positions):
-        ctx_k, ctx_v = self.sessions[f"{self.kind}.context"].run(None, {
-            "hidden": _np(hidden, self.dtype), "positions": _np(positions, np.int64)})
+        ctx_k, ctx_v = self.sessions[f"{self.kind}.context"].run(
+            None, {"hidden": _np(hidden, self.dtype), "positions": _np(positions, np.int64)}
+        )
         self.draft_cache.append(ctx_k, ctx_v)
 
     def draft_block(self, root: int, start: int):
         """(ph [k_draft, H], base logits [k_draft, V] fp32) for the block rooted at `root`, position `start`."""
         cache_k, cache_v = self.draft_cache.view()
-        ph, base = self.sessions[f"{self.kind}.block"].run(None, {
-            "root": np.array([root], np.int64), "start": np.array([start], np.int64),
-            "cache_k": cache_k, "cache_v": cache_v})
+        ph, base = self.sessions[f"{self.kind}.block"].run(
+            None,
+            {
+                "root": np.array([root], np.int64),
+                "start": np.array([start], np.int64),
+                "cache_k": cache_k,
+                "cache_v": cache_v,
+            },
+        )
         return torch.from_numpy(ph), torch.from_numpy(base)
 
     # the scorer: marginals on the host; Domino's correction through the exported scorer stages
@@ -244,17 +271,21 @@ class OrtBackend:
         stages = self.export.manifest["stages"]
         missing = [s for s in SCORER_STAGES if s not in stages]
         if missing:
-            raise DtrtError(f"{self.export.path}: the export has no Domino scorer stages ({', '.join(missing)}); "
-                            f"Domino's corrected scores need them: re-export with `{self.export.fix_hint()}` "
-                            f"(or use --arm marg)")
+            raise DtrtError(
+                f"{self.export.path}: the export has no Domino scorer stages ({', '.join(missing)}); "
+                f"Domino's corrected scores need them: re-export with `{self.export.fix_hint()}` "
+                f"(or use --arm marg)"
+            )
         if self.kind != "domino":
             raise DtrtError(f"--arm {arm}: the Domino scorer needs the domino drafter, this backend runs {self.kind}")
         vocab = self.target_dims["vocab_size"]
         exported = self.export.manifest["topm"]
         if (min(topm, vocab) or vocab) != (min(exported, vocab) or vocab):
-            raise DtrtError(f"--topm {topm}: the Domino scorer stages of {self.export.path} were exported with "
-                            f"--topm {exported}; pass --topm {exported} or re-export with "
-                            f"`{self.export.fix_hint(topm=topm)}`")
+            raise DtrtError(
+                f"--topm {topm}: the Domino scorer stages of {self.export.path} were exported with "
+                f"--topm {exported}; pass --topm {exported} or re-export with "
+                f"`{self.export.fix_hint(topm=topm)}`"
+            )
         for name in SCORER_STAGES:
             if name not in self.sessions:
                 self.sessions[name] = open_session(self.export, name, self.threads)

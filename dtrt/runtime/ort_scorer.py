@@ -4,6 +4,7 @@ The sessions are the stages of `dtrt.exporter.scorer_stages` by name: scorer_roo
 scorer_children and scorer_advance (per expansion). The top-k over the M candidates and the candidate -> token
 map run here, as do the depths below prefix_len, which take the base marginal's top-k like DominoScorer does.
 """
+
 import numpy as np
 import torch
 
@@ -39,8 +40,9 @@ class OrtDominoScorer:
         """states [1, n, G] -> tokens Long[1, n, k], logprobs float32[1, n, k]."""
         if depth < self.prefix_len:
             return self.prefix.children(states, depth)
-        (logprobs,) = self._run("scorer_children", zproj=self.zproj[depth], states=states[0],
-                                basec=self.basec[depth], w2c=self.w2c[depth])
+        (logprobs,) = self._run(
+            "scorer_children", zproj=self.zproj[depth], states=states[0], basec=self.basec[depth], w2c=self.w2c[depth]
+        )
         lp, local = torch.topk(torch.from_numpy(logprobs), self.k, dim=-1)
         return self.cand[depth][local][None], lp[None]
 

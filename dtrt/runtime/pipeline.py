@@ -1,4 +1,5 @@
 """Everything one `dtrt run` needs: a backend over a target (+ drafter), a method, and the tokenizer."""
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +27,8 @@ class Pipeline:
     tokenizer: object
     eos: tuple[int, ...]
     max_context: int | None = None  # positions the backend holds (prompt + output + one tree); None: no limit
-    context_source: str = ""        # where max_context comes from, for the error message
-    context_fix: object = None      # needed positions -> the command that raises max_context, if there is one
+    context_source: str = ""  # where max_context comes from, for the error message
+    context_fix: object = None  # needed positions -> the command that raises max_context, if there is one
 
     def prompt_room(self, max_new_tokens: int) -> int | None:
         """The most prompt tokens that fit with `max_new_tokens` into max_context (None: no limit)."""
@@ -42,22 +43,29 @@ class Pipeline:
         if room is None or prompt_len <= room:
             return
         need = prompt_len + self.max_context - room
-        ways = (f"shorten the prompt, lower {flag}, or pass {truncate} to keep the prompt's last {room} tokens"
-                if room > 0 else f"lower {flag}")
+        ways = (
+            f"shorten the prompt, lower {flag}, or pass {truncate} to keep the prompt's last {room} tokens"
+            if room > 0
+            else f"lower {flag}"
+        )
         if self.context_fix is not None:
             ways += f", or raise the limit with `{self.context_fix(need)}`"
-        raise DtrtError(f"the prompt ({prompt_len} tokens) + {flag} {max_new_tokens} + one tree need {need} "
-                        f"positions, but {self.context_source} is {self.max_context}; {ways}")
+        raise DtrtError(
+            f"the prompt ({prompt_len} tokens) + {flag} {max_new_tokens} + one tree need {need} "
+            f"positions, but {self.context_source} is {self.max_context}; {ways}"
+        )
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig,
-                 on_tokens=None) -> Generation:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, on_tokens=None
+    ) -> Generation:
         if not prompt_ids:
             raise DtrtError("the prompt is empty: give some text")
         if max_new_tokens < 1:
             raise DtrtError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
         self.check_context(len(prompt_ids), max_new_tokens)
-        return generate(self.backend, self.method, prompt_ids, max_new_tokens, sampling, self.eos,
-                        self.draft.budget, on_tokens)
+        return generate(
+            self.backend, self.method, prompt_ids, max_new_tokens, sampling, self.eos, self.draft.budget, on_tokens
+        )
 
 
 def stop_ids(config_eos, tokenizer) -> tuple[int, ...]:
@@ -113,8 +121,9 @@ def default_builder(method: str, device: str | None, cuda_graph: bool = False) -
     return "frontier" if (_on_cuda(device) or cuda_graph) and method != "cadominotree" else "heap"
 
 
-def source_defaults(model: str | None, target: str | None, drafter: str | None, backend: str | None,
-                    export, device: str | None = None) -> tuple[str | None, str]:
+def source_defaults(
+    model: str | None, target: str | None, drafter: str | None, backend: str | None, export, device: str | None = None
+) -> tuple[str | None, str]:
     """(model, backend) after the defaults: no --model, --target or --export runs the embedded default model on
     ONNX Runtime (exported into the cache on first use); --export alone runs on ONNX Runtime; checkpoints named by
     --model or --target, and any --device cuda, run on torch unless --backend says otherwise."""
@@ -126,9 +135,16 @@ def source_defaults(model: str | None, target: str | None, drafter: str | None, 
     return model, backend
 
 
-def load_sources(model: str | None, target: str | None, drafter: str | None, model_dir: str | None,
-                 backend: str | None, export, log=None, device: str | None = None
-                 ) -> tuple[Pair | None, str | None, str]:
+def load_sources(
+    model: str | None,
+    target: str | None,
+    drafter: str | None,
+    model_dir: str | None,
+    backend: str | None,
+    export,
+    log=None,
+    device: str | None = None,
+) -> tuple[Pair | None, str | None, str]:
     """(pair, model, backend) after source_defaults; no pair when an --export runs alone (with --model/--target
     the export must come from those checkpoints)."""
     model, backend = source_defaults(model, target, drafter, backend, export, device)
@@ -148,9 +164,17 @@ def load_pair(model: str | None, target: str | None, drafter: str | None, model_
     return resolve(model or DEFAULT_MODEL, Path(model_dir) if model_dir else None, log=log)
 
 
-def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = None, backend: str = "torch",
-                   export: str | Path | None = None, threads: int | None = None, model: str | None = None,
-                   log=None, device: str | None = None) -> Pipeline:
+def build_pipeline(
+    pair: Pair | None,
+    draft: DraftConfig,
+    dtype: str | None = None,
+    backend: str = "torch",
+    export: str | Path | None = None,
+    threads: int | None = None,
+    model: str | None = None,
+    log=None,
+    device: str | None = None,
+) -> Pipeline:
     """A pipeline on `backend`: torch runs the checkpoints of `pair` on `device`; onnxruntime runs the `export`
     directory, checked against `pair` (and the registry name `model`) when one is given."""
     if backend not in BACKENDS:
@@ -159,8 +183,10 @@ def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = No
         raise DtrtError(f"--threads {threads}: must be >= 1")
     dev = check_device(device, backend)
     if draft.cuda_graph and (backend != "torch" or dev.type != "cuda"):
-        raise DtrtError(f"--cuda-graph: captures the torch backend's drafting on a GPU; add --device cuda"
-                        f"{' and --backend torch' if backend != 'torch' else ''}")
+        raise DtrtError(
+            f"--cuda-graph: captures the torch backend's drafting on a GPU; add --device cuda"
+            f"{' and --backend torch' if backend != 'torch' else ''}"
+        )
     if backend == "onnxruntime":
         return _ort_pipeline(pair, draft, dtype, export, threads, model, log)
     if backend == "tensorrt":  # the engines' export, checked like onnxruntime's, with TensorRT stages
@@ -182,17 +208,34 @@ def build_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None = No
         drafter = load_drafter(path, torch_dtype)
         check_pair(target, drafter, path)
         if draft.needs_head and drafter.head is None:
-            raise DtrtError(f"{path}: a DFlash checkpoint with no Domino head (prefix_gru.*, embed_proj.*); "
-                            f"--method {draft.method} needs a Domino drafter (or use dflash, ddtree, caddtree)")
+            raise DtrtError(
+                f"{path}: a DFlash checkpoint with no Domino head (prefix_gru.*, embed_proj.*); "
+                f"--method {draft.method} needs a Domino drafter (or use dflash, ddtree, caddtree)"
+            )
     tokenizer = load_tokenizer(pair.target)
     eos = stop_ids(target.cfg.eos_token_id, tokenizer)
     limit = read_json(pair.target / "config.json").get("max_position_embeddings")
-    return Pipeline(TorchBackend(target, drafter, dev), method, draft, tokenizer, eos, limit,
-                    f"max_position_embeddings in {pair.target / 'config.json'}")
+    return Pipeline(
+        TorchBackend(target, drafter, dev),
+        method,
+        draft,
+        tokenizer,
+        eos,
+        limit,
+        f"max_position_embeddings in {pair.target / 'config.json'}",
+    )
 
 
-def _ort_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None, export, threads: int | None,
-                  model: str | None, log=None, make_backend=None) -> Pipeline:
+def _ort_pipeline(
+    pair: Pair | None,
+    draft: DraftConfig,
+    dtype: str | None,
+    export,
+    threads: int | None,
+    model: str | None,
+    log=None,
+    make_backend=None,
+) -> Pipeline:
     from dtrt.exporter.artifact import Export, check_source, load_export
     from dtrt.runtime.ort_backend import OrtBackend
 
@@ -201,15 +244,19 @@ def _ort_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None, expo
 
         exp = cached_export(pair, model, log)
     elif export is None:
-        raise DtrtError("--backend onnxruntime needs --export DIR (write one with `dtrt export --model NAME --out "
-                        "DIR`) or --model NAME (exported into the cache on first use)")
+        raise DtrtError(
+            "--backend onnxruntime needs --export DIR (write one with `dtrt export --model NAME --out "
+            "DIR`) or --model NAME (exported into the cache on first use)"
+        )
     else:
         exp = export if isinstance(export, Export) else load_export(export)
         if pair is not None:
             check_source(exp, pair.target, model)
     if dtype is not None and dtype != exp.manifest["dtype"]:
-        raise DtrtError(f"--dtype {dtype}: {exp.path} holds {exp.manifest['dtype']} graphs; drop --dtype or "
-                        f"re-export with `{exp.fix_hint(dtype=dtype)}`")
+        raise DtrtError(
+            f"--dtype {dtype}: {exp.path} holds {exp.manifest['dtype']} graphs; drop --dtype or "
+            f"re-export with `{exp.fix_hint(dtype=dtype)}`"
+        )
     method = make_method(draft)
     kind = None
     if method.uses_drafter:
@@ -220,11 +267,21 @@ def _ort_pipeline(pair: Pair | None, draft: DraftConfig, dtype: str | None, expo
             kind = next((k for k in ("dflash", "domino") if k in have), None)
         if kind is None:
             need = "Domino" if draft.needs_head else "DFlash"
-            raise DtrtError(f"--method {draft.method}: {exp.path} holds no {need} drafter; re-export with "
-                            f"`{exp.fix_hint()}` from a pair that has one")
+            raise DtrtError(
+                f"--method {draft.method}: {exp.path} holds no {need} drafter; re-export with "
+                f"`{exp.fix_hint()}` from a pair that has one"
+            )
     backend = (make_backend or OrtBackend)(exp, kind, threads)
     if draft.needs_head:
         backend.prepare_scorer("dominotree" if draft.method == "domino" else draft.arm, draft.topm)
     tokenizer = load_tokenizer(exp.path / "tokenizer")
-    return Pipeline(backend, method, draft, tokenizer, stop_ids(exp.manifest["target"]["eos_token_id"], tokenizer),
-                    backend.max_context, f"the max context of {exp.path}", lambda need: exp.fix_hint(max_context=need))
+    return Pipeline(
+        backend,
+        method,
+        draft,
+        tokenizer,
+        stop_ids(exp.manifest["target"]["eos_token_id"], tokenizer),
+        backend.max_context,
+        f"the max context of {exp.path}",
+        lambda need: exp.fix_hint(max_context=need),
+    )

@@ -1,5 +1,6 @@
 """One request, as `dtrt run` and `dtrt serve` both take it: fields checked, the prompt rendered (chat template or
 raw text) and fitted to the backend's context, and the generation streamed as text cut before any stop string."""
+
 import json
 import sys
 from dataclasses import dataclass, field, replace
@@ -24,8 +25,8 @@ class RequestError(DtrtError):
 
 @dataclass
 class Request:
-    prompt: str | None = None             # raw text, or the one user turn when chat-templated
-    messages: list[dict] | None = None    # a chat: [{"role", "content"}], always chat-templated
+    prompt: str | None = None  # raw text, or the one user turn when chat-templated
+    messages: list[dict] | None = None  # a chat: [{"role", "content"}], always chat-templated
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
@@ -69,10 +70,12 @@ def parse_messages(messages, param: str = "messages") -> list[dict]:
             raise RequestError(f"{where}: needs a 'role' of {', '.join(ROLES)}", param)
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise RequestError(f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are "
-                                   "supported", param)
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise RequestError(
+                    f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported", param
+                )
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"{where}.content: must be a string", param)
@@ -89,8 +92,9 @@ def parse_request(body, defaults: Request, known=()) -> Request:
     fields = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop"}
     unknown = sorted(set(body) - fields - set(known))
     if unknown:
-        raise RequestError(f"unknown parameter {unknown[0]!r}; dtrt takes {', '.join(sorted(fields | set(known)))}",
-                           unknown[0])
+        raise RequestError(
+            f"unknown parameter {unknown[0]!r}; dtrt takes {', '.join(sorted(fields | set(known)))}", unknown[0]
+        )
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise RequestError("give either 'prompt' (text) or 'messages' (a chat)", "prompt")
@@ -139,7 +143,7 @@ def read_requests(path: str, defaults: Request) -> list[tuple[int, object, Reque
             raise DtrtError(f"{path}:{i}: {e}") from None
         out.append((i, body.get("id"), req))
     if not out:
-        raise DtrtError(f"--input {path}: no requests in it (one JSON object per line, e.g. {{\"prompt\": \"...\"}})")
+        raise DtrtError(f'--input {path}: no requests in it (one JSON object per line, e.g. {{"prompt": "..."}})')
     return out
 
 
@@ -158,8 +162,9 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
 def encode(tokenizer, req: Request, chat: bool) -> list[int]:
     """The prompt ids: `messages` through the chat template, `prompt` through it when `chat`, else raw."""
     if req.messages is not None and not has_chat_template(tokenizer):
-        raise RequestError("messages: this model's tokenizer has no chat template; send the text as 'prompt'",
-                           "messages")
+        raise RequestError(
+            "messages: this model's tokenizer has no chat template; send the text as 'prompt'", "messages"
+        )
     if req.messages is not None or chat:
         text = render_chat(tokenizer, req.messages or [{"role": "user", "content": req.prompt}])
     else:
@@ -170,8 +175,9 @@ def encode(tokenizer, req: Request, chat: bool) -> list[int]:
     return ids
 
 
-def fit_prompt(pipe, ids: list[int], max_new_tokens: int, truncate: bool, flag="--max-new-tokens",
-               truncate_flag="--truncate") -> list[int]:
+def fit_prompt(
+    pipe, ids: list[int], max_new_tokens: int, truncate: bool, flag="--max-new-tokens", truncate_flag="--truncate"
+) -> list[int]:
     """`ids`, or their last tokens when `truncate` and they do not fit; otherwise an error naming the numbers."""
     room = pipe.prompt_room(max_new_tokens)
     if room is None or len(ids) <= room:
@@ -212,7 +218,7 @@ class TextStream:
         return held
 
     def _take(self, end: int) -> str:
-        delta, self.sent = self.text[self.sent:end], max(self.sent, end)
+        delta, self.sent = self.text[self.sent : end], max(self.sent, end)
         return delta
 
     def push(self, tokens: list[int]) -> str:
@@ -225,8 +231,11 @@ class TextStream:
             return self._take(len(self.text) - self._held(self.text))
         self.stopped = True
         # keep the tokens up to the one that completes the stop string
-        n = next(n for n in range(first + 1, len(self.tokens) + 1) if self._find_stop(self._decode(self.tokens[:n]))
-                 is not None)
+        n = next(
+            n
+            for n in range(first + 1, len(self.tokens) + 1)
+            if self._find_stop(self._decode(self.tokens[:n])) is not None
+        )
         self.tokens, self.text = self.tokens[:n], self.text[:hit]
         return self._take(hit)
 
@@ -253,16 +262,32 @@ class Completion:
         out = self.generation
         stage = {k: sum(getattr(r, f"{k}_s") for r in out.rounds) for k in ("draft", "build", "verify", "commit")}
         return {
-            "tokens": out.tokens, "text": self.text, "tau": out.tau, "tokens_per_s": out.tokens_per_s,
-            "rounds": len(out.rounds), "method": draft.method, "budget": draft.budget,
-            "prompt_tokens": self.prompt_tokens, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
-            "stop_reason": out.stop_reason, "stage_s": stage, "accepted": [r.accepted for r in out.rounds],
+            "tokens": out.tokens,
+            "text": self.text,
+            "tau": out.tau,
+            "tokens_per_s": out.tokens_per_s,
+            "rounds": len(out.rounds),
+            "method": draft.method,
+            "budget": draft.budget,
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_s": out.prefill_s,
+            "decode_s": out.decode_s,
+            "stop_reason": out.stop_reason,
+            "stage_s": stage,
+            "accepted": [r.accepted for r in out.rounds],
             "tree_sizes": [r.tree_size for r in out.rounds],
         }
 
 
-def complete(pipe, ids: list[int], max_new_tokens: int, sampling: SamplingConfig, stop: tuple[str, ...] = (),
-             on_text=None, cancelled=None) -> Completion:
+def complete(
+    pipe,
+    ids: list[int],
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    stop: tuple[str, ...] = (),
+    on_text=None,
+    cancelled=None,
+) -> Completion:
     """Generate after `ids`: `on_text(str)` receives the text as it becomes final, the output ends before the first
     stop string (stop_reason "stop"), and `cancelled()` turning true ends it at the next round ("cancelled")."""
     stream = TextStream(pipe.tokenizer, stop)

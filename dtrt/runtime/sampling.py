@@ -1,4 +1,5 @@
 """The target's choice at every tree node: argmax at T=0, else a sample with temperature and top-p."""
+
 from dataclasses import dataclass
 
 import torch

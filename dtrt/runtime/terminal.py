@@ -1,5 +1,6 @@
 """`dtrt run` at a terminal: one generation streamed as it is committed, Ctrl-C that ends a generation at its next
 round instead of tearing it down mid-stage, and the interactive prompt loop."""
+
 import signal
 import threading
 from dataclasses import replace
@@ -42,8 +43,10 @@ class Interrupt:
 def stats_line(c: Completion, method: str) -> str:
     out = c.generation
     end = "" if c.stop_reason in ("eos", "length") else f"  ({c.stop_reason})"
-    return (f"[{method}] tau {out.tau:.2f}  {out.tokens_per_s:.1f} tok/s  {len(out.tokens)} tokens  "
-            f"{len(out.rounds)} rounds  prefill {out.prefill_s * 1e3:.0f} ms{end}")
+    return (
+        f"[{method}] tau {out.tau:.2f}  {out.tokens_per_s:.1f} tok/s  {len(out.tokens)} tokens  "
+        f"{len(out.rounds)} rounds  prefill {out.prefill_s * 1e3:.0f} ms{end}"
+    )
 
 
 def prompt_ids(pipe, req: Request, chat: bool, truncate: bool) -> list[int]:

@@ -1,6 +1,7 @@
 """The PyTorch backend: the reference implementation of every stage of DESIGN.md section 2, on the CPU or a CUDA
 device. On CUDA the dtrt ops run their Triton kernels (dtrt.ops.kernels); the decode loop hands in host tensors
 and gets logits and drafter rows back on the device."""
+
 import torch
 
 from dtrt.models.drafter import DraftCache, Drafter
@@ -47,8 +48,9 @@ class TorchBackend:
     # drafter stages
     @torch.no_grad()
     def draft_context(self, hidden, positions):
-        self.draft_cache.append(self.drafter.context_kv(hidden.to(self.device, self.drafter.dtype),
-                                                        positions.to(self.device)))
+        self.draft_cache.append(
+            self.drafter.context_kv(hidden.to(self.device, self.drafter.dtype), positions.to(self.device))
+        )
 
     @torch.no_grad()
     def draft_block(self, root: int, start: int):
@@ -84,8 +86,9 @@ class TorchBackend:
         if arm == "marg":
             return MarginalScorer(rnd, k)
         cls = {"dominotree": DominoScorer, "condstatic": CondStaticScorer}[arm]
-        return cls(rnd, self.drafter.head, self.target.model.embed_tokens, k, topm,
-                   self.drafter.cfg.pure_draft_prefix_len)
+        return cls(
+            rnd, self.drafter.head, self.target.model.embed_tokens, k, topm, self.drafter.cfg.pure_draft_prefix_len
+        )
 
     # cost probes for CaDDTree: they write only past the committed entries, which the next forward overwrites
     @property

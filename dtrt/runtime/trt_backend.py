@@ -6,6 +6,7 @@ dense layout (DevicePackedKV). A stage whose shapes repeat round after round (th
 frontier) is captured in a CUDA graph per shape and replayed. The host tree code is shared with the ONNX
 Runtime backend: it calls the scorer stages through the same `run(None, feeds)` interface.
 """
+
 import numpy as np
 import torch
 
@@ -18,8 +19,14 @@ from dtrt.models.hybrid import recurrent_parents
 from dtrt.plugins import sources_sha256
 from dtrt.runtime.ort_backend import SCORER_STAGES, ExportedDrafter, OrtBackend, PackedKV, drafter_dims
 
-TORCH_TYPES = {"FLOAT": torch.float32, "FLOAT16": torch.float16, "BFLOAT16": torch.bfloat16, "INT64": torch.int64,
-               "INT32": torch.int32, "BOOL": torch.bool}
+TORCH_TYPES = {
+    "FLOAT": torch.float32,
+    "FLOAT16": torch.float16,
+    "BFLOAT16": torch.bfloat16,
+    "INT64": torch.int64,
+    "INT32": torch.int32,
+    "BOOL": torch.bool,
+}
 MAX_GRAPHS = 8  # CUDA graphs kept per stage (one per distinct shape)
 
 
@@ -34,8 +41,9 @@ def graph_key(meta: dict, shapes: dict[str, tuple[int, ...]]) -> tuple | None:
 def plan_buffers(meta: dict) -> dict[str, tuple[tuple[int, ...] | None, torch.dtype]]:
     """Output -> (largest shape over the stage's profiles, or None when not known ahead, dtype)."""
     profiles = [Profile.from_json(p) for p in meta["profiles"]]
-    return {n: (max_shape(m["dims"], profiles, meta["inputs"]), TORCH_TYPES[m["dtype"]])
-            for n, m in meta["outputs"].items()}
+    return {
+        n: (max_shape(m["dims"], profiles, meta["inputs"]), TORCH_TYPES[m["dtype"]]) for n, m in meta["outputs"].items()
+    }
 
 
 def _dev(x, dtype: torch.dtype) -> torch.Tensor:
@@ -73,8 +81,10 @@ class Buffers:
 
     def __init__(self, plan: dict):
         self.dtypes = {n: dt for n, (_, dt) in plan.items()}
-        self.flat = {n: torch.empty(int(np.prod(shape)) if shape is not None else 0, dtype=dt, device="cuda")
-                     for n, (shape, dt) in plan.items()}
+        self.flat = {
+            n: torch.empty(int(np.prod(shape)) if shape is not None else 0, dtype=dt, device="cuda")
+            for n, (shape, dt) in plan.items()
+        }
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         numel = int(np.prod(shape))
@@ -123,8 +133,10 @@ class TrtStage:
         try:
             index = select_profile(self.profiles, shapes)
         except ValueError as e:
-            raise DtrtError(f"stage {self.name}: {e}; rebuild with `{self.hint}` after re-exporting with a larger "
-                            f"--max-context or --budget") from None
+            raise DtrtError(
+                f"stage {self.name}: {e}; rebuild with `{self.hint}` after re-exporting with a larger "
+                f"--max-context or --budget"
+            ) from None
         if index != self.active:
             self.context.set_optimization_profile_async(index, self.stream.cuda_stream)
             self.active = index
@@ -187,12 +199,20 @@ class TrtBackend(OrtBackend):
 
     def _target(self, ids, positions, mask, past: int):
         past_k, past_v = self.cache.view(past)
-        feeds = dict(ids=_dev(ids, torch.long), positions=_dev(positions, torch.long), mask=_dev(mask, torch.bool),
-                     past_k=past_k, past_v=past_v)
+        feeds = dict(
+            ids=_dev(ids, torch.long),
+            positions=_dev(positions, torch.long),
+            mask=_dev(mask, torch.bool),
+            past_k=past_k,
+            past_v=past_v,
+        )
         if self.recurrent:  # as on ONNX Runtime: parents from the mask, the committed state and conv window
             parents = recurrent_parents(torch.as_tensor(mask).cpu(), self.flatten_tree)
-            feeds.update(parents=_dev(parents, torch.long), state=_dev(self.state, torch.float32),
-                         conv=_dev(self.conv, self.dtype))
+            feeds.update(
+                parents=_dev(parents, torch.long),
+                state=_dev(self.state, torch.float32),
+                conv=_dev(self.conv, self.dtype),
+            )
         return self.sessions["target"](**feeds)
 
     def target_forward(self, ids, positions, mask):
@@ -215,14 +235,16 @@ class TrtBackend(OrtBackend):
             self._new_states = None
 
     def draft_context(self, hidden, positions):
-        out = self.sessions[f"{self.kind}.context"](hidden=_dev(hidden, self.dtype),
-                                                    positions=_dev(positions, torch.long))
+        out = self.sessions[f"{self.kind}.context"](
+            hidden=_dev(hidden, self.dtype), positions=_dev(positions, torch.long)
+        )
         self.draft_cache.append(out["ctx_k"], out["ctx_v"])
 
     def draft_block(self, root: int, start: int):
         cache_k, cache_v = self.draft_cache.view()
-        out = self.sessions[f"{self.kind}.block"](root=_dev([root], torch.long), start=_dev([start], torch.long),
-                                                  cache_k=cache_k, cache_v=cache_v)
+        out = self.sessions[f"{self.kind}.block"](
+            root=_dev([root], torch.long), start=_dev([start], torch.long), cache_k=cache_k, cache_v=cache_v
+        )
         return out["ph"].cpu(), out["base"].cpu()
 
 
@@ -237,7 +259,9 @@ def open_engine(path, model: str | None = None) -> tuple[Engine, Export]:
 def open_backend(path, model: str | None = None):
     """For `--backend tensorrt --export PATH`: (the engines' export, a TrtBackend factory over the engines)."""
     if path is None:
-        raise DtrtError("--backend tensorrt needs --export DIR: an engine directory written by `dtrt build-engine` "
-                        "(or the --out root it was given)")
+        raise DtrtError(
+            "--backend tensorrt needs --export DIR: an engine directory written by `dtrt build-engine` "
+            "(or the --out root it was given)"
+        )
     engine, exp = open_engine(path, model)
     return exp, lambda export, kind, threads: TrtBackend(engine, export, kind, threads)

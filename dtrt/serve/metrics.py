@@ -1,5 +1,6 @@
 """What /metrics reports: requests by outcome, queue length, and over the last requests tau, tok/s and time to
 first token, as Prometheus text (or JSON)."""
+
 import math
 import threading
 from collections import Counter, deque
@@ -29,8 +30,9 @@ class Metrics:
             if completion is not None:
                 gen = completion.generation
                 self.tokens_total += len(gen.tokens)
-                self.recent.append((ttft_s, len(gen.tokens), len(gen.rounds), sum(r.accepted for r in gen.rounds),
-                                    gen.decode_s))
+                self.recent.append(
+                    (ttft_s, len(gen.tokens), len(gen.rounds), sum(r.accepted for r in gen.rounds), gen.decode_s)
+                )
 
     def snapshot(self, waiting: int, running: int) -> dict:
         with self._lock:
@@ -40,12 +42,19 @@ class Metrics:
         ttft = [r[0] for r in recent if r[0] is not None]
         rounds, decode_s = sum(r[2] for r in recent), sum(r[4] for r in recent)
         return {
-            "requests": outcomes, "queue_length": waiting, "in_flight": running, "generated_tokens": tokens_total,
+            "requests": outcomes,
+            "queue_length": waiting,
+            "in_flight": running,
+            "generated_tokens": tokens_total,
             "window": len(recent),
             "tau": sum(r[3] for r in recent) / rounds if rounds else 0.0,
             "tokens_per_s": sum(r[1] for r in recent) / decode_s if decode_s > 0 else 0.0,
-            "ttft_s": {"p50": percentile(ttft, 0.5), "p99": percentile(ttft, 0.99), "sum": sum(ttft),
-                       "count": len(ttft)},
+            "ttft_s": {
+                "p50": percentile(ttft, 0.5),
+                "p99": percentile(ttft, 0.99),
+                "sum": sum(ttft),
+                "count": len(ttft),
+            },
         }
 
 
@@ -60,13 +69,19 @@ def prometheus(snap: dict) -> str:
     )
     for name, doc, value in gauges:
         lines += [f"# HELP dtrt_{name} {doc}", f"# TYPE dtrt_{name} gauge", f"dtrt_{name} {value}"]
-    lines += ["# HELP dtrt_generated_tokens_total Tokens generated.", "# TYPE dtrt_generated_tokens_total counter",
-              f"dtrt_generated_tokens_total {snap['generated_tokens']}",
-              "# HELP dtrt_time_to_first_token_seconds Queue wait + prefill, last requests.",
-              "# TYPE dtrt_time_to_first_token_seconds summary"]
+    lines += [
+        "# HELP dtrt_generated_tokens_total Tokens generated.",
+        "# TYPE dtrt_generated_tokens_total counter",
+        f"dtrt_generated_tokens_total {snap['generated_tokens']}",
+        "# HELP dtrt_time_to_first_token_seconds Queue wait + prefill, last requests.",
+        "# TYPE dtrt_time_to_first_token_seconds summary",
+    ]
     ttft = snap["ttft_s"]
-    lines += [f'dtrt_time_to_first_token_seconds{{quantile="{q}"}} {ttft[k]}' for q, k in (("0.5", "p50"),
-                                                                                            ("0.99", "p99"))]
-    lines += [f"dtrt_time_to_first_token_seconds_sum {ttft['sum']}",
-              f"dtrt_time_to_first_token_seconds_count {ttft['count']}"]
+    lines += [
+        f'dtrt_time_to_first_token_seconds{{quantile="{q}"}} {ttft[k]}' for q, k in (("0.5", "p50"), ("0.99", "p99"))
+    ]
+    lines += [
+        f"dtrt_time_to_first_token_seconds_sum {ttft['sum']}",
+        f"dtrt_time_to_first_token_seconds_count {ttft['count']}",
+    ]
     return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """Batch 1 behind a FIFO queue: one worker thread runs one generation at a time, the HTTP side (asyncio) submits jobs
 and reads their events. A job can be cancelled while it waits (it leaves the queue) or while it runs (the decode
 loop ends at its next round)."""
+
 import asyncio
 import threading
 import time
@@ -109,8 +110,15 @@ class Scheduler:
     def _run(self, job: Job) -> tuple[str, object]:
         started = time.perf_counter()
         try:
-            c = complete(self.pipe, job.ids, job.max_new_tokens, job.sampling, job.stop,
-                         (lambda text: job.post("text", text)) if job.stream else None, job.cancel.is_set)
+            c = complete(
+                self.pipe,
+                job.ids,
+                job.max_new_tokens,
+                job.sampling,
+                job.stop,
+                (lambda text: job.post("text", text)) if job.stream else None,
+                job.cancel.is_set,
+            )
         except DtrtError as e:
             self.metrics.finished("error")
             return "error", e

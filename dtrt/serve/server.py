@@ -4,6 +4,7 @@ The HTTP side is asyncio; generations run one at a time in the scheduler's worke
 body {"error": {"message", "type", "param", "code"}}; a client that disconnects cancels its request (aiohttp's
 handler cancellation), SIGINT/SIGTERM stop taking requests, answer the waiting ones 503, let the one generating
 finish within the shutdown grace, and exit 0."""
+
 import asyncio
 import json
 import os
@@ -22,8 +23,8 @@ except ImportError:
 
 from dtrt.runtime.requests import Request, RequestError, encode, fit_prompt, has_chat_template
 from dtrt.serve.metrics import Metrics, prometheus
-from dtrt.serve.schema import FINISH, chunk_body, completion_body, error_body, new_id, parse_openai, usage
 from dtrt.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown
+from dtrt.serve.schema import FINISH, chunk_body, completion_body, error_body, new_id, parse_openai, usage
 
 MAX_BODY = 32 * 2**20
 ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics"
@@ -33,15 +34,17 @@ ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics"
 class ServeConfig:
     model_name: str
     defaults: Request = field(default_factory=Request)  # what a request leaves out
-    queue_limit: int = 64          # requests waiting behind the one generating; more get 429
+    queue_limit: int = 64  # requests waiting behind the one generating; more get 429
     request_timeout: float = 600.0  # seconds, waiting included; then the request is cancelled (504)
-    shutdown_grace: float = 30.0   # seconds the generation in flight may run on after a shutdown signal
-    truncate: bool = False         # keep the prompt's tail when it does not fit, instead of a 400
+    shutdown_grace: float = 30.0  # seconds the generation in flight may run on after a shutdown signal
+    truncate: bool = False  # keep the prompt's tail when it does not fit, instead of a 400
 
     def __post_init__(self):
-        for flag, value, ok in (("--queue-limit", self.queue_limit, self.queue_limit >= 0),
-                                ("--request-timeout", self.request_timeout, self.request_timeout > 0),
-                                ("--shutdown-grace", self.shutdown_grace, self.shutdown_grace >= 0)):
+        for flag, value, ok in (
+            ("--queue-limit", self.queue_limit, self.queue_limit >= 0),
+            ("--request-timeout", self.request_timeout, self.request_timeout > 0),
+            ("--shutdown-grace", self.shutdown_grace, self.shutdown_grace >= 0),
+        ):
             if not ok:
                 raise DtrtError(f"{flag} {value}: must be {'>= 0' if flag != '--request-timeout' else '> 0'}")
 
@@ -99,8 +102,12 @@ class Server:
 
     # read-only endpoints
     async def _models(self, request):
-        return web.json_response({"object": "list", "data": [
-            {"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "dtrt"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "dtrt"}],
+            }
+        )
 
     async def _health(self, request):
         if self.closing:
@@ -133,14 +140,27 @@ class Server:
         try:
             o = parse_openai(body, self.cfg.defaults, chat)
             if o.model is not None and o.model != self.cfg.model_name:
-                raise HttpError(404, f"model {o.model!r} not found; this server serves {self.cfg.model_name!r} "
-                                     "(see /v1/models)", param="model", code="model_not_found")
+                raise HttpError(
+                    404,
+                    f"model {o.model!r} not found; this server serves {self.cfg.model_name!r} (see /v1/models)",
+                    param="model",
+                    code="model_not_found",
+                )
             if chat and not has_chat_template(self.pipe.tokenizer):
-                raise HttpError(400, f"model {self.cfg.model_name!r} has no chat template; send raw text to "
-                                     "/v1/completions", param="messages")
+                raise HttpError(
+                    400,
+                    f"model {self.cfg.model_name!r} has no chat template; send raw text to /v1/completions",
+                    param="messages",
+                )
             req = o.request
-            ids = fit_prompt(self.pipe, encode(self.pipe.tokenizer, req, chat=False), req.max_new_tokens,
-                             self.cfg.truncate, "max_tokens", "`dtrt serve --truncate`")
+            ids = fit_prompt(
+                self.pipe,
+                encode(self.pipe.tokenizer, req, chat=False),
+                req.max_new_tokens,
+                self.cfg.truncate,
+                "max_tokens",
+                "`dtrt serve --truncate`",
+            )
         except RequestError as e:
             raise HttpError(400, str(e), param=e.param) from None
         return Job(ids, req.max_new_tokens, req.sampling, req.stop, o.stream, loop), o
@@ -153,8 +173,9 @@ class Server:
             self.scheduler.submit(job)
         except QueueFull:
             self.metrics.finished("rejected")
-            raise HttpError(429, f"the queue is full ({self.cfg.queue_limit} requests waiting); retry later",
-                            "rate_limit_exceeded") from None
+            raise HttpError(
+                429, f"the queue is full ({self.cfg.queue_limit} requests waiting); retry later", "rate_limit_exceeded"
+            ) from None
         except ShuttingDown:
             raise HttpError(503, "the server is shutting down", "unavailable") from None
         deadline = job.loop.time() + self.cfg.request_timeout
@@ -177,8 +198,12 @@ class Server:
                     kind, value = await job.events.get()
             except TimeoutError:
                 self.scheduler.withdraw(job, "timeout")
-                raise HttpError(504, f"the request took longer than {self.cfg.request_timeout:g} s (the server's "
-                                     "--request-timeout) and was cancelled", "timeout") from None
+                raise HttpError(
+                    504,
+                    f"the request took longer than {self.cfg.request_timeout:g} s (the server's "
+                    "--request-timeout) and was cancelled",
+                    "timeout",
+                ) from None
             if kind == "error":
                 if isinstance(value, ShuttingDown):
                     raise HttpError(503, "the server is shutting down", "unavailable")
@@ -214,8 +239,9 @@ class Server:
 
     async def run(self, sock: socket.socket, stop: asyncio.Event, on_ready=None):
         """Serve on the bound socket `sock` until `stop` is set, then shut down gracefully."""
-        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
-                               shutdown_timeout=self.cfg.shutdown_grace + 5)
+        runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=self.cfg.shutdown_grace + 5
+        )
         await runner.setup()
         await web.SockSite(runner, sock).start()
         self.scheduler.start()
@@ -240,8 +266,10 @@ def bind(host: str, port: int) -> socket.socket:
         return socket.create_server((host, port), family=family)
     except OSError as e:
         reason = os.strerror(e.errno) if e.errno and not isinstance(e, socket.gaierror) else e.strerror or str(e)
-        raise DtrtError(f"--host {host} --port {port}: cannot listen there ({reason}); pick another --port "
-                        "(0: any free one) or --host") from None
+        raise DtrtError(
+            f"--host {host} --port {port}: cannot listen there ({reason}); pick another --port "
+            "(0: any free one) or --host"
+        ) from None
 
 
 def url_of(sock: socket.socket) -> str:

@@ -3,6 +3,7 @@ token for every position (labels), and the target's tapped features, all from ba
 
 Two sources: text (corpus files, teacher-forced: labels are the target's greedy predictions given the real
 prefix) and the target's own greedy continuations of prompts (labels are the tokens themselves)."""
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,10 +17,10 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".jsonl")
 
 @dataclass
 class DrafterData:
-    tokens: torch.Tensor   # Long [S, T]
-    labels: torch.Tensor   # Long [S, T]: labels[:, t] is the target's greedy token at position t
+    tokens: torch.Tensor  # Long [S, T]
+    labels: torch.Tensor  # Long [S, T]: labels[:, t] is the target's greedy token at position t
     lengths: torch.Tensor  # Long [S]
-    feats: torch.Tensor    # [S, T, taps*H], stored in fp16
+    feats: torch.Tensor  # [S, T, taps*H], stored in fp16
 
     def __len__(self):
         return self.tokens.shape[0]
@@ -49,7 +50,7 @@ def read_corpus(paths, max_chars: int) -> str:
 def text_rows(tokenizer, text: str, T: int, max_rows: int) -> torch.Tensor:
     ids = []
     for i in range(0, len(text), 4096):  # pieces stay under the tokenizer's model_max_length
-        ids += tokenizer.encode(text[i:i + 4096], add_special_tokens=False)
+        ids += tokenizer.encode(text[i : i + 4096], add_special_tokens=False)
         if len(ids) >= T * max_rows:
             break
     n = min(len(ids) // T, max_rows)
@@ -64,13 +65,13 @@ def greedy_labels_and_features(target, rows, batch: int, device, log=None):
     labels = torch.empty_like(rows)
     feats = None
     for i in range(0, S, batch):
-        x = rows[i:i + batch].to(device)
+        x = rows[i : i + batch].to(device)
         logits, taps = target(x, torch.arange(T, device=device).expand_as(x), mask)
-        labels[i:i + batch, 0] = rows[i:i + batch, 0]
-        labels[i:i + batch, 1:] = logits[:, :-1].argmax(-1).cpu()
+        labels[i : i + batch, 0] = rows[i : i + batch, 0]
+        labels[i : i + batch, 1:] = logits[:, :-1].argmax(-1).cpu()
         if feats is None:
             feats = torch.empty(S, T, taps.shape[-1], dtype=torch.float16)
-        feats[i:i + batch] = taps.to(torch.float16).cpu()
+        feats[i : i + batch] = taps.to(torch.float16).cpu()
         if log:
             log(min(i + batch, S), S)
     return labels, feats
@@ -84,11 +85,13 @@ class PaddedKV(KVCache):
         self.valid = valid  # bool [b, capacity]
 
     def past_mask(self, mask):
-        return self.valid[:, None, :self.past].expand(*mask.shape[:-1], self.past)
+        return self.valid[:, None, : self.past].expand(*mask.shape[:-1], self.past)
 
 
 @torch.no_grad()
-def batched_greedy(target, prompts: list[list[int]], new_tokens: int, stop: tuple = (), device="cpu") -> list[list[int]]:
+def batched_greedy(
+    target, prompts: list[list[int]], new_tokens: int, stop: tuple = (), device="cpu"
+) -> list[list[int]]:
     """The target's greedy continuation of each prompt, all rows decoded together (left padding), until every
     row has produced a stop token or new_tokens."""
     b, L = len(prompts), max(map(len, prompts))
@@ -96,8 +99,8 @@ def batched_greedy(target, prompts: list[list[int]], new_tokens: int, stop: tupl
     ids = torch.zeros(b, L, dtype=torch.long, device=device)
     valid = torch.ones(b, L + new_tokens, dtype=torch.bool, device=device)
     for i, p in enumerate(prompts):
-        ids[i, pad[i]:] = torch.tensor(p)
-        valid[i, :pad[i]] = False
+        ids[i, pad[i] :] = torch.tensor(p)
+        valid[i, : pad[i]] = False
     cache = PaddedKV(target.cfg, L + new_tokens, valid, target.dtype, device)
     positions = (torch.arange(L, device=device) - pad[:, None]).clamp(min=0)
     causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
@@ -117,15 +120,16 @@ def batched_greedy(target, prompts: list[list[int]], new_tokens: int, stop: tupl
     return torch.cat(out, dim=1).tolist()
 
 
-def continuations(target, prompts: list[list[int]], new_tokens: int, T: int, stop: tuple = (), batch: int = 32,
-                  log=None) -> tuple[torch.Tensor, torch.Tensor]:
+def continuations(
+    target, prompts: list[list[int]], new_tokens: int, T: int, stop: tuple = (), batch: int = 32, log=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the target's own greedy continuations (prompt tail + continuation, cut at a stop token, padded
     with the last token to T) and their valid lengths. Prompts are decoded in batches of similar length."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     rows, lengths = [None] * len(prompts), [0] * len(prompts)
     for s in range(0, len(order), batch):
-        chunk = order[s:s + batch]
-        heads = [prompts[i][-(T // 2):] for i in chunk]
+        chunk = order[s : s + batch]
+        heads = [prompts[i][-(T // 2) :] for i in chunk]
         for i, head, gen in zip(chunk, heads, batched_greedy(target, heads, new_tokens, stop)):
             cut = next((j + 1 for j, t in enumerate(gen) if t in stop), len(gen))
             seq = (head + gen[:cut])[:T]

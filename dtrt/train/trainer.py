@@ -5,6 +5,7 @@ Data (made once, cached under `<out>/.train/`): corpus rows teacher-forced throu
 own greedy continuations of prompts; labels are always the target's greedy tokens. The drafter starts from the
 target's last layers and final norm. Held-out tau (DominoTree on the torch backend, held-out prompts) is measured
 every `eval_every` steps and the best checkpoint is kept. `<out>/.train/state.pt` makes a run resumable."""
+
 import json
 import math
 import os
@@ -60,16 +61,31 @@ def taps_for(num_layers: int) -> list[int]:
 def drafter_config_json(target: Target, cfg: TrainConfig, mask_token_id: int, domino: bool) -> dict:
     t = target.cfg
     out = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": t.vocab_size,
-        "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size, "num_hidden_layers": cfg.layers,
-        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
-        "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope_theta, "tie_word_embeddings": True,
-        "block_size": cfg.block_size, "num_target_layers": t.num_layers, "torch_dtype": "bfloat16",
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "vocab_size": t.vocab_size,
+        "hidden_size": t.hidden_size,
+        "intermediate_size": t.intermediate_size,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": t.num_heads,
+        "num_key_value_heads": t.num_kv_heads,
+        "head_dim": t.head_dim,
+        "rms_norm_eps": t.rms_norm_eps,
+        "rope_theta": t.rope_theta,
+        "tie_word_embeddings": True,
+        "block_size": cfg.block_size,
+        "num_target_layers": t.num_layers,
+        "torch_dtype": "bfloat16",
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": taps_for(t.num_layers)},
     }
     if domino:  # same body and row convention as the DFlash checkpoint, plus the head
-        out["dflash_config"].update(projector_type="domino", gru_hidden_dim=cfg.gru_dim, emb_dim=cfg.emb_dim,
-                                    pure_draft_prefix_len=1, shift_label=False)
+        out["dflash_config"].update(
+            projector_type="domino",
+            gru_hidden_dim=cfg.gru_dim,
+            emb_dim=cfg.emb_dim,
+            pure_draft_prefix_len=1,
+            shift_label=False,
+        )
     return out
 
 
@@ -82,9 +98,10 @@ def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> Drafter
     for p in drafter.head.prefix_gru.parameters():
         torch.nn.init.normal_(p, std=0.02)
     torch.nn.init.zeros_(drafter.head.embed_proj[2].weight)  # the head starts as no correction
-    for d_layer, t_layer in zip(drafter.layers, target.model.layers[-cfg.layers:]):
-        d_layer.load_state_dict({k: v for k, v in t_layer.state_dict().items()
-                                 if k in d_layer.state_dict()}, strict=False)
+    for d_layer, t_layer in zip(drafter.layers, target.model.layers[-cfg.layers :]):
+        d_layer.load_state_dict(
+            {k: v for k, v in t_layer.state_dict().items() if k in d_layer.state_dict()}, strict=False
+        )
     drafter.norm.load_state_dict(target.model.norm.state_dict())
     return drafter
 
@@ -104,8 +121,15 @@ def build_data(target: Target, tokenizer, cfg: TrainConfig, corpus, prompts: lis
     lengths = [torch.full((rows[0].shape[0],), T)] if rows else []
     if prompts:
         ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        gen, gen_lengths = continuations(target, ids, cfg.gen_tokens, T, stop_ids(target.cfg.eos_token_id, tokenizer),
-                                         cfg.gen_batch, log=progress("continuations"))
+        gen, gen_lengths = continuations(
+            target,
+            ids,
+            cfg.gen_tokens,
+            T,
+            stop_ids(target.cfg.eos_token_id, tokenizer),
+            cfg.gen_batch,
+            log=progress("continuations"),
+        )
         rows.append(gen)
         lengths.append(gen_lengths)
     if not rows:
@@ -149,23 +173,33 @@ def save_drafters(drafter: Drafter, target: Target, cfg: TrainConfig, out: Path)
         os.replace(tmp, out / kind)
 
 
-def train_drafter(target_path: Path, out: Path, cfg: TrainConfig, corpus=(), prompts: list[str] = (),
-                  resume: bool = False, log=print, progress=None) -> dict:
+def train_drafter(
+    target_path: Path,
+    out: Path,
+    cfg: TrainConfig,
+    corpus=(),
+    prompts: list[str] = (),
+    resume: bool = False,
+    log=print,
+    progress=None,
+) -> dict:
     out = Path(out)
     work = out / ".train"
     if out.exists() and not resume and any(out.iterdir()):
         raise DtrtError(f"--out {out}: already holds a run; pass --resume to continue it or choose another --out")
     target = load_target(target_path).to(cfg.device).requires_grad_(False)
     if isinstance(target, HybridTarget):  # the draft layers start from the target's, and data rows are left-padded
-        raise DtrtError(f"{target_path}: dtrt train-drafter trains drafters for dense targets (Qwen3, Llama); "
-                        "hybrid Gated-DeltaNet targets are not supported yet")
+        raise DtrtError(
+            f"{target_path}: dtrt train-drafter trains drafters for dense targets (Qwen3, Llama); "
+            "hybrid Gated-DeltaNet targets are not supported yet"
+        )
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     torch.manual_seed(cfg.seed)
     progress = progress or (lambda what: None)
     tokenizer = load_tokenizer(target_path)
     prompts = list(prompts)
-    held_out = prompts[-cfg.eval_prompts:] if len(prompts) > cfg.eval_prompts else []
+    held_out = prompts[-cfg.eval_prompts :] if len(prompts) > cfg.eval_prompts else []
     train_prompts = prompts[: len(prompts) - len(held_out)]
 
     if (work / "data.pt").is_file():
@@ -197,8 +231,15 @@ def train_drafter(target_path: Path, out: Path, cfg: TrainConfig, corpus=(), pro
         log(f"resumed at step {state['step']} (best held-out tau {state['best']})")
 
     def checkpoint():
-        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                    "state": state}, work / "state.pt.tmp")
+        torch.save(
+            {
+                "drafter": drafter.state_dict(),
+                "optimizer": opt.state_dict(),
+                "generator": gen.get_state(),
+                "state": state,
+            },
+            work / "state.pt.tmp",
+        )
         os.replace(work / "state.pt.tmp", work / "state.pt")
 
     bar = progress("train")
@@ -210,9 +251,16 @@ def train_drafter(target_path: Path, out: Path, cfg: TrainConfig, corpus=(), pro
             g["lr"] = lr
         idx = torch.randint(0, len(data), (cfg.batch,), generator=gen)
         anchors = sample_anchors(data.lengths[idx], cfg.anchors, gen)
-        loss, acc = block_loss(target, drafter, data.tokens[idx].to(cfg.device), data.feats[idx].to(cfg.device),
-                               anchors.to(cfg.device), cfg.slot_decay, data.labels[idx].to(cfg.device),
-                               data.lengths[idx].to(cfg.device))
+        loss, acc = block_loss(
+            target,
+            drafter,
+            data.tokens[idx].to(cfg.device),
+            data.feats[idx].to(cfg.device),
+            anchors.to(cfg.device),
+            cfg.slot_decay,
+            data.labels[idx].to(cfg.device),
+            data.lengths[idx].to(cfg.device),
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -222,16 +270,23 @@ def train_drafter(target_path: Path, out: Path, cfg: TrainConfig, corpus=(), pro
             bar(step, cfg.steps, f"loss {loss.item():.3f} acc@1 {acc[0]:.2f}")
         if step % cfg.eval_every == 0 or step == cfg.steps:
             tau = held_out_tau(target, drafter, tokenizer, eval_ids, cfg)
-            record = {"step": step, "loss": loss.item(), "acc": [round(a, 3) for a in acc.tolist()[:4]],
-                      "tau": tau, "elapsed_s": round(time.perf_counter() - t0, 1)}
+            record = {
+                "step": step,
+                "loss": loss.item(),
+                "acc": [round(a, 3) for a in acc.tolist()[:4]],
+                "tau": tau,
+                "elapsed_s": round(time.perf_counter() - t0, 1),
+            }
             state["history"].append(record)
             with open(work / "log.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             if state["best"] is None or tau["dominotree"] > state["best"]:
                 state["best"] = tau["dominotree"]
                 save_drafters(drafter, target, cfg, out)
-            log(f"step {step}: held-out tau dominotree {tau['dominotree']:.2f} dflash {tau['dflash']:.2f} "
-                f"(best {state['best']:.2f})")
+            log(
+                f"step {step}: held-out tau dominotree {tau['dominotree']:.2f} dflash {tau['dflash']:.2f} "
+                f"(best {state['best']:.2f})"
+            )
             checkpoint()
     return state
 
@@ -259,6 +314,8 @@ def read_prompts(path, target_path: Path, chat: bool) -> list[str]:
         prompts.append(text)
     tokenizer = load_tokenizer(target_path)
     if chat and getattr(tokenizer, "chat_template", None):
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                 tokenize=False) for p in prompts]
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            for p in prompts
+        ]
     return prompts

@@ -5,6 +5,7 @@ A node is admitted while it raises the surrogate throughput
 where C_d is the draft cost and C_v(n; ℓ) the measured cost of verifying n draft nodes (width n + 1) at
 context length ℓ.
 """
+
 import bisect
 import math
 import statistics
@@ -113,8 +114,9 @@ class CostAwareStop:
 
     def admit(self, n_nodes: int, logw: float) -> bool:
         delta = math.exp(logw)
-        theta = (1.0 + self.phi + delta) / (self.curve.draft_cost + self.curve.verify_cost(n_nodes + 1,
-                                                                                            self.context_len))
+        theta = (1.0 + self.phi + delta) / (
+            self.curve.draft_cost + self.curve.verify_cost(n_nodes + 1, self.context_len)
+        )
         if theta <= self.theta:
             return False
         self.phi += delta
@@ -122,6 +124,7 @@ class CostAwareStop:
         return True
 
 
-def build_caddtree(logprobs: torch.Tensor, curve: CostCurve, context_len: int, max_budget: int = 1024,
-                   root: int = 0) -> Tree:
+def build_caddtree(
+    logprobs: torch.Tensor, curve: CostCurve, context_len: int, max_budget: int = 1024, root: int = 0
+) -> Tree:
     return build_ddtree(logprobs, max_budget, CostAwareStop(curve, context_len), root=root)

@@ -1,4 +1,5 @@
 """DDTree: best-first enumeration of the most likely prefixes under the product of per-depth marginals."""
+
 import heapq
 
 import torch

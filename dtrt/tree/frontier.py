@@ -5,6 +5,7 @@ is the global top-B of the ledger. A child never outscores its parent, so the to
 and with W = B every top-B node's parent survives each keep step: on tie-free input this selects exactly the
 heap's tree, in the heap's pop order.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +36,9 @@ class FrontierTrees:
     def tree(self, b: int) -> Tree:
         """Request b without its padding leaves (they sit after every real node)."""
         n = int(torch.isfinite(self.scores[b]).sum())
-        return Tree(self.tokens[b, :n], self.parents[b, :n], self.depths[b, :n], self.scores[b, :n],
-                    self.mask[b, :n, :n])
+        return Tree(
+            self.tokens[b, :n], self.parents[b, :n], self.depths[b, :n], self.scores[b, :n], self.mask[b, :n, :n]
+        )
 
 
 def _stable_top(x: torch.Tensor, k: int):
@@ -86,6 +88,7 @@ def build_frontier(scorer, budget: int, max_depth: int, mask_token_id: int) -> F
 
     # selection: the first B of a stable descending sort of the depth-major ledger, so on a score tie a
     # parent (shallower) still precedes its child
-    tokens, parents, depths, scores, mask = ledger_select(ledger_scores, ledger_tokens, ledger_parents,
-                                                          scorer.round.root, budget, mask_token_id)
+    tokens, parents, depths, scores, mask = ledger_select(
+        ledger_scores, ledger_tokens, ledger_parents, scorer.round.root, budget, mask_token_id
+    )
     return FrontierTrees(tokens, parents, depths, scores, mask)

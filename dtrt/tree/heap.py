@@ -1,4 +1,5 @@
 """DominoTree's sequential best-first builder (batch 1, host heap): the reference the frontier must match."""
+
 import heapq
 import itertools
 

@@ -7,6 +7,7 @@ A scorer answers three questions, batched over requests (bs) and nodes (n):
 `depth` is the 0-based draft depth of the children: row `depth` of the drafter block predicts them.
 Builders also read `round`, `batch`, `depth` (D, the number of draft depths) and `k` from a scorer.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +81,9 @@ class DominoScorer:
     """
 
     @torch.no_grad()
-    def __init__(self, round: Round, head: DominoHead, embed: torch.nn.Embedding, k: int, topm: int = 64,
-                 prefix_len: int = 1):
+    def __init__(
+        self, round: Round, head: DominoHead, embed: torch.nn.Embedding, k: int, topm: int = 64, prefix_len: int = 1
+    ):
         if k < 1 or topm < 0 or prefix_len < 0:
             raise ValueError(f"need k >= 1, topm >= 0, prefix_len >= 0 (got {k}, {topm}, {prefix_len})")
         self.round, self.head, self.embed = round, head, embed
@@ -94,8 +96,7 @@ class DominoScorer:
         # W1 [ph; s] = W_z ph + W_s s: the W_z half is per round, so a node only pays for W_s s
         self.w1s = w1[:, head.hidden :].contiguous()
         self.zp = F.linear(round.ph.to(self.dtype), w1[:, : head.hidden]).float()  # [bs, D, E]
-        self.prefix_tokens, self.prefix_logprobs = _marginal_topk(round.base[:, : min(prefix_len, self.depth)],
-                                                                  self.k)
+        self.prefix_tokens, self.prefix_logprobs = _marginal_topk(round.base[:, : min(prefix_len, self.depth)], self.k)
         if self.topm:
             self.cand = torch.topk(round.base, self.topm, dim=-1).indices  # [bs, D, M]
             self.basec = torch.gather(round.base, -1, self.cand).float()
@@ -116,11 +117,14 @@ class DominoScorer:
         bs, n = states.shape[:2]
         if depth < self.prefix_len:
             shape = (bs, n, self.k)
-            return (self.prefix_tokens[:, depth, None].expand(shape),
-                    self.prefix_logprobs[:, depth, None].expand(shape))
+            return (
+                self.prefix_tokens[:, depth, None].expand(shape),
+                self.prefix_logprobs[:, depth, None].expand(shape),
+            )
         if self.topm:
-            logprobs = topm_corrected_score(self.zp[:, depth], states, self.w1s, self.basec[:, depth],
-                                            self.w2c[:, depth])  # [bs, n, M]
+            logprobs = topm_corrected_score(
+                self.zp[:, depth], states, self.w1s, self.basec[:, depth], self.w2c[:, depth]
+            )  # [bs, n, M]
             lp, local = torch.topk(logprobs, self.k, dim=-1)
             return torch.gather(self.cand[:, depth, None].expand(bs, n, self.topm), -1, local), lp
         h = self.bottleneck(states, depth)
@@ -152,8 +156,16 @@ class CondStaticScorer(TableScorer):
     (each depth's argmax advances the GRU), and that table is shared by every node at the depth."""
 
     @torch.no_grad()
-    def __init__(self, round: Round, head: DominoHead, embed: torch.nn.Embedding, k: int, topm: int = 64,
-                 prefix_len: int = 1, domino=None):
+    def __init__(
+        self,
+        round: Round,
+        head: DominoHead,
+        embed: torch.nn.Embedding,
+        k: int,
+        topm: int = 64,
+        prefix_len: int = 1,
+        domino=None,
+    ):
         """`domino`: any Domino scorer over this round (e.g. the ONNX Runtime one) instead of the torch one."""
         domino = domino or DominoScorer(round, head, embed, k, topm, prefix_len)
         super().__init__(round, *greedy_chain_tables(domino))

@@ -3,6 +3,7 @@
 Index 0 is the root (the committed token); nodes follow in selection order, so a parent always precedes its
 children. A node at 0-based draft depth d has tree depth d + 1 and verify position past + d + 1.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +53,9 @@ class Tree:
             mask[i] = mask[p]
             mask[i, i] = True
         scores = torch.zeros(n) if scores is None else torch.as_tensor(scores, dtype=torch.float32)
-        return cls(tokens, torch.tensor(parent_list, dtype=torch.long), torch.tensor(depths, dtype=torch.long),
-                   scores, mask)
+        return cls(
+            tokens, torch.tensor(parent_list, dtype=torch.long), torch.tensor(depths, dtype=torch.long), scores, mask
+        )
 
     @classmethod
     def chain(cls, tokens_after_root, root: int = 0) -> "Tree":
