@@ -15,8 +15,9 @@ import json
 import statistics
 from dataclasses import replace
 
-from dtrt.runtime.methods import DraftConfig
-from dtrt.runtime.pipeline import build_pipeline, load_sources
+from dtrt.launch import open_sources, resolve_spec
+from dtrt.runtime.methods import make_method
+from dtrt.runtime.pipeline import open_pipeline
 from dtrt.runtime.sampling import SamplingConfig
 
 PROMPTS = [
@@ -41,20 +42,17 @@ def main():
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args()
 
-    pair, model, _ = load_sources(args.model, None, None, args.model_dir, "torch", None, device=args.device)
+    base = resolve_spec(
+        model=args.model, model_dir=args.model_dir, dtype=args.dtype, device=args.device, backend="torch"
+    )
+    sources = open_sources(base)
+    model = base.model
     pipes = {}
     for name, graph in (("eager", False), ("graph", True)):
-        draft = DraftConfig("dominotree", args.budget, "frontier", cuda_graph=graph)
-        on_cpu = graph and args.device == "cpu"  # the flag is for cuda; the fixed-shape step itself runs anywhere
-        pipe = build_pipeline(
-            pair,
-            replace(draft, cuda_graph=False) if on_cpu else draft,
-            args.dtype,
-            "torch",
-            model=model,
-            device=args.device,
-        )
-        pipe.method.cfg = draft
+        spec = replace(base, method="dominotree", budget=args.budget, builder="frontier")
+        pipe = open_pipeline(spec, sources)
+        # the graph method's fixed-shape step: captured on cuda, run eagerly elsewhere (the spec needs cuda to say so)
+        pipe.method = make_method(replace(spec, cuda_graph=graph, device="cuda" if graph else spec.device))
         pipes[name] = pipe
     prompts = [pipes["eager"].tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[: args.prompts]]
     sampling = SamplingConfig()

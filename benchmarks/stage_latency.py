@@ -17,20 +17,23 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dtrt.artifacts.export import check_source, load_export
 from dtrt.errors import DtrtError
-from dtrt.exporter.artifact import check_source, load_export
 from dtrt.exporter.stages import drafter_stages, target_stage
-from dtrt.models.checkpoint import load_drafter, load_target, parse_dtype
-from dtrt.models.registry import Pair
-from dtrt.runtime.methods import DraftConfig
-from dtrt.runtime.ort_backend import open_session
-from dtrt.runtime.pipeline import build_pipeline, load_pair
+from dtrt.launch import resolve_spec
+from dtrt.launch.sources import load_pair
+from dtrt.models.checkpoint import Pair, load_drafter, load_target, parse_dtype
+from dtrt.runtime.backends.onnxruntime import OrtRunner
+from dtrt.runtime.generate import Generation
+from dtrt.runtime.pipeline import Sources, open_pipeline
 from dtrt.runtime.sampling import SamplingConfig
+from dtrt.runtime.spec import RunSpec
 
 PROMPTS = ["The cat sees ", "A quick fox ", "Every king walks ", "The moon is very ", "Some old man reads "]
 STAGE_CALLS = ("target_forward", "commit", "draft_context", "draft_block")
@@ -39,7 +42,7 @@ STAGE_CALLS = ("target_forward", "commit", "draft_context", "draft_block")
 def source_pair(args, exp) -> tuple[Pair, str | None]:
     """The checkpoints behind the export: --model/--target when given (and checked), else the manifest's."""
     if args.model or args.target:
-        pair = load_pair(args.model, args.target, args.drafter, args.model_dir)
+        pair = load_pair(resolve_spec(**sources(args)))
         check_source(exp, pair.target, args.model)
         return pair, args.model
     src = exp.manifest["source"]
@@ -47,13 +50,23 @@ def source_pair(args, exp) -> tuple[Pair, str | None]:
     return Pair(Path(src["target"]), d.get("dflash"), d.get("domino")), src.get("model")
 
 
+def sources(args) -> dict:
+    """The checkpoint flags as resolve_spec takes them."""
+    return {"model": args.model, "target": args.target, "drafter": args.drafter, "model_dir": args.model_dir}
+
+
 def stage_cases(args, exp, pair):
     """(name, shape, torch module, session, (n, p)) for every stage of the export."""
     dtype = parse_dtype(exp.manifest["dtype"])
     target = load_target(pair.target, dtype)
-    target.taps = list(exp.manifest["target"]["taps"])
     cases = []
-    t = target_stage(target)
+    t = target_stage(target, tuple(exp.manifest["target"]["taps"]))
+    runner = OrtRunner(exp, args.threads or None)
+
+    def open_session(exp, name, threads):
+        runner.open(name)
+        return runner.sessions[name]
+
     threads = args.threads or None
     sess = open_session(exp, "target", threads)
     cases.append(("target prefill", f"N={args.prefill} P=0", t, sess, (args.prefill, 0)))
@@ -96,8 +109,8 @@ def time_stages(args, cases):
         feeds = {k: np.ascontiguousarray(v.numpy()) for k, v in inputs.items()}
         module = stage.module.eval()
         calls = {
-            "torch": lambda: module(*(inputs[k] for k in stage.inputs)),
-            "onnxruntime": lambda: sess.run(None, feeds),
+            "torch": lambda module=module, inputs=inputs, stage=stage: module(*(inputs[k] for k in stage.inputs)),
+            "onnxruntime": lambda sess=sess, feeds=feeds: sess.run(None, feeds),
         }
         times = {k: [] for k in calls}
         for i in range(args.warmup + args.repeats):
@@ -132,8 +145,8 @@ class StageClock:
         self.decoding = False
         for name in STAGE_CALLS:
             setattr(backend, name, self.wrap(getattr(backend, name), stage=True))
-        for sess in getattr(backend, "sessions", {}).values():
-            sess.run = self.wrap(sess.run, stage=False)
+        if (runner := getattr(backend, "runner", None)) is not None:  # the export backends' stage runs
+            runner.run = self.wrap(runner.run, stage=False)
 
     def wrap(self, fn, stage: bool):
         def timed(*a, **kw):
@@ -152,36 +165,38 @@ class StageClock:
 
         return timed
 
-    def start(self, _tokens):  # generate() streams the first token right before the decode clock starts
+    def start(self):  # the stream's first step is the prefill's token: the decode clock starts after it
         self.decoding = True
 
 
 def time_rounds(args, exp, pair):
     pipes = {}
     for method in args.methods:
-        draft = DraftConfig(method, args.budget, arm=args.arm)
+        torch_spec = RunSpec(method=method, budget=args.budget, arm=args.arm, dtype=exp.dtype)
+        ort_spec = replace(torch_spec, backend="onnxruntime", export=exp.path, threads=args.threads or None)
         pipes[method] = {
-            "torch": build_pipeline(pair, draft, exp.manifest["dtype"]),
-            "onnxruntime": build_pipeline(
-                None, draft, backend="onnxruntime", export=exp.path, threads=args.threads or None
-            ),
+            "torch": open_pipeline(torch_spec, Sources(pair=pair)),
+            "onnxruntime": open_pipeline(ort_spec, Sources(export=exp)),
         }
     rows = []
     for method, by_backend in pipes.items():
         ids = [by_backend["torch"].tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[: args.prompts]]
         acc = {b: {"decode": 0.0, "calls": 0.0, "sessions": 0.0, "rounds": 0, "committed": 0} for b in by_backend}
-        for b, pipe in by_backend.items():  # warm-up (and CaDDTree's cost curve)
+        for pipe in by_backend.values():  # warm-up (and CaDDTree's cost curve)
             pipe.generate(ids[0], args.max_new_tokens, SamplingConfig())
         tokens = {}
         for i, prompt in enumerate(ids):
             for b in ("torch", "onnxruntime") if i % 2 else ("onnxruntime", "torch"):
                 pipe = by_backend[b]
                 clock = StageClock(pipe.backend)
-                out = pipe.generate(prompt, args.max_new_tokens, SamplingConfig(), on_tokens=clock.start)
+                out = Generation()
+                for step in pipe.stream(prompt, args.max_new_tokens, SamplingConfig()):
+                    out.add(step)
+                    clock.start()
                 for name in STAGE_CALLS:  # unwrap
                     vars(pipe.backend).pop(name, None)
-                for sess in getattr(pipe.backend, "sessions", {}).values():
-                    vars(sess).pop("run", None)
+                if (runner := getattr(pipe.backend, "runner", None)) is not None:
+                    vars(runner).pop("run", None)
                 a = acc[b]
                 a["decode"] += out.decode_s
                 a["calls"] += clock.calls
@@ -240,7 +255,7 @@ def main():
         else:
             from dtrt.exporter.export import export_pair
 
-            pair = load_pair(args.model, args.target, args.drafter, args.model_dir)
+            pair = load_pair(resolve_spec(**sources(args), backend="torch"))
             model = args.model or (None if args.target else "tiny")
             exp = export_pair(pair, Path(tmp) / "export", model, max_context=1024)
         stages = time_stages(args, stage_cases(args, exp, pair))
@@ -288,4 +303,4 @@ if __name__ == "__main__":
     try:
         main()
     except DtrtError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e}") from None

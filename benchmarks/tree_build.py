@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from dtrt.models.domino import DominoHead
-from dtrt.tree import DominoScorer, Round, build_frontier, build_heap
+from dtrt.scoring import DominoScorer
+from dtrt.tree import Round, build_frontier, build_heap
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

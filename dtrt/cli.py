@@ -1,32 +1,26 @@
-"""The `dtrt` command line."""
+"""The `dtrt` command line: each command parses its flags, resolves a RunSpec once (dtrt.launch), opens the
+pipeline and hands it to the runtime, the server or the bench."""
 
 import json
+import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import click
-import torch
 
 from dtrt import __version__
-from dtrt.errors import DtrtError
+from dtrt.errors import BackendFault, DtrtError
 from dtrt.exporter.quantize import DRAFTER_QUANTS
-from dtrt.models.checkpoint import DTYPES
-from dtrt.runtime.methods import ARMS, BUILDERS, METHODS, DraftConfig
-from dtrt.runtime.pipeline import (
-    BACKENDS,
-    DEFAULT_BUDGET,
-    DEFAULT_MODEL,
-    build_pipeline,
-    default_budget,
-    default_builder,
-    load_pair,
-    load_sources,
-)
-from dtrt.runtime.requests import Request, check_seed, check_stop, has_chat_template, read_requests
-from dtrt.runtime.sampling import SamplingConfig
+from dtrt.launch import pipeline, resolve_spec
+from dtrt.launch.resolve import check_cuda
+from dtrt.launch.sources import load_pair
+from dtrt.runtime.requests import FLAGS, has_chat_template, make_request, read_requests
+from dtrt.runtime.spec import ARMS, BACKENDS, BUILDERS, DTYPES, METHODS
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
 from dtrt.train.trainer import TrainConfig
+from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, names
+
+MODEL_DIR_HELP = "where registry checkpoints are looked up before the Hugging Face cache"
 
 
 def _log(msg):
@@ -39,19 +33,42 @@ def cli():
     """dtrt: DominoTree speculative decoding, exact to the target model."""
 
 
-def pipeline_options(f):
-    """The flags that choose the model, method and backend, shared by `run` and `serve`."""
+def source_options(f):
+    """The flags that say what runs where, shared by `run`, `serve` and `bench`."""
     opts = [
         click.option(
             "--model",
-            help=f"registry name: smollm2-135m, tiny, tiny-hybrid, qwen3-4b, qwen3-8b (default "
-            f"{DEFAULT_MODEL} when no --target or --export is given)",
+            help=f"registry name: {', '.join(names())} (default {DEFAULT_MODEL} when no --target or --export is given)",
         ),
         click.option("--target", type=click.Path(), help="target checkpoint directory (Hugging Face layout)"),
         click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)"),
+        click.option("--model-dir", type=click.Path(), help=MODEL_DIR_HELP),
+        click.option("--dtype", type=click.Choice(DTYPES), help="default fp32 (an export backend: the export's)"),
         click.option(
-            "--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache"
+            "--backend",
+            type=click.Choice(BACKENDS),
+            help="default: onnxruntime for the default model or an --export, torch for --model/--target",
         ),
+        click.option(
+            "--export",
+            type=click.Path(),
+            help="export directory (dtrt export) for onnxruntime; engine directory (dtrt build-engine) for tensorrt",
+        ),
+        click.option("--threads", type=int, help="intra-op threads of torch and ONNX Runtime (default: theirs)"),
+        click.option(
+            "--device",
+            help="cpu (default), cuda or cuda:N: the torch backend's models (the ops run their Triton kernels "
+            "there) or ONNX Runtime's CUDA provider (onnxruntime-gpu)",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def method_options(f):
+    """The flags that choose the method and its tree, shared by `run` and `serve`."""
+    opts = [
         click.option("--method", type=click.Choice(METHODS), default="dominotree", show_default=True),
         click.option(
             "--builder",
@@ -68,7 +85,7 @@ def pipeline_options(f):
         click.option(
             "--budget",
             type=int,
-            help="draft nodes per tree (caddtree, cadominotree: the cap); default 16, for smollm2-135m 4",
+            help=f"draft nodes per tree (caddtree, cadominotree: the cap); default {budget_help()}",
         ),
         click.option(
             "--topm", type=int, default=64, show_default=True, help="Domino candidates per depth (0 = full vocab)"
@@ -79,6 +96,15 @@ def pipeline_options(f):
             is_flag=True,
             help="dominotree --builder frontier on --device cuda: replay drafting + tree building as one CUDA graph",
         ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def request_options(f):
+    """The flags a request leaves out take, shared by `run` and `serve`."""
+    opts = [
         click.option(
             "--max-new-tokens",
             type=int,
@@ -95,19 +121,6 @@ def pipeline_options(f):
         ),
         click.option("--top-p", type=float, default=1.0, show_default=True),
         click.option("--seed", type=int, default=0, show_default=True, help="makes T>0 runs reproducible"),
-        click.option("--dtype", type=click.Choice(list(DTYPES)), help="default fp32 (onnxruntime: the export's)"),
-        click.option(
-            "--backend",
-            type=click.Choice(BACKENDS),
-            help="default: onnxruntime for the default model or an --export, torch for --model/--target",
-        ),
-        click.option(
-            "--export", "export_dir", type=click.Path(), help="export directory (dtrt export) for onnxruntime"
-        ),
-        click.option("--threads", type=int, help="intra-op threads of torch and ONNX Runtime (default: theirs)"),
-        click.option(
-            "--device", help="torch backend: cpu (default), cuda or cuda:N (the ops run their Triton kernels there)"
-        ),
         click.option(
             "--truncate",
             is_flag=True,
@@ -117,53 +130,6 @@ def pipeline_options(f):
     for opt in reversed(opts):
         f = opt(f)
     return f
-
-
-def _request_defaults(max_new_tokens, temperature, top_p, seed, stop=()) -> Request:
-    """The request the flags describe, checked before anything loads."""
-    if max_new_tokens < 1:
-        raise DtrtError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
-    return Request(
-        max_new_tokens=max_new_tokens,
-        sampling=SamplingConfig(temperature, top_p, check_seed(seed)),
-        stop=check_stop(stop, "--stop"),
-    )
-
-
-def _load_pipeline(
-    model,
-    target,
-    drafter,
-    model_dir,
-    method,
-    builder,
-    arm,
-    budget,
-    topm,
-    node_topk,
-    cuda_graph,
-    dtype,
-    backend,
-    export_dir,
-    threads,
-    device,
-):
-    draft = DraftConfig(
-        method,
-        DEFAULT_BUDGET if budget is None else budget,
-        builder or default_builder(method, device, cuda_graph),
-        arm,
-        topm,
-        node_topk,
-        cuda_graph,
-    )
-    pair, model, backend = load_sources(model, target, drafter, model_dir, backend, export_dir, log=_log, device=device)
-    if budget is None:
-        draft = replace(draft, budget=default_budget(model))
-    pipe = build_pipeline(pair, draft, dtype, backend, export_dir, threads, model, log=_log, device=device)
-    if threads:
-        torch.set_num_threads(threads)
-    return pipe
 
 
 def _use_chat(pipe, chat: bool | None) -> bool:
@@ -177,7 +143,9 @@ def _use_chat(pipe, chat: bool | None) -> bool:
 
 @cli.command()
 @click.argument("prompt", required=False)
-@pipeline_options
+@source_options
+@method_options
+@request_options
 @click.option("--stop", multiple=True, help="stop string (repeatable): the output ends before it")
 @click.option(
     "--chat/--no-chat", default=None, help="wrap the prompt in the chat template (default: when the tokenizer has one)"
@@ -189,32 +157,36 @@ def _use_chat(pipe, chat: bool | None) -> bool:
     help="JSONL file of requests ('-' = standard input), one JSON result per line",
 )
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the text")
-def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, truncate, input_file, as_json, **load):
+def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, truncate, input_file, as_json, **flags):
     """Generate a continuation of PROMPT (or of standard input; an interactive prompt at a terminal)."""
-    defaults = _request_defaults(max_new_tokens, temperature, top_p, seed, stop)
+    defaults = make_request(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop, names=FLAGS
+    )
+    spec = resolve_spec(**flags)
     if prompt is not None and input_file is not None:
         raise DtrtError("PROMPT and --input exclude each other: pass one")
     requests = read_requests(input_file, defaults) if input_file is not None else None
     interactive = prompt is None and requests is None and sys.stdin.isatty()
     if prompt is None and requests is None and not interactive:
         prompt = sys.stdin.read()
-    pipe = _load_pipeline(**load)
+    pipe = pipeline(spec, _log)
     chat = _use_chat(pipe, chat)
-    method = pipe.draft.method
     if interactive:
-        _log(f"dtrt run ({method}): one prompt per line; Ctrl-C stops a generation, Ctrl-D quits")
+        _log(f"dtrt run ({spec.method}): one prompt per line; Ctrl-C stops a generation, Ctrl-D quits")
         return repl(pipe, defaults, chat, truncate, input, lambda s: click.echo(s, nl=False), _log)
     if requests is not None:
         return _run_jsonl(pipe, requests, chat, truncate, input_file)
-    req = replace(defaults, prompt=prompt)
+    req = make_request(
+        prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop
+    )
     c = generate_one(
         pipe, req, prompt_ids(pipe, req, chat, truncate), None if as_json else lambda s: click.echo(s, nl=False)
     )
     if as_json:
-        click.echo(json.dumps(c.to_json(pipe.draft)))
+        click.echo(json.dumps(c.to_json(spec)))
     else:
         click.echo()
-        _log(stats_line(c, method))
+        _log(stats_line(c, spec.method))
     if c.stop_reason == "cancelled":
         sys.exit(130)
 
@@ -229,13 +201,15 @@ def _run_jsonl(pipe, requests, chat, truncate, source):
             raise DtrtError(f"{source}:{line}: {e}") from None
     for rid, req, ids in prepared:
         c = generate_one(pipe, req, ids)
-        click.echo(json.dumps(({} if rid is None else {"id": rid}) | c.to_json(pipe.draft)))
+        click.echo(json.dumps(({} if rid is None else {"id": rid}) | c.to_json(pipe.spec)))
         if c.stop_reason == "cancelled":
             sys.exit(130)
 
 
 @cli.command()
-@pipeline_options
+@source_options
+@method_options
+@request_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option(
     "--port",
@@ -281,14 +255,16 @@ def serve(
     queue_limit,
     request_timeout,
     shutdown_grace,
-    **load,
+    **flags,
 ):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from dtrt.serve.server import ServeConfig, bind, serve_forever
 
+    spec = resolve_spec(**flags)
+    defaults = make_request(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
     cfg = ServeConfig(
-        name or load["model"] or Path(load["target"] or load["export_dir"] or "default").name,
-        _request_defaults(max_new_tokens, temperature, top_p, seed),
+        name or spec.model or Path(spec.target or spec.export or "default").name,
+        defaults,
         queue_limit,
         request_timeout,
         shutdown_grace,
@@ -296,7 +272,7 @@ def serve(
     )
     sock = bind(host, port)  # a taken port fails before the model loads
     try:
-        pipe = _load_pipeline(**load)
+        pipe = pipeline(spec, _log)
     except BaseException:
         sock.close()
         raise
@@ -304,10 +280,10 @@ def serve(
 
 
 @cli.command()
-@click.option("--model", help="registry name: smollm2-135m, tiny, tiny-hybrid, qwen3-4b, qwen3-8b")
+@click.option("--model", help=f"registry name: {', '.join(names())}")
 @click.option("--target", type=click.Path(), help="target checkpoint directory")
 @click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino)")
-@click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")
+@click.option("--model-dir", type=click.Path(), help=MODEL_DIR_HELP)
 @click.option("--out", required=True, type=click.Path(), help="export directory to create")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
 @click.option("--max-context", type=int, default=4096, show_default=True, help="largest past + new tokens")
@@ -326,11 +302,11 @@ def export(model, target, drafter, model_dir, out, dtype, max_context, budget, t
     """Export every stage to ONNX, with manifest.json, into OUT (complete or not at all)."""
     from dtrt.exporter.export import export_pair
 
-    pair = load_pair(model, target, drafter, model_dir, log=_log)
+    spec = resolve_spec(model=model, target=target, drafter=drafter, model_dir=model_dir, backend="torch")
     exp = export_pair(
-        pair,
+        load_pair(spec, log=_log),
         Path(out),
-        model if target is None else None,
+        spec.model,
         dtype,
         max_context,
         budget,
@@ -342,6 +318,16 @@ def export(model, target, drafter, model_dir, out, dtype, max_context, budget, t
     )
     size = sum(m["size"] for m in exp.manifest["files"].values())
     click.echo(f"{exp.path}: {len(exp.manifest['stages'])} stages, {size / 1e6:.1f} MB")
+
+
+@cli.command()
+@click.argument("directory", type=click.Path())
+def verify(directory):
+    """Hash every file of an export or engine DIRECTORY against its manifest (loads check only changed files)."""
+    from dtrt.artifacts.verify import verify_dir
+
+    files, size = verify_dir(Path(directory))
+    click.echo(f"{directory}: {files} files, {size / 1e6:.1f} MB, every sha256 matches its manifest")
 
 
 @cli.command()
@@ -357,8 +343,8 @@ def export(model, target, drafter, model_dir, out, dtype, max_context, budget, t
 )
 def parity(export_dir, as_json, random_only, prompts):
     """Compare every stage of EXPORT_DIR under ONNX Runtime with its PyTorch reference on the same inputs."""
-    from dtrt.exporter.artifact import load_export
-    from dtrt.exporter.parity import run_parity
+    from dtrt.artifacts.export import load_export
+    from dtrt.parity import run_parity
 
     report = run_parity(load_export(export_dir), 0 if random_only else prompts, log=_log)
     click.echo(json.dumps(report.to_json()) if as_json else report.table())
@@ -368,9 +354,9 @@ def parity(export_dir, as_json, random_only, prompts):
 
 
 @cli.command("train-drafter")
-@click.option("--model", help="registry name of the target")
+@click.option("--model", help=f"registry name of the target: {', '.join(names())}")
 @click.option("--target", type=click.Path(), help="target checkpoint directory")
-@click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")
+@click.option("--model-dir", type=click.Path(), help=MODEL_DIR_HELP)
 @click.option("--out", required=True, type=click.Path(), help="run directory: dflash/, domino/, .train/")
 @click.option("--corpus", multiple=True, type=click.Path(), help="text file or directory to teacher-force (repeat)")
 @click.option(
@@ -408,9 +394,8 @@ def train_drafter_cmd(model, target, model_dir, out, corpus, prompts_file, chat,
     from dtrt.train.trainer import read_prompts, train_drafter
 
     cfg = TrainConfig(**opts)
-    if cfg.device.startswith("cuda") and not __import__("torch").cuda.is_available():
-        raise DtrtError(f"--device {cfg.device}: no CUDA device is available")
-    pair = load_pair(model, target, None, model_dir, log=_log)
+    check_cuda(cfg.device)
+    pair = load_pair(resolve_spec(model=model, target=target, model_dir=model_dir, backend="torch"), log=_log)
     prompts = read_prompts(prompts_file, pair.target, chat) if prompts_file else []
     state = train_drafter(pair.target, Path(out), cfg, corpus, prompts, resume, log=_log, progress=_progress)
     click.echo(f"{out}: best held-out tau {state['best']:.2f} after {state['step']} steps")
@@ -435,16 +420,7 @@ def _progress(what):
 
 
 @cli.command()
-@click.option("--model", help=f"registry name (default {DEFAULT_MODEL} when no --target or --export is given)")
-@click.option("--target", type=click.Path(), help="target checkpoint directory (Hugging Face layout)")
-@click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)")
-@click.option("--model-dir", type=click.Path(), help="where registry checkpoints are looked up before the HF cache")
-@click.option(
-    "--backend",
-    type=click.Choice(BACKENDS),
-    help="default: onnxruntime for the default model or an --export, torch for --model/--target",
-)
-@click.option("--export", "export_dir", type=click.Path(), help="export directory (dtrt export) for onnxruntime")
+@source_options
 @click.option("--methods", help="comma list of methods (default: every one the pair serves); ar is always run")
 @click.option(
     "--datasets",
@@ -456,7 +432,7 @@ def _progress(what):
 @click.option("--temperatures", default="0,1", show_default=True, help="comma list")
 @click.option("--prompts", type=int, default=20, show_default=True, help="prompts per dataset (seeded subset)")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
-@click.option("--budget", help="draft budget, or a sweep like 8,16,32 (default 16, for smollm2-135m 4)")
+@click.option("--budget", help=f"draft budget, or a sweep like 8,16,32 (default {budget_help()})")
 @click.option("--seed", type=int, default=0, show_default=True, help="prompt subset and sampling seed")
 @click.option("--quick", is_flag=True, help="2 prompts, 32 new tokens, the first temperature only")
 @click.option(
@@ -466,70 +442,22 @@ def _progress(what):
     type=click.Path(),
     help="directory for bench.json, bench.md, bench.png",
 )
-@click.option("--threads", type=int, help="intra-op threads of torch, ONNX Runtime and llama.cpp")
-@click.option(
-    "--device", help="torch backend: cpu (default), cuda or cuda:N (dominotree builds with the frontier there)"
-)
 @click.option(
     "--cuda-graph",
     is_flag=True,
     help="with --device cuda: the dominotree rows replay drafting + tree building as one CUDA graph",
 )
-@click.option("--dtype", type=click.Choice(list(DTYPES)), help="default fp32 (onnxruntime: the export's)")
 @click.option(
     "--gguf",
     type=click.Path(),
     help="GGUF of the same target for a llama.cpp peer row (needs llama-cpp-python; smollm2-135m finds its own)",
 )
-def bench(
-    model,
-    target,
-    drafter,
-    model_dir,
-    backend,
-    export_dir,
-    methods,
-    dataset_names,
-    temperatures,
-    prompts,
-    max_new_tokens,
-    budget,
-    seed,
-    quick,
-    out,
-    threads,
-    device,
-    cuda_graph,
-    dtype,
-    gguf,
-):
+def bench(**flags):
     """Time methods x datasets x temperatures in one process against AR; write a JSON, a table and a plot."""
     from dtrt.bench.main import BenchOptions
     from dtrt.bench.main import bench as run_bench
 
-    opts = BenchOptions(
-        model,
-        target,
-        drafter,
-        model_dir,
-        backend,
-        export_dir,
-        methods,
-        dataset_names,
-        temperatures,
-        prompts,
-        max_new_tokens,
-        budget,
-        seed,
-        quick,
-        out,
-        threads,
-        dtype,
-        gguf,
-        device,
-        cuda_graph,
-    )
-    path = run_bench(opts, _log)
+    path = run_bench(BenchOptions(**flags), _log)
     click.echo((path / "bench.md").read_text(), nl=False)
     _log(
         f"wrote {path / 'bench.json'}, {path / 'bench.md'}"
@@ -585,3 +513,8 @@ def main():
     except DtrtError as e:
         _log(f"error: {e}")
         sys.exit(2)
+    except BackendFault as e:  # not the user's input: one line, the traceback on request
+        if os.environ.get("DTRT_TRACEBACK"):
+            raise
+        _log(f"fault: {e} (a backend failed on valid input; DTRT_TRACEBACK=1 shows the traceback)")
+        sys.exit(1)

@@ -1,2 +1,16 @@
+"""The two kinds of failure dtrt reports.
+
+DtrtError: the user's mistake (a bad flag, file or request). The message names what is wrong and what to do; the
+CLI prints it as one line (exit 2) and the server answers 400.
+BackendFault: something failed inside a backend while running a stage that was given valid inputs (a runtime
+library error, a device fault). It is not the user's to fix by changing the request: the CLI prints one line
+(exit 1, the traceback with DTRT_TRACEBACK=1) and the server answers 500 and logs the traceback.
+"""
+
+
 class DtrtError(Exception):
     """A user-facing error: the CLI prints its message as one line and exits non-zero."""
+
+
+class BackendFault(RuntimeError):
+    """A failure inside a backend (ONNX Runtime, TensorRT, a device) on inputs the contract allows."""

@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dtrt.models.registry import tiny_pair  # noqa: E402
+from dtrt.zoo.registry import tiny_pair  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +20,38 @@ def tiny():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def torch_tokens(tiny):
+    """The torch backend's AR tokens for helpers.PROMPTS on the tiny pair: what every method must give."""
+    from helpers import generate_all, pipe_for, spec
+
+    # the tiny model runs fastest on one thread, and several threads crawl on a busy machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return [g.tokens for g in generate_all(pipe_for(tiny, spec("ar")))]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny):
+    """DominoTree on the tiny pair (torch backend)."""
+    from helpers import pipe_for, spec
+
+    return pipe_for(tiny, spec("dominotree"))
+
+
+@pytest.fixture(scope="module")
+def server(pipe):
+    """`dtrt serve` of `pipe` in this process (needs aiohttp)."""
+    pytest.importorskip("aiohttp")
+    from dtrt.serve import BackgroundServer, ServeConfig
+
+    with BackgroundServer(pipe, ServeConfig("tiny")) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +68,8 @@ def tiny_export_int8(tiny_export, tmp_path_factory):
     import json
     import shutil
 
-    from dtrt.exporter.artifact import MANIFEST, load_export
-    from dtrt.exporter.export import write_manifest
+    from dtrt.artifacts.export import load_export
+    from dtrt.artifacts.files import MANIFEST, write_manifest
     from dtrt.exporter.quantize import quantize_drafters
 
     path = tmp_path_factory.mktemp("export") / "tiny-int8"
@@ -51,7 +83,7 @@ def tiny_export_int8(tiny_export, tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need a CUDA GPU, `trt` ones TensorRT as well; elsewhere they skip with the reason."""
-    from dtrt.engines.keys import cuda_status, tensorrt_status
+    from dtrt.artifacts.machine import cuda_status, tensorrt_status
 
     gpu_why = None if torch.cuda.is_available() else cuda_status()[1]
     trt_why = gpu_why

@@ -2,14 +2,48 @@
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from dtrt.launch import open_sources
 from dtrt.models.checkpoint import drafter_state, save_checkpoint
 from dtrt.models.config import DrafterConfig
 from dtrt.models.domino import DominoHead
 from dtrt.models.drafter import Drafter
+from dtrt.runtime.pipeline import open_pipeline
+from dtrt.runtime.spec import RunSpec
+
+PROMPTS = ["The cat sees ", "A quick fox ", "Every king walks ", "The moon is very ", "Some old man reads "]
+
+
+def generate_all(pipe, max_new=64):
+    """The pipeline's greedy generations of PROMPTS."""
+    from dtrt.runtime.sampling import SamplingConfig
+
+    ids = [pipe.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    return [pipe.generate(i, max_new, SamplingConfig()) for i in ids]
+
+
+def spec(method: str = "dominotree", **fields) -> RunSpec:
+    """A RunSpec for `method` (tests name the method first, as the CLI's --method)."""
+    return RunSpec(method=method, **fields)
+
+
+def pipe_for(pair, run: RunSpec, *, dtype=None, backend="torch", export=None, threads=None, model=None, device=None):
+    """The pipeline of `run` on `backend` over the checkpoints `pair` (or an export alone), through the same
+    open_sources and open_pipeline as the front ends."""
+    run = replace(
+        run,
+        backend=backend,
+        export=Path(export) if export is not None else None,
+        threads=threads,
+        dtype=dtype,
+        model=model,
+        device=device or "cpu",
+    )
+    return open_pipeline(run, open_sources(run, pair=pair))
 
 
 def drafter_json(hidden=64, vocab=100, layers=1, taps=(0, 1), block=8, domino=False, **dflash):

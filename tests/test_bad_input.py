@@ -9,14 +9,10 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import drafter_json, run_cli, write_drafter
+from helpers import drafter_json, pipe_for, run_cli, spec, write_drafter
 from test_run_cli import PROMPT, _one_thread, tiny_variant  # noqa: F401 (fixture)
 
-from dtrt.runtime.methods import DraftConfig
-from dtrt.runtime.pipeline import build_pipeline
-
 pytest.importorskip("aiohttp")
-from test_serve import pipe, server  # noqa: E402,F401 (fixtures)
 
 from dtrt.serve import BackgroundServer, ServeConfig  # noqa: E402 (needs aiohttp)
 
@@ -226,7 +222,7 @@ def test_prompt_beyond_the_context(tiny, tiny_export, tmp_path, monkeypatch, cap
         "x" * 600,
         fragments=("prompt (600 tokens)", f"the max context of {tiny_export.path} is 512", "--max-context 718"),
     )
-    short_pipe = build_pipeline(short, DraftConfig("dominotree"))
+    short_pipe = pipe_for(short, spec("dominotree"))
     body = {"prompt": prompt, "max_tokens": 20}
     with BackgroundServer(short_pipe, ServeConfig("short")) as srv:
         expect_http_error(
@@ -326,7 +322,7 @@ def test_invalid_flag_values(args, fragment, monkeypatch, capsys):
         (("run", "--model", "tiny", "--device", "tpu", "x"), "--device 'tpu': use cpu, cuda or cuda:N"),
         (
             ("run", "--model", "tiny", "--backend", "onnxruntime", "--device", "cuda", "x"),
-            "--device cuda: only the torch backend takes a device (--backend onnxruntime runs on the CPU)",
+            "; pip uninstall -y onnxruntime && pip install onnxruntime-gpu",
         ),
         (
             ("bench", "--model", "tiny", "--datasets", "humaneval", "--quick", "--device", "cuda:x"),
@@ -334,7 +330,8 @@ def test_invalid_flag_values(args, fragment, monkeypatch, capsys):
         ),
         (
             ("run", "--model", "tiny", "--method", "ddtree", "--cuda-graph", "x"),
-            "--cuda-graph: captures DominoTree's fixed-shape frontier build, not --method ddtree; use --method dominotree",
+            "--cuda-graph: captures DominoTree's fixed-shape frontier build, not --method ddtree; use --method "
+            "dominotree",
         ),
         (
             ("serve", "--model", "tiny", "--cuda-graph"),

@@ -12,7 +12,7 @@ from helpers import run_cli
 
 from dtrt.bench import datasets
 from dtrt.bench.stats import paired_bootstrap
-from dtrt.runtime.methods import METHODS
+from dtrt.runtime.spec import METHODS
 
 COUNTS = {"mt-bench": (80, 160), "humaneval": (164, 164), "math500": (311, 311), "aime": (15, 15), "aime24": (30, 30)}
 

@@ -4,18 +4,17 @@ acceptance. The capture itself is checked by the `gpu` test."""
 
 import pytest
 import torch
-from helpers import no_host_sync
+from helpers import no_host_sync, pipe_for, spec
 
 from dtrt.errors import DtrtError
-from dtrt.models.registry import tiny_hybrid_pair
 from dtrt.runtime.draft_graph import DraftGraph
-from dtrt.runtime.generate import generate
-from dtrt.runtime.methods import DraftConfig, make_method
-from dtrt.runtime.pipeline import build_pipeline
+from dtrt.runtime.generate import collect, generate
+from dtrt.runtime.methods import make_method
 from dtrt.runtime.sampling import SamplingConfig
+from dtrt.zoo.registry import tiny_hybrid_pair
 
 PROMPT = list(range(5, 25))
-GRAPH = DraftConfig("dominotree", budget=8, builder="frontier", cuda_graph=True)
+GRAPH = spec("dominotree", budget=8, builder="frontier", cuda_graph=True, device="cuda")  # run eagerly off CUDA
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +24,7 @@ def hybrid():
 
 def _prefilled(pair):
     """A torch pipeline whose backend has run a few rounds (so the draft cache is part full) and a DraftGraph."""
-    pipe = build_pipeline(pair, DraftConfig("dominotree", budget=8, builder="frontier"))
+    pipe = pipe_for(pair, spec("dominotree", budget=8, builder="frontier"))
     pipe.generate(PROMPT, 12, SamplingConfig())
     method = make_method(GRAPH)
     method.prepare(pipe.backend, pipe.backend.drafter.cfg.k_draft)
@@ -66,11 +65,11 @@ def test_step_reads_no_host_values(tiny, monkeypatch):
 @pytest.mark.parametrize("name", ["tiny", "tiny-hybrid"])
 def test_graph_rounds_give_the_ar_tokens_and_the_same_acceptance(name, tiny, hybrid):
     pair = tiny if name == "tiny" else hybrid
-    pipe = build_pipeline(pair, DraftConfig("dominotree", budget=8, builder="frontier"))
-    ar = build_pipeline(pair, DraftConfig("ar")).generate(PROMPT, 48, SamplingConfig()).tokens
+    pipe = pipe_for(pair, spec("dominotree", budget=8, builder="frontier"))
+    ar = pipe_for(pair, spec("ar")).generate(PROMPT, 48, SamplingConfig()).tokens
     plain = pipe.generate(PROMPT, 48, SamplingConfig())
     method = make_method(GRAPH)
-    got = generate(pipe.backend, method, PROMPT, 48, SamplingConfig(), pipe.eos, GRAPH.budget)
+    got = collect(generate(pipe.backend, method, PROMPT, 48, SamplingConfig(), pipe.eos, GRAPH.budget))
     assert isinstance(method.graph, DraftGraph)
     assert got.tokens == plain.tokens == ar and got.tau > 2
     assert [r.accepted for r in got.rounds] == [r.accepted for r in plain.rounds]
@@ -82,24 +81,24 @@ def test_cuda_graph_flag_errors(tiny):
         match=r"^--cuda-graph: captures DominoTree's fixed-shape frontier build, not "
         r"--method ddtree; use --method dominotree --builder frontier$",
     ):
-        DraftConfig("ddtree", cuda_graph=True)
+        spec("ddtree", cuda_graph=True)
     with pytest.raises(DtrtError, match=r"not --builder heap; use --method dominotree --builder frontier$"):
-        DraftConfig("dominotree", builder="heap", cuda_graph=True)
+        spec("dominotree", builder="heap", cuda_graph=True)
     with pytest.raises(
         DtrtError,
         match=r"^--cuda-graph: captures the torch backend's drafting on a GPU; add "
         r"--device cuda$",
     ):
-        build_pipeline(tiny, GRAPH)
+        pipe_for(tiny, GRAPH)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny", "tiny-hybrid"])
 def test_cuda_graph_on_the_gpu(name, tiny, hybrid, monkeypatch):
     pair = tiny if name == "tiny" else hybrid
-    ar = build_pipeline(pair, DraftConfig("ar")).generate(PROMPT, 48, SamplingConfig()).tokens
-    plain = build_pipeline(pair, DraftConfig("dominotree", budget=8, builder="frontier"), device="cuda")
-    pipe = build_pipeline(pair, GRAPH, device="cuda")
+    ar = pipe_for(pair, spec("ar")).generate(PROMPT, 48, SamplingConfig()).tokens
+    plain = pipe_for(pair, spec("dominotree", budget=8, builder="frontier"), device="cuda")
+    pipe = pipe_for(pair, GRAPH, device="cuda")
     captures = []
     real = DraftGraph._capture
     monkeypatch.setattr(DraftGraph, "_capture", lambda self: captures.append(1) or real(self))

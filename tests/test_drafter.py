@@ -23,7 +23,8 @@ def test_incremental_context_cache_equals_one_shot(tmp_path):
 
 @torch.no_grad()
 def test_block_sees_context_and_whole_block_without_mask(tmp_path):
-    """Changing a later block slot changes earlier rows (bidirectional block); context beyond the cache does not exist."""
+    """Changing a later block slot changes earlier rows (bidirectional block); context beyond the cache does not
+    exist."""
     drafter = load_drafter(write_drafter(tmp_path / "d", drafter_json()))
     kv = drafter.context_kv(torch.randn(5, 128), torch.arange(5))
     x = torch.randn(8, 64)

@@ -6,14 +6,13 @@ import json
 
 import pytest
 import torch
-from test_methods import generate_all
-from test_ort_backend import check_speculative, ort_pipeline, torch_tokens  # noqa: F401 (fixture)
+from helpers import generate_all, spec
+from test_ort_backend import check_speculative, ort_pipeline
 
+from dtrt.artifacts.export import MANIFEST
 from dtrt.errors import DtrtError
-from dtrt.exporter.artifact import MANIFEST
-from dtrt.exporter.parity import QUANT_TOLERANCE, reference_stages, run_parity
 from dtrt.exporter.quantize import check_drafter_quant, quantized_stages
-from dtrt.runtime.methods import DraftConfig
+from dtrt.parity.check import QUANT_TOLERANCE, reference_stages, run_parity
 
 
 def test_only_the_block_stages_are_quantized(tiny_export_int8):
@@ -30,7 +29,7 @@ def test_only_the_block_stages_are_quantized(tiny_export_int8):
 
 @pytest.mark.parametrize(
     "draft",
-    [DraftConfig("dflash"), DraftConfig("dominotree"), DraftConfig("dominotree", builder="frontier")],
+    [spec("dflash"), spec("dominotree"), spec("dominotree", builder="frontier")],
     ids=lambda d: d.method + d.builder,
 )
 def test_int8_drafter_keeps_the_ar_tokens_with_drafts_accepted(tiny_export_int8, torch_tokens, draft):
@@ -41,7 +40,7 @@ def test_int8_drafts_stay_close_to_the_fp32_ones(tiny_export, tiny_export_int8):
     """Same prompts, same target: acceptance moves little (the drafts are the fp32 ones up to int8 rounding)."""
     taus = []
     for exp in (tiny_export, tiny_export_int8):
-        gens = generate_all(ort_pipeline(exp, DraftConfig("dominotree")))
+        gens = generate_all(ort_pipeline(exp, spec("dominotree")))
         rounds = [r.accepted for g in gens for r in g.rounds]
         taus.append(sum(rounds) / len(rounds))
     assert taus[1] > 0.8 * taus[0], taus

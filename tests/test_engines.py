@@ -4,24 +4,25 @@ engine keys, the manifest and its checks, atomic output, the TensorRT backend's 
 import json
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import run_cli
+from helpers import pipe_for, run_cli, spec
 
 from dtrt import __version__
+from dtrt.artifacts.engine import check_engine, read_engine, resolve_engine_dir
+from dtrt.artifacts.export import FORMAT, load_export
+from dtrt.artifacts.files import MANIFEST, sha256
+from dtrt.artifacts.machine import LABELS, Machine, engine_dir, tensorrt_status
+from dtrt.artifacts.profiles import select_profile
 from dtrt.engines import build
 from dtrt.engines.build import BuildConfig, build_engines, plan_stages
-from dtrt.engines.keys import LABELS, Machine, engine_dir, tensorrt_status
-from dtrt.engines.manifest import check_engine, read_engine, resolve_engine_dir
-from dtrt.engines.profiles import Limits, select_profile, stage_profiles
+from dtrt.engines.profiles import Limits, stage_profiles
 from dtrt.errors import DtrtError
-from dtrt.exporter.artifact import FORMAT, MANIFEST, load_export, sha256
 from dtrt.plugins import sources_sha256
 from dtrt.plugins.ptx import strip_hidden_params
-from dtrt.runtime.ort_backend import PackedKV
-from dtrt.runtime.trt_backend import DevicePackedKV, graph_key, plan_buffers
+from dtrt.runtime.backends.kv import DevicePackedKV, PackedKV
+from dtrt.runtime.backends.tensorrt import graph_key, plan_buffers
 
 H200 = Machine("NVIDIA H200", "9.0", "11.4.0.106", "12.8")
 # the stage signatures of the tiny pair's export (dtrt export --model tiny --max-context 512)
@@ -229,13 +230,11 @@ def test_build_engine_without_tensorrt(export_dir, tmp_path, monkeypatch, capsys
 
 @pytest.mark.skipif(tensorrt_status()[0] is not None, reason="TensorRT is installed here")
 def test_tensorrt_backend_without_tensorrt(tmp_path):
-    from dtrt.runtime.methods import DraftConfig
-    from dtrt.runtime.pipeline import build_pipeline
 
     with pytest.raises(DtrtError, match="^--backend tensorrt needs TensorRT and a CUDA GPU: TensorRT is not inst"):
-        build_pipeline(None, DraftConfig(), backend="tensorrt", export=tmp_path)
+        pipe_for(None, spec(), backend="tensorrt", export=tmp_path)
     with pytest.raises(DtrtError, match="--backend tensorrt needs --export DIR"):
-        build_pipeline(None, DraftConfig(), backend="tensorrt")
+        pipe_for(None, spec(), backend="tensorrt")
 
 
 def rebuild(path, export_dir):
@@ -272,7 +271,10 @@ def test_engine_checks(export_dir, tmp_path, fake_trt):
         check_engine(read_engine(path), H200, "0" * 64)
     plan = path / "domino.block.plan"
     plan.write_bytes(b"x")
-    with pytest.raises(DtrtError, match=f"{plan}: 1 bytes, the manifest records 12; rebuild with `dtrt build-engine"):
+    with pytest.raises(
+        DtrtError,
+        match=f"{plan}: 1 bytes, the manifest records 12 \\(truncated or modified\\); rebuild with `dtrt build-engine",
+    ):
         read_engine(path)
     plan.write_bytes(b"domino.block")
     m = json.loads((export_dir / MANIFEST).read_text())
@@ -317,14 +319,14 @@ def test_stage_buffers_and_graphs(export_dir):
 
 def test_device_kv_keeps_the_packed_layout():
     # the same appends on the host PackedKV and on DevicePackedKV (here in host memory) give the same views
-    host, dev = PackedKV(2, 3, 4, 20, np.float32), DevicePackedKV(2, 3, 4, 20, torch.float32, device="cpu")
+    host, dev = PackedKV(2, 3, 4, 20, torch.float32), DevicePackedKV(2, 3, 4, 20, torch.float32, device="cpu")
     g = torch.Generator().manual_seed(0)
     for n in (5, 1, 7):
         k, v = torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)
-        host.append(k.numpy(), v.numpy())
+        host.append(k, v)
         dev.append(k, v)
         for a, b in zip(host.view(), dev.view()):
-            assert np.array_equal(a, b.numpy())
+            assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="overflow"):
         dev.append(torch.zeros(2, 3, 8, 4), torch.zeros(2, 3, 8, 4))
 

@@ -6,12 +6,11 @@ import shutil
 import onnx
 import pytest
 
+from dtrt.artifacts.export import MANIFEST, check_source, load_export
 from dtrt.errors import DtrtError
 from dtrt.exporter import export as export_mod
-from dtrt.exporter.artifact import MANIFEST, check_source, load_export
 from dtrt.exporter.export import export_pair
-from dtrt.models.checkpoint import load_target, save_checkpoint, target_state
-from dtrt.models.registry import Pair
+from dtrt.models.checkpoint import Pair, load_target, save_checkpoint, target_state
 
 
 def test_graphs_have_dtrt_nodes_with_functions_and_dynamic_dims(tiny_export):
@@ -24,7 +23,7 @@ def test_graphs_have_dtrt_nodes_with_functions_and_dynamic_dims(tiny_export):
     assert manifest["op_flavour"] == "dtrt-functions" and manifest["opset"] == 20
     assert {"target", "dflash.context", "dflash.block", "domino.context", "domino.block"} <= manifest["stages"].keys()
     assert (tiny_export.path / "tokenizer" / "tokenizer.json").is_file()
-    load_export(tiny_export.path, verify_hashes=True)
+    load_export(tiny_export.path, full_check=True)
 
 
 def test_sharded_checkpoint_exports(tiny, tmp_path):
@@ -79,10 +78,12 @@ def one_line_error(fn, *fragments):
         assert f in str(e.value), str(e.value)
 
 
-def test_bad_artifacts(copied, tiny):
+def test_bad_artifacts(copied, tiny_export):
     (copied / "dflash.block.onnx.data").unlink()
     one_line_error(lambda: load_export(copied), "dflash.block.onnx.data", "missing", "dtrt export --model tiny")
-    shutil.copy2(copied / "domino.block.onnx.data", copied / "dflash.block.onnx.data")
+    shutil.copy2(copied / "domino.block.onnx.data", copied / "dflash.block.onnx.data")  # the right size, not the file
+    one_line_error(lambda: load_export(copied), "dflash.block.onnx.data", "sha256 differs", "dtrt export --model tiny")
+    shutil.copy2(tiny_export.path / "dflash.block.onnx.data", copied / "dflash.block.onnx.data")
     data = copied / "target.onnx.data"
     data.write_bytes(data.read_bytes()[:-100])
     one_line_error(lambda: load_export(copied), "target.onnx.data", "truncated", "--force")

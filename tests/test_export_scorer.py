@@ -11,14 +11,15 @@ from onnx import TensorProto, helper
 from torch import nn
 
 from dtrt.exporter.onnx_export import export_stage
-from dtrt.exporter.scorer_stages import OpDominoScorer, scorer_stages
+from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.models.checkpoint import load_drafter, load_target
 from dtrt.models.domino import DominoHead
 from dtrt.ops.base import onnx_functions
 from dtrt.ops.ledger_select import ledger_select_ref
 from dtrt.ops.topm_corrected_score import topm_corrected_score_ref
-from dtrt.runtime.ort_scorer import OrtDominoScorer
-from dtrt.tree import DominoScorer, Round, build_frontier, build_heap
+from dtrt.runtime.backends.stage_scorer import StageDominoScorer
+from dtrt.scoring import DominoScorer
+from dtrt.tree import Round, build_frontier, build_heap
 
 V, H, G, E = 89, 12, 10, 24
 BUDGET, TOPM, K = 12, 16, 4
@@ -55,7 +56,7 @@ def test_topm_corrected_score_is_the_domino_scorer(dtype):
     head, embed = small_model(dtype)
     bs, D, n, k = 2, 4, 5, 3
     rnd = random_round(bs, D, H, V, seed=1, dtype=dtype)
-    sc, op_sc = DominoScorer(rnd, head, embed, k, 8, 1), OpDominoScorer(rnd, head, embed, k, 8, 1)
+    sc = DominoScorer(rnd, head, embed, k, 8, 1)
     states = torch.randn(bs, n, G).to(dtype)
     for d in range(1, D):
         lp = topm_corrected_score_ref(sc.zp[:, d], states, sc.w1s, sc.basec[:, d], sc.w2c[:, d])
@@ -67,9 +68,6 @@ def test_topm_corrected_score_is_the_domino_scorer(dtype):
         tokens, logprobs = sc.children(states, d)
         assert torch.equal(logprobs, top)
         assert torch.equal(tokens, torch.gather(sc.cand[:, d, None].expand(bs, n, 8), -1, local))
-    for d in range(D):
-        for got, want in zip(op_sc.children(states, d), sc.children(states, d)):
-            assert torch.equal(got, want)
 
 
 def naive_select(scores, tokens, parents, root, budget, mask_token_id):
@@ -228,6 +226,17 @@ def test_setup_is_the_domino_scorers_round_precompute(models, exported):
         assert np.allclose(got, want[0].numpy(), atol=1e-6, rtol=0)
 
 
+def session_runner(sessions):
+    """`run(stage, **feeds)` over bare InferenceSessions, as a StageRunner calls the exported scorer stages."""
+
+    def run(stage, **feeds):
+        sess = sessions[stage.removeprefix("domino.")]
+        outs = sess.run(None, {k: np.ascontiguousarray(torch.as_tensor(v).numpy()) for k, v in feeds.items()})
+        return {o.name: torch.from_numpy(a) for o, a in zip(sess.get_outputs(), outs)}
+
+    return run
+
+
 def assert_same_tree(a, b):
     for name in ("tokens", "parents", "depths", "mask"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
@@ -242,7 +251,7 @@ def test_heap_on_onnxruntime_scorer_is_the_torch_heap(models, exported, prefix_l
     for seed, budget in ((0, 5), (1, 12), (2, 30)):
         rnd = random_round(1, D, drafter.cfg.hidden_size, drafter.cfg.vocab_size, seed=seed)
         want = build_heap(DominoScorer(rnd, drafter.head, target.model.embed_tokens, K, TOPM, prefix_len), budget, D)
-        got = build_heap(OrtDominoScorer(sessions, rnd, K, prefix_len), budget, D)
+        got = build_heap(StageDominoScorer(session_runner(sessions), rnd, K, prefix_len), budget, D)
         assert len(got) == budget + 1
         assert_same_tree(got, want)
 
@@ -258,7 +267,7 @@ def test_heap_on_onnxruntime_scorer_over_the_full_vocabulary(models, exported, t
     for seed in range(3):
         rnd = random_round(1, D, drafter.cfg.hidden_size, drafter.cfg.vocab_size, seed=seed)
         want = build_heap(DominoScorer(rnd, drafter.head, target.model.embed_tokens, K, 0, 1), BUDGET, D)
-        assert_same_tree(build_heap(OrtDominoScorer(sessions, rnd, K, 1), BUDGET, D), want)
+        assert_same_tree(build_heap(StageDominoScorer(session_runner(sessions), rnd, K, 1), BUDGET, D), want)
 
 
 def frontier_matches(models, stage, sess, budget, k, topm):

@@ -8,39 +8,37 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import run_cli
+from helpers import pipe_for, run_cli, spec
 from onnx import TensorProto
 from test_export_scorer import single_node_session
 from test_methods import LINEAR_COST
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-from dtrt.exporter.parity import run_parity
 from dtrt.models.checkpoint import load_target
 from dtrt.models.hybrid import HybridTarget, tree_parents
-from dtrt.models.registry import tiny_hybrid_pair
 from dtrt.ops.tree_causal_conv1d import tree_causal_conv1d_ref
 from dtrt.ops.tree_gated_delta_net import chunk_gated_delta_rule, tree_gated_delta_net_ref
-from dtrt.runtime.methods import DraftConfig
-from dtrt.runtime.pipeline import build_pipeline
+from dtrt.parity.check import run_parity
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.tree import Tree
+from dtrt.zoo.registry import tiny_hybrid_pair
 
 PROMPTS = ["The cat sees ", "Every king walks ", "Some old man reads "]
 MAX_NEW = 48
 VARIANTS = [
-    DraftConfig("dflash"),
-    DraftConfig("domino"),
-    DraftConfig("ddtree"),
-    DraftConfig("caddtree", budget=32),
-    DraftConfig("dominotree"),
-    DraftConfig("dominotree", builder="frontier"),
-    DraftConfig("dominotree", arm="condstatic"),
+    spec("dflash"),
+    spec("domino"),
+    spec("ddtree"),
+    spec("caddtree", budget=32),
+    spec("dominotree"),
+    spec("dominotree", builder="frontier"),
+    spec("dominotree", arm="condstatic"),
 ]
 # a tree with fan-out at several depths, deeper than the conv kernel (node 11 sits at depth 6)
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5, 0, 7, 9, 10]
 
 
-def ids(d: DraftConfig) -> str:
+def ids(d) -> str:
     return f"{d.method}-{d.builder}-{d.arm}-b{d.budget}"
 
 
@@ -78,7 +76,6 @@ def hf_pair(tmp_path_factory):
     hf.save_pretrained(path)
     ours = load_target(path)
     assert isinstance(ours, HybridTarget)
-    ours.taps = [0, 2]
     return hf, ours
 
 
@@ -88,7 +85,7 @@ def test_prefill_tree_verify_and_commit_match_transformers(hf_pair):
     prompt = torch.randint(0, 100, (11,))
     ref = hf(prompt[None], output_hidden_states=True)
     cache = ours.new_cache(64)
-    logits, taps = ours(prompt, torch.arange(11), causal(11), cache)
+    logits, taps = ours(prompt, torch.arange(11), causal(11), cache, taps=(0, 2))
     assert (logits - ref.logits[0]).abs().max() < 1e-5
     assert (taps[:, :64] - ref.hidden_states[1][0]).abs().max() < 1e-5
     assert (taps[:, 64:] - ref.hidden_states[3][0]).abs().max() < 1e-5
@@ -227,14 +224,14 @@ def export(pair, tmp_path_factory):
 
 def pipeline(pair, export, draft, backend):
     if backend == "torch":
-        return build_pipeline(pair, draft)
-    return build_pipeline(None, draft, backend="onnxruntime", export=export.path, threads=1)
+        return pipe_for(pair, draft)
+    return pipe_for(None, draft, backend="onnxruntime", export=export.path, threads=1)
 
 
 def generate(pipe, flatten_tree=False):
     target = pipe.backend.target if pipe.backend.name == "torch" else pipe.backend
     target.flatten_tree = flatten_tree
-    if pipe.draft.method == "caddtree":  # a fixed cost curve: a measured one varies with machine load
+    if pipe.spec.method == "caddtree":  # a fixed cost curve: a measured one varies with machine load
         pipe.method.curve = LINEAR_COST
     return [
         pipe.generate(pipe.tokenizer.encode(p, add_special_tokens=False), MAX_NEW, SamplingConfig()) for p in PROMPTS
@@ -243,7 +240,7 @@ def generate(pipe, flatten_tree=False):
 
 @pytest.fixture(scope="module")
 def ar_tokens(pair):
-    return [g.tokens for g in generate(build_pipeline(pair, DraftConfig("ar")))]
+    return [g.tokens for g in generate(pipe_for(pair, spec("ar")))]
 
 
 def prefix_agreement(gens, ar_tokens):
@@ -256,7 +253,7 @@ def prefix_agreement(gens, ar_tokens):
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_every_method_gives_the_ar_tokens_with_drafts_accepted(pair, export, ar_tokens, backend):
-    assert [g.tokens for g in generate(pipeline(pair, export, DraftConfig("ar"), backend))] == ar_tokens
+    assert [g.tokens for g in generate(pipeline(pair, export, spec("ar"), backend))] == ar_tokens
     for draft in VARIANTS:
         gens = generate(pipeline(pair, export, draft, backend))
         assert [g.tokens for g in gens] == ar_tokens, ids(draft)
@@ -269,13 +266,13 @@ def test_every_method_gives_the_ar_tokens_with_drafts_accepted(pair, export, ar_
 def test_flattened_tree_negative_control_drifts(pair, export, ar_tokens, backend):
     """Updating the recurrent state as if the tree were one chain lets rejected siblings into the accepted path's
     state: the text leaves AR's within the first rounds, while tree-aware verification never does."""
-    for draft in (DraftConfig("ddtree"), DraftConfig("dominotree")):
+    for draft in (spec("ddtree"), spec("dominotree")):
         pipe = pipeline(pair, export, draft, backend)
         tree_aware = prefix_agreement(generate(pipe), ar_tokens)
         flattened = prefix_agreement(generate(pipe, flatten_tree=True), ar_tokens)
         assert tree_aware == [MAX_NEW] * len(PROMPTS), ids(draft)
         assert sum(flattened) < sum(tree_aware) / 4, (ids(draft), flattened)
-    chain = pipeline(pair, export, DraftConfig("dflash"), backend)  # a chain has no siblings: nothing to flatten
+    chain = pipeline(pair, export, spec("dflash"), backend)  # a chain has no siblings: nothing to flatten
     assert prefix_agreement(generate(chain, flatten_tree=True), ar_tokens) == [MAX_NEW] * len(PROMPTS)
 
 

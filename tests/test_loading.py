@@ -17,7 +17,7 @@ from dtrt.models.checkpoint import (
     target_state,
 )
 from dtrt.models.config import DrafterConfig, default_target_layer_ids
-from dtrt.models.registry import find_local, resolve
+from dtrt.zoo.registry import find_local, resolve
 
 
 def test_default_tap_formula():

@@ -4,42 +4,35 @@ import json
 import sys
 
 import pytest
+from helpers import PROMPTS, generate_all, pipe_for, spec
 
 from dtrt import cli
 from dtrt.runtime.calibrate import measure_cost_curve
-from dtrt.runtime.methods import DraftConfig
-from dtrt.runtime.pipeline import build_pipeline
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.tree import CostCurve
 
-PROMPTS = ["The cat sees ", "A quick fox ", "Every king walks ", "The moon is very ", "Some old man reads "]
 VARIANTS = [
-    DraftConfig("dflash"),
-    DraftConfig("domino"),
-    DraftConfig("ddtree"),
-    DraftConfig("caddtree", budget=32),
-    DraftConfig("dominotree"),
-    DraftConfig("dominotree", builder="frontier"),
-    DraftConfig("dominotree", arm="condstatic"),
-    DraftConfig("dominotree", arm="marg", builder="frontier"),
-    DraftConfig("dominotree", budget=4, node_topk=2, topm=0),
-    DraftConfig("cadominotree", budget=32),
+    spec("dflash"),
+    spec("domino"),
+    spec("ddtree"),
+    spec("caddtree", budget=32),
+    spec("dominotree"),
+    spec("dominotree", builder="frontier"),
+    spec("dominotree", arm="condstatic"),
+    spec("dominotree", arm="marg", builder="frontier"),
+    spec("dominotree", budget=4, node_topk=2, topm=0),
+    spec("cadominotree", budget=32),
 ]
-
-
-def generate_all(pipe, max_new=64):
-    ids = [pipe.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-    return [pipe.generate(i, max_new, SamplingConfig()) for i in ids]
 
 
 @pytest.fixture(scope="module")
 def ar_tokens(tiny):
-    return [g.tokens for g in generate_all(build_pipeline(tiny, DraftConfig("ar")))]
+    return [g.tokens for g in generate_all(pipe_for(tiny, spec("ar")))]
 
 
 @pytest.mark.parametrize("draft", VARIANTS, ids=lambda d: f"{d.method}-{d.builder}-{d.arm}-b{d.budget}")
 def test_exact_ar_tokens_with_accepted_drafts(tiny, ar_tokens, draft):
-    pipe = build_pipeline(tiny, draft)
+    pipe = pipe_for(tiny, draft)
     if draft.method in ("caddtree", "cadominotree"):  # a fixed cost curve: a measured one varies with load
         pipe.method.curve = LINEAR_COST
     gens = generate_all(pipe)
@@ -61,7 +54,7 @@ LINEAR_COST = CostCurve.fit({0: [(0, 1.0), (32, 2.0)]}, draft_cost=0.5)
 
 @pytest.mark.parametrize("method", ["caddtree", "cadominotree"])
 def test_cost_aware_methods_measure_their_cost_curve_and_adapt_the_budget(tiny, method):
-    pipe = build_pipeline(tiny, DraftConfig(method, budget=32))
+    pipe = pipe_for(tiny, spec(method, budget=32))
     ids = pipe.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     pipe.generate(ids, 4, SamplingConfig())
     curve = pipe.method.curve  # measured on this backend during the first generation
@@ -81,14 +74,14 @@ def test_cost_aware_methods_measure_their_cost_curve_and_adapt_the_budget(tiny, 
 
 def test_tree_methods_beat_chains(tiny):
     tau = {}
-    for d in (DraftConfig("dflash"), DraftConfig("dominotree")):
-        gens = generate_all(build_pipeline(tiny, d))
+    for d in (spec("dflash"), spec("dominotree")):
+        gens = generate_all(pipe_for(tiny, d))
         tau[d.method] = sum(g.tau for g in gens) / len(gens)
     assert tau["dominotree"] > tau["dflash"], tau
 
 
 def test_eos_and_max_new_tokens(tiny):
-    pipe = build_pipeline(tiny, DraftConfig("dominotree"))
+    pipe = pipe_for(tiny, spec("dominotree"))
     ids = pipe.tokenizer.encode("The cat ", add_special_tokens=False)
     for n in (1, 2, 5, 17):
         assert len(pipe.generate(ids, n, SamplingConfig()).tokens) == n

@@ -8,54 +8,44 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import generate_all, pipe_for, spec
 from test_loading import run_cli
-from test_methods import generate_all
 
 from dtrt import cli
+from dtrt.artifacts.export import load_export
+from dtrt.artifacts.files import write_manifest
 from dtrt.errors import DtrtError
-from dtrt.exporter.artifact import load_export
 from dtrt.exporter.stages import random_tree_mask
-from dtrt.runtime.methods import DraftConfig
-from dtrt.runtime.ort_backend import SCORER_STAGES, OrtBackend, PackedKV
-from dtrt.runtime.pipeline import build_pipeline
+from dtrt.runtime.backends.kv import PackedKV
+from dtrt.runtime.backends.onnxruntime import OrtBackend
+from dtrt.runtime.backends.stages import SCORER_STAGES
 
 VARIANTS = [
-    DraftConfig("dflash"),
-    DraftConfig("ddtree"),
-    DraftConfig("caddtree", budget=32),
-    DraftConfig("dominotree", arm="marg"),
-    DraftConfig("dominotree", arm="marg", builder="frontier"),
+    spec("dflash"),
+    spec("ddtree"),
+    spec("caddtree", budget=32),
+    spec("dominotree", arm="marg"),
+    spec("dominotree", arm="marg", builder="frontier"),
 ]
 DOMINO_VARIANTS = [
-    DraftConfig("domino"),
-    DraftConfig("dominotree"),
-    DraftConfig("dominotree", builder="frontier"),
-    DraftConfig("dominotree", arm="condstatic"),
-    DraftConfig("cadominotree", budget=32),
+    spec("domino"),
+    spec("dominotree"),
+    spec("dominotree", builder="frontier"),
+    spec("dominotree", arm="condstatic"),
+    spec("cadominotree", budget=32),
 ]
 
 
-def ids(d: DraftConfig) -> str:
+def ids(d) -> str:
     return f"{d.method}-{d.builder}-{d.arm}-b{d.budget}"
 
 
-@pytest.fixture(scope="module")
-def torch_tokens(tiny):
-    # the tiny model runs fastest on one thread, and several threads crawl on a busy machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return [g.tokens for g in generate_all(build_pipeline(tiny, DraftConfig("ar")))]
-    finally:
-        torch.set_num_threads(threads)
-
-
 def ort_pipeline(exp, draft):
-    return build_pipeline(None, draft, backend="onnxruntime", export=exp.path, threads=1)
+    return pipe_for(None, draft, backend="onnxruntime", export=exp.path, threads=1)
 
 
 def test_ar_matches_torch(tiny_export, torch_tokens):
-    gens = generate_all(ort_pipeline(tiny_export, DraftConfig("ar")))
+    gens = generate_all(ort_pipeline(tiny_export, spec("ar")))
     assert [g.tokens for g in gens] == torch_tokens
     assert all(r.accepted == 1 and r.tree_size == 1 for g in gens for r in g.rounds)
 
@@ -80,7 +70,7 @@ def test_methods_match_torch_with_accepted_drafts(tiny_export, torch_tokens, dra
 def test_domino_scorer_stages(tiny_export, torch_tokens, draft):
     if not set(SCORER_STAGES) <= tiny_export.manifest["stages"].keys():
         pytest.skip("the export has no Domino scorer stages")
-    pytest.importorskip("dtrt.runtime.ort_scorer")
+    pytest.importorskip("dtrt.runtime.backends.stage_scorer")
     pipe = ort_pipeline(tiny_export, draft)
     assert pipe.backend.kind == "domino"
     check_speculative(pipe, draft, torch_tokens)
@@ -88,7 +78,7 @@ def test_domino_scorer_stages(tiny_export, torch_tokens, draft):
 
 def test_stages_and_caches_match_torch(tiny, tiny_export):
     """Prefill, a partly accepted tree and a probe: outputs and both caches equal TorchBackend's."""
-    ref = build_pipeline(tiny, DraftConfig("ddtree")).backend
+    ref = pipe_for(tiny, spec("ddtree")).backend
     ort = OrtBackend(tiny_export, "dflash", threads=1)
     gen = torch.Generator().manual_seed(0)
     vocab = tiny_export.manifest["target"]["vocab_size"]
@@ -145,20 +135,20 @@ def test_stages_and_caches_match_torch(tiny, tiny_export):
 
 def test_packed_kv_appends():
     rng = np.random.default_rng(0)
-    cache = PackedKV(3, 2, 4, capacity=40, dtype=np.float32)
-    ref_k, ref_v = np.zeros((3, 2, 0, 4), np.float32), np.zeros((3, 2, 0, 4), np.float32)
+    cache = PackedKV(3, 2, 4, capacity=40, dtype=torch.float32)
+    ref_k, ref_v = torch.zeros((3, 2, 0, 4)), torch.zeros((3, 2, 0, 4))
     for n in (5, 1, 0, 3, 7, 2, 22):
-        k, v = rng.standard_normal((2, 3, 2, n, 4), dtype=np.float32)
+        k, v = torch.from_numpy(rng.standard_normal((2, 3, 2, n, 4), dtype=np.float32))
         cache.append(k, v)
-        ref_k, ref_v = np.concatenate((ref_k, k), axis=2), np.concatenate((ref_v, v), axis=2)
+        ref_k, ref_v = torch.cat((ref_k, k), dim=2), torch.cat((ref_v, v), dim=2)
         view_k, view_v = cache.view()
-        assert view_k.flags.c_contiguous and np.shares_memory(view_k, cache.k)
-        assert np.array_equal(view_k, ref_k) and np.array_equal(view_v, ref_v)
+        assert view_k.is_contiguous() and view_k.data_ptr() == cache.k.data_ptr()
+        assert torch.equal(view_k, ref_k) and torch.equal(view_v, ref_v)
     with pytest.raises(RuntimeError, match="overflow"):
         cache.append(k[:, :, :1], v[:, :, :1])
     cache.reset()
     cache.append(k[:, :, :2], v[:, :, :2])
-    assert np.array_equal(cache.view()[0], k[:, :, :2])
+    assert torch.equal(cache.view()[0], k[:, :, :2])
 
 
 # the CLI and bad exports
@@ -247,6 +237,9 @@ def test_truncated_file(broken, monkeypatch, capsys):
 def test_corrupt_graph_same_size(broken, monkeypatch, capsys):
     f = broken / "target.onnx"
     f.write_bytes(b"\xff" * f.stat().st_size)
+    expect_cli_error(monkeypatch, capsys, broken, str(f), "its sha256 differs from the manifest's", fix(broken))
+    # a manifest rewritten to match (an export written wrong): ONNX Runtime's own refusal
+    write_manifest(broken, json.loads((broken / "manifest.json").read_text()))
     expect_cli_error(monkeypatch, capsys, broken, str(f), "ONNX Runtime cannot load it", fix(broken))
 
 
@@ -317,26 +310,31 @@ def test_export_without_drafter(broken):
 
 
 def test_default_sources():
-    from dtrt.runtime.pipeline import DEFAULT_MODEL, source_defaults
+    from dtrt.launch import resolve_spec
+    from dtrt.zoo.registry import DEFAULT_MODEL
 
-    assert source_defaults(None, None, None, None, None) == (DEFAULT_MODEL, "onnxruntime")
-    assert source_defaults(None, None, None, None, "exp") == (None, "onnxruntime")
-    assert source_defaults("tiny", None, None, None, None) == ("tiny", "torch")
-    assert source_defaults(None, "dir", None, None, None) == (None, "torch")
-    assert source_defaults(None, None, None, "torch", None) == (DEFAULT_MODEL, "torch")
+    def sources(**flags):
+        s = resolve_spec(**flags)
+        return s.model, s.backend
+
+    assert sources() == (DEFAULT_MODEL, "onnxruntime")
+    assert sources(export="exp") == (None, "onnxruntime")
+    assert sources(model="tiny") == ("tiny", "torch")
+    assert sources(target="dir") == (None, "torch")
+    assert sources(backend="torch") == (DEFAULT_MODEL, "torch")
 
 
 def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
     tiny, tiny_export, tiny_export_int8, tmp_path, monkeypatch
 ):
     from dtrt import __version__
-    from dtrt.exporter import cache, export
-    from dtrt.models.registry import Pair
+    from dtrt.launch import first_use as cache
+    from dtrt.models.checkpoint import Pair
 
     monkeypatch.setenv("DTRT_CACHE", str(tmp_path))
     cached = tmp_path / "exports" / f"tiny-{__version__}"
     made = []
-    monkeypatch.setattr(export, "export_pair", lambda pair, out, model, **kw: made.append((pair, out, kw)) or "new")
+    monkeypatch.setattr(cache, "export_pair", lambda pair, out, model, **kw: made.append((pair, out, kw)) or "new")
     shutil.copytree(tiny_export.path, cached)  # made by an earlier dtrt with fp32 drafters: made again, int8
     logs = []
     assert cache.cached_export(tiny, "tiny", logs.append) == "new"

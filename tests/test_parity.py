@@ -10,7 +10,8 @@ import pytest
 import torch
 from helpers import run_cli
 
-from dtrt.exporter.parity import NS, PS, TOLERANCES, compare, reference_stages, run_parity
+from dtrt.artifacts.files import write_manifest
+from dtrt.parity.check import NS, PS, TOLERANCES, compare, reference_stages, run_parity
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,7 @@ def test_corrupted_onnx_weight_fails_that_stage(tiny_export, tmp_path, monkeypat
     copy = tmp_path / "export"
     shutil.copytree(tiny_export.path, copy)
     _corrupt_weight(copy / "target.onnx", "layers.0.mlp.down_proj.weight")
+    write_manifest(copy, json.loads((copy / "manifest.json").read_text()))  # as if exported wrong: hashes agree
     code, out, err = run_cli(monkeypatch, capsys, "parity", str(copy), "--random-only", "--json")
     assert code == 1
     result = json.loads(out)

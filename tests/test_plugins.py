@@ -133,13 +133,12 @@ def test_tree_causal_conv1d(dtype, atol, channels, kernel):
 
 @pytest.mark.gpu
 def test_device_kv_cache():
-    from dtrt.runtime.ort_backend import PackedKV
-    from dtrt.runtime.trt_backend import DevicePackedKV
+    from dtrt.runtime.backends.kv import DevicePackedKV, PackedKV
 
-    host, dev = PackedKV(3, 2, 8, 40, "float32"), DevicePackedKV(3, 2, 8, 40, torch.float32)
+    host, dev = PackedKV(3, 2, 8, 40, torch.float32), DevicePackedKV(3, 2, 8, 40, torch.float32, DEV)
     for n in (17, 1, 9):
         k, v = torch.randn(3, 2, n, 8), torch.randn(3, 2, n, 8)
-        host.append(k.numpy(), v.numpy())
+        host.append(k, v)
         dev.append(k.to(DEV), v.to(DEV))
     for a, b in zip(host.view(), dev.view()):
-        assert torch.equal(torch.from_numpy(a), b.cpu())
+        assert torch.equal(a, b.cpu())

@@ -11,14 +11,14 @@ import sys
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import pipe_for, run_cli, spec
 
-from dtrt.models.registry import Pair
+from dtrt.models.checkpoint import Pair
 from dtrt.runtime import terminal
-from dtrt.runtime.methods import METHODS, DraftConfig
-from dtrt.runtime.pipeline import build_pipeline
-from dtrt.runtime.requests import Request, TextStream, complete, encode
+from dtrt.runtime.requests import Request, encode
 from dtrt.runtime.sampling import SamplingConfig
+from dtrt.runtime.spec import METHODS
+from dtrt.runtime.text import TextStream, complete
 
 PROMPT = "The cat sees "
 CHAT_TEMPLATE = (
@@ -229,7 +229,7 @@ def test_ctrl_c_ends_the_generation_and_exits_130(tiny, monkeypatch, capsys):
 
 
 def test_interactive_loop(tiny, monkeypatch):
-    pipe = build_pipeline(tiny, DraftConfig("dominotree"))
+    pipe = pipe_for(tiny, spec("dominotree"))
     defaults = Request(max_new_tokens=24)
     full = complete(pipe, encode(pipe.tokenizer, Request("Some old man "), False), 24, SamplingConfig()).text
     shown, logged = [], []
@@ -275,7 +275,7 @@ def test_interactive_loop(tiny, monkeypatch):
 
 
 def test_interactive_loop_is_one_conversation_through_the_chat_template(tiny, monkeypatch):
-    pipe = build_pipeline(tiny, DraftConfig("dominotree"))
+    pipe = pipe_for(tiny, spec("dominotree"))
     monkeypatch.setattr(
         pipe.tokenizer,
         "chat_template",
@@ -319,11 +319,13 @@ def test_interactive_loop_is_one_conversation_through_the_chat_template(tiny, mo
 
 
 def test_budget_defaults_to_the_models_measured_one(tiny, monkeypatch, capsys):
-    from dtrt.runtime import pipeline
+    from dataclasses import replace
 
-    assert pipeline.default_budget("smollm2-135m") == 4 and pipeline.default_budget(None) == 16
+    from dtrt.zoo import registry
+
+    assert registry.default_budget("smollm2-135m") == 4 and registry.default_budget(None) == 16
     assert run_json(monkeypatch, capsys, "--max-new-tokens", "4", PROMPT)["budget"] == 16
-    monkeypatch.setitem(pipeline.MODEL_BUDGETS, "tiny", 3)
+    monkeypatch.setitem(registry.MODELS, "tiny", replace(registry.MODELS["tiny"], budget=3))
     out = run_json(monkeypatch, capsys, "--max-new-tokens", "24", PROMPT)
     assert out["budget"] == 3 and max(out["tree_sizes"]) == 4
     assert run_json(monkeypatch, capsys, "--budget", "5", "--max-new-tokens", "4", PROMPT)["budget"] == 5

@@ -5,9 +5,8 @@ import itertools
 
 import pytest
 import torch
+from helpers import pipe_for, spec
 
-from dtrt.runtime.methods import DraftConfig
-from dtrt.runtime.pipeline import build_pipeline
 from dtrt.runtime.sampling import SamplingConfig, target_probs
 
 PROMPTS = [
@@ -64,7 +63,7 @@ def chi_square_pvalue(counts: dict, dist: dict, n: int) -> float:
 def exact(tiny):
     """prompt -> (ids, exact distribution at T, the same at the wrong temperature 2.0), for prompts whose first
     three tokens are uncertain enough to test (at least 4 possible triples)."""
-    pipe = build_pipeline(tiny, DraftConfig("ar"))
+    pipe = pipe_for(tiny, spec("ar"))
     out = {}
     for prompt in PROMPTS:
         ids = pipe.tokenizer.encode(prompt, add_special_tokens=False)
@@ -86,7 +85,7 @@ def sample(pipe, ids, n=N, first_seed=0):
 
 @pytest.mark.parametrize("method", ["ar", "dflash", "domino", "ddtree", "caddtree", "dominotree"])
 def test_tokens_follow_target_distribution(tiny, exact, method):
-    pipe = build_pipeline(tiny, DraftConfig(method))
+    pipe = pipe_for(tiny, spec(method))
     # the prompt where this method's drafts are accepted most often (a short pilot run, other seeds)
     pilot = {p: sample(pipe, exact[p][0], PILOT, 10_000)[1] for p in exact} if method != "ar" else {}
     prompt = max(pilot, key=pilot.get) if pilot else next(iter(exact))
@@ -99,7 +98,7 @@ def test_tokens_follow_target_distribution(tiny, exact, method):
 
 
 def test_seed_reproducible(tiny):
-    pipe = build_pipeline(tiny, DraftConfig("dominotree"))
+    pipe = pipe_for(tiny, spec("dominotree"))
     ids = pipe.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     a, b = (pipe.generate(ids, 30, SamplingConfig(1.0, 0.95, 7)).tokens for _ in range(2))
     assert a == b and a != pipe.generate(ids, 30, SamplingConfig(1.0, 0.95, 8)).tokens

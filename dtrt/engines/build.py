@@ -6,20 +6,18 @@ cache shared by every stage (and kept, so a rebuild re-times nothing). The direc
 temporary name next to the output and renamed into place when complete.
 """
 
-import json
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dtrt import __version__
-from dtrt.engines.keys import Machine, engine_dir, first_line, probe_machine
-from dtrt.engines.manifest import FORMAT, TIMING_CACHE, Engine, export_digest, read_engine
+from dtrt.artifacts.engine import FORMAT, TIMING_CACHE, Engine, export_digest, read_engine
+from dtrt.artifacts.export import Export, load_export
+from dtrt.artifacts.files import staging, write_manifest
+from dtrt.artifacts.machine import Machine, engine_dir, first_line, probe_machine
+from dtrt.artifacts.verify import record_verified
 from dtrt.engines.profiles import Limits, onnx_signature, stage_profiles
 from dtrt.errors import DtrtError
-from dtrt.exporter.artifact import MANIFEST, Export, load_export, sha256
-from dtrt.exporter.export import _replace
 from dtrt.plugins import NAMESPACE, OPS, PLUGIN_VERSION, sources_sha256
 
 
@@ -83,23 +81,13 @@ def build_engines(export_dir, out_root, cfg: BuildConfig = BuildConfig(), force:
         raise DtrtError(f"--out {out_root}: {out} already exists; pass --force to rebuild it")
     stages = plan_stages(exp, cfg)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        old_cache = out / TIMING_CACHE
-        cache = _build_plans(
-            exp, stages, machine, cfg, tmp, old_cache.read_bytes() if old_cache.is_file() else b"", log
-        )
-        (tmp / TIMING_CACHE).write_bytes(cache)
+    old_cache = out / TIMING_CACHE
+    cache_bytes = old_cache.read_bytes() if old_cache.is_file() else b""
+    with staging(out) as tmp:
+        (tmp / TIMING_CACHE).write_bytes(_build_plans(exp, stages, machine, cfg, tmp, cache_bytes, log))
         manifest = engine_manifest(exp, machine, cfg, stages)
-        manifest["files"] = {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        _replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        write_manifest(tmp, manifest)
+    record_verified(out, manifest["files"])
     return read_engine(out)
 
 

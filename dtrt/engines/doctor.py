@@ -10,7 +10,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from dtrt import __version__
-from dtrt.engines.keys import TRT_INSTALL, cuda_status, first_line, tensorrt_status
+from dtrt.artifacts.machine import TRT_INSTALL, cuda_status, first_line, tensorrt_status
 from dtrt.plugins import NAMESPACE, OPS, PLUGIN_VERSION, triton_status
 
 

@@ -9,9 +9,9 @@ with N up to the whole context. The runtime picks the first profile that holds t
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtrt.artifacts.profiles import Profile
 from dtrt.errors import DtrtError
 
-Range = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 PREFILL_OPT = 256  # prompt length the prefill profile is tuned for
 
 
@@ -32,26 +32,6 @@ class Limits:
     def tree(self) -> int:
         """The most tokens one verify (or one context append) carries: the root and the largest tree."""
         return max(self.budget, self.k_draft) + 1
-
-
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    shapes: dict[str, Range]  # input -> (min, opt, max)
-
-    def holds(self, shapes: dict[str, tuple[int, ...]]) -> bool:
-        return all(
-            all(lo <= s <= hi for s, lo, hi in zip(shape, self.shapes[n][0], self.shapes[n][2]))
-            and len(shape) == len(self.shapes[n][0])
-            for n, shape in shapes.items()
-        )
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "shapes": {n: [list(r) for r in rng] for n, rng in self.shapes.items()}}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Profile":
-        return cls(d["name"], {n: tuple(tuple(r) for r in rng) for n, rng in d["shapes"].items()})
 
 
 def reads_prompt(stage: str) -> bool:
@@ -93,29 +73,6 @@ def stage_profiles(stage: str, inputs: dict[str, dict], limits: Limits) -> list[
         if not profiles or profile.shapes != profiles[0].shapes:
             profiles.append(profile)
     return profiles
-
-
-def select_profile(profiles: list[Profile], shapes: dict[str, tuple[int, ...]]) -> int:
-    """Index of the first profile that holds `shapes`; ValueError naming the input that fits none."""
-    for i, p in enumerate(profiles):
-        if p.holds(shapes):
-            return i
-    bad = next(n for n, s in shapes.items() if not any(p.holds({n: s}) for p in profiles))
-    ranges = " or ".join(f"{list(p.shapes[bad][0])}..{list(p.shapes[bad][2])}" for p in profiles)
-    raise ValueError(f"input {bad} of shape {list(shapes[bad])} is outside the engine's profiles ({ranges})")
-
-
-def max_shape(dims: list, profiles: list[Profile], inputs: dict[str, dict]) -> tuple[int, ...] | None:
-    """The largest shape an output with `dims` takes over `profiles` (None when a dim is not an input's)."""
-    largest: dict[str, int] = {}
-    for p in profiles:
-        for name, meta in inputs.items():
-            for d, hi in zip(meta["dims"], p.shapes[name][2]):
-                if isinstance(d, str):
-                    largest[d] = max(largest.get(d, 0), hi)
-    if any(isinstance(d, str) and d not in largest for d in dims):
-        return None
-    return tuple(d if isinstance(d, int) else largest[d] for d in dims)
 
 
 def onnx_signature(path: Path) -> tuple[dict, dict]:

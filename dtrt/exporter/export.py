@@ -1,23 +1,21 @@
 """`dtrt export`: a target and its drafters -> one ONNX graph per stage + manifest.json, written to a temporary
 directory next to the output and renamed into place only when complete."""
 
-import json
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 from dtrt import __version__
+from dtrt.artifacts.export import FORMAT, Export, load_export
+from dtrt.artifacts.files import checkpoint_hashes, staging, write_manifest
+from dtrt.artifacts.verify import record_verified
 from dtrt.errors import DtrtError
-from dtrt.exporter.artifact import FORMAT, MANIFEST, Export, checkpoint_hashes, load_export, sha256
 from dtrt.exporter.onnx_export import OPSET, export_stage
 from dtrt.exporter.quantize import check_drafter_quant, quantize_drafters
 from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.exporter.stages import drafter_stages, target_stage
-from dtrt.models.checkpoint import check_pair, load_drafter, load_target, parse_dtype
+from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import HybridConfig
-from dtrt.models.registry import Pair
 
 EXPORT_DTYPES = ("fp32", "fp16")  # ONNX Runtime has no bf16 CPU kernels
 TOKENIZER_FILES = (
@@ -51,9 +49,9 @@ def drafter_dims(d) -> dict:
     return dims
 
 
-def load_sources(target_path: Path, drafter_paths: dict, dtype):
-    """The target and its drafters (kind -> path; a directory given for both kinds is loaded once, under the
-    kind its head says), checked as a pair; the target taps what the drafters read."""
+def load_models(target_path: Path, drafter_paths: dict, dtype):
+    """(target, drafters, taps): the target and its drafters (kind -> (path, drafter); a directory given for both
+    kinds is loaded once, under the kind its head says), checked as a pair, and the target layers they read."""
     target = load_target(target_path, dtype)
     drafters = {}
     for kind, path in drafter_paths.items():
@@ -67,14 +65,13 @@ def load_sources(target_path: Path, drafter_paths: dict, dtype):
     taps = {tuple(d.cfg.target_layer_ids) for _, d in drafters.values()}
     if len(taps) > 1:
         raise DtrtError(f"the drafters tap different target layers {sorted(taps)}; export them separately")
-    target.taps = list(taps.pop()) if taps else []
-    return target, drafters
+    return target, drafters, (taps.pop() if taps else ())
 
 
-def pair_stages(target, drafters: dict, budget: int, topm: int, node_topk: int) -> list:
+def pair_stages(target, taps, drafters: dict, budget: int, topm: int, node_topk: int) -> list:
     """Every stage of an export, in manifest order: the target, then per drafter kind its context and block
     stages and, with a Domino head, the scorer and frontier stages."""
-    stages = [target_stage(target)]
+    stages = [target_stage(target, taps)]
     for kind, d in drafters.items():
         stages += drafter_stages(target, d, kind)
         if d.head is not None:
@@ -106,12 +103,11 @@ def export_pair(
         raise DtrtError("--max-context must be >= 2 and --budget >= 1")
     if out.exists() and not force:
         raise DtrtError(f"--out {out}: already exists; pass --force to replace it")
-    target, drafters = load_sources(pair.target, {"dflash": pair.dflash, "domino": pair.domino}, parse_dtype(dtype))
-    stages = pair_stages(target, {k: d for k, (_, d) in drafters.items()}, budget, topm, node_topk)
+    drafter_paths = {"dflash": pair.dflash, "domino": pair.domino}
+    target, drafters, taps = load_models(pair.target, drafter_paths, parse_dtype(dtype))
+    stages = pair_stages(target, taps, {k: d for k, (_, d) in drafters.items()}, budget, topm, node_topk)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staging(out) as tmp:
         stage_meta = {}
         for i, stage in enumerate(stages, 1):
             t0 = time.perf_counter()
@@ -152,7 +148,7 @@ def export_pair(
                 "num_layers": cfg.num_layers,
                 "num_kv_heads": cfg.num_kv_heads,
                 "head_dim": cfg.head_dim,
-                "taps": target.taps,
+                "taps": list(taps),
                 "eos_token_id": list(cfg.eos_token_id),
                 **(cfg.recurrent_dims() if isinstance(cfg, HybridConfig) else {}),
             },
@@ -160,31 +156,5 @@ def export_pair(
             "stages": stage_meta,
         }
         write_manifest(tmp, manifest)
-        _replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    record_verified(out, manifest["files"])  # just hashed while writing: the first load need not hash again
     return load_export(out)
-
-
-def write_manifest(tmp: Path, manifest: dict):
-    """manifest.json with the size and sha256 of every file under `tmp`; everything made world-readable."""
-    manifest["files"] = {
-        str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": sha256(f)}
-        for f in sorted(tmp.rglob("*"))
-        if f.is_file() and f != tmp / MANIFEST
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    for f in tmp.rglob("*"):
-        f.chmod(0o755 if f.is_dir() else 0o644)
-    tmp.chmod(0o755)
-
-
-def _replace(tmp: Path, out: Path):
-    """Move the finished export into place; an existing one is swapped out, then removed."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -9,7 +9,7 @@
     frontier         ph [bs, D, H], base [bs, D, V] fp32, root [bs]              build_frontier over DominoScorer
                      -> tokens, parents, depths [bs, N], scores [bs, N] fp32, mask [bs, N, N]
 
-The four scorer stages serve the host heap (OrtDominoScorer): it takes the top-k of the children's log-probs and
+The four scorer stages serve the host heap (StageDominoScorer): it takes the top-k of the children's log-probs and
 maps candidate indices to tokens through cand, and answers depths below prefix_len from the base marginal itself.
 The frontier stage is the whole builder (budget, node_topk, M and D fixed at export).
 M = topm, or the vocabulary when topm = 0: the split stages then renormalise over every token (DominoScorer's
@@ -25,21 +25,9 @@ from dtrt.models.domino import DominoHead
 from dtrt.models.drafter import Drafter
 from dtrt.models.target import Target
 from dtrt.ops.topm_corrected_score import topm_corrected_score
+from dtrt.scoring import DominoScorer
 from dtrt.tree.frontier import build_frontier
-from dtrt.tree.scorer import DominoScorer, Round
-
-
-class OpDominoScorer(DominoScorer):
-    """DominoScorer whose corrected depths go through the TopMCorrectedScore op (a dtrt node on export)."""
-
-    @torch.no_grad()
-    def children(self, states: torch.Tensor, depth: int):
-        if depth < self.prefix_len or not self.topm:
-            return super().children(states, depth)
-        bs, n = states.shape[:2]
-        logprobs = topm_corrected_score(self.zp[:, depth], states, self.w1s, self.basec[:, depth], self.w2c[:, depth])
-        lp, local = torch.topk(logprobs, self.k, dim=-1)
-        return torch.gather(self.cand[:, depth, None].expand(bs, n, self.topm), -1, local), lp
+from dtrt.tree.scorer import Round
 
 
 class HeadStage(nn.Module):
@@ -94,9 +82,7 @@ class FrontierStage(HeadStage):
         self.depth, self.mask_token_id = depth, mask_token_id
 
     def forward(self, ph, base, root):
-        scorer = OpDominoScorer(
-            Round(ph, base, root), self.head, self.embed, self.node_topk, self.topm, self.prefix_len
-        )
+        scorer = DominoScorer(Round(ph, base, root), self.head, self.embed, self.node_topk, self.topm, self.prefix_len)
         ft = build_frontier(scorer, self.budget, self.depth, self.mask_token_id)
         return ft.tokens, ft.parents, ft.depths, ft.scores, ft.mask
 

@@ -39,13 +39,13 @@ class ConcatCache:
 
 
 class TargetStage(nn.Module):
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, taps: tuple[int, ...]):
         super().__init__()
-        self.target = target
+        self.target, self.taps = target, tuple(taps)
 
     def forward(self, ids, positions, mask, past_k, past_v):
         cache = ConcatCache(past_k, past_v)
-        logits, hidden = self.target(ids, positions, mask, cache)
+        logits, hidden = self.target(ids, positions, mask, cache, taps=self.taps)
         return logits, hidden, torch.stack(cache.new_k), torch.stack(cache.new_v)
 
 
@@ -69,7 +69,7 @@ class ConcatHybridCache(ConcatCache):
 class HybridTargetStage(TargetStage):
     def forward(self, ids, positions, mask, parents, past_k, past_v, state, conv):
         cache = ConcatHybridCache(past_k, past_v, state, conv)
-        logits, hidden = self.target(ids, positions, mask, cache, parents)
+        logits, hidden = self.target(ids, positions, mask, cache, parents, taps=self.taps)
         return (
             logits,
             hidden,
@@ -181,11 +181,12 @@ def _block_example(stage, n, p, gen):
     }
 
 
-def target_stage(target: Target) -> Stage:
+def target_stage(target: Target, taps: tuple[int, ...]) -> Stage:
+    """The target's stage, returning the outputs of the decoder layers `taps` as its hidden states."""
     if isinstance(target, HybridTarget):
         return Stage(
             "target",
-            HybridTargetStage(target),
+            HybridTargetStage(target, taps),
             ["ids", "positions", "mask", "parents", "past_k", "past_v", "state", "conv"],
             ["logits", "hidden", "new_k", "new_v", "states", "windows"],
             {
@@ -200,7 +201,7 @@ def target_stage(target: Target) -> Stage:
         )
     return Stage(
         "target",
-        TargetStage(target),
+        TargetStage(target, taps),
         ["ids", "positions", "mask", "past_k", "past_v"],
         ["logits", "hidden", "new_k", "new_v"],
         {"ids": {0: "N"}, "positions": {0: "N"}, "mask": {0: "N", 1: "N"}, "past_k": {2: "P"}, "past_v": {2: "P"}},

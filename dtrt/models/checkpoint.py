@@ -3,6 +3,7 @@ model.safetensors.index.json). Tensor names and shapes are checked against the c
 built, and every problem is a one-line DtrtError naming the file."""
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +18,23 @@ from dtrt.models.target import Target
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class Pair:
+    """Checkpoint directories of a target and its drafters; the tokenizer lives with the target."""
+
+    target: Path
+    dflash: Path | None = None
+    domino: Path | None = None
+    missing_drafter: str | None = None  # why a named pair lacks a drafter and how to get one ({kind}, {dir})
+
+    def drafter_for(self, needs_head: bool) -> Path | None:
+        path = (self.domino or None) if needs_head else (self.dflash or self.domino)
+        if path is None and self.missing_drafter:
+            kind, folder = ("Domino", "domino") if needs_head else ("DFlash", "dflash")
+            raise DtrtError(self.missing_drafter.replace("{kind}", kind).replace("{dir}", folder))
+        return path
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -39,7 +57,9 @@ class Checkpoint:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
-                raise DtrtError(f"{index}: not a valid safetensors index ({e.__class__.__name__}); restore the file")
+                raise DtrtError(
+                    f"{index}: not a valid safetensors index ({e.__class__.__name__}); restore the file"
+                ) from None
             files = [self.path / f for f in sorted(set(weight_map.values()))]
         else:
             raise DtrtError(
@@ -57,7 +77,7 @@ class Checkpoint:
                         self.file_of[name] = f
                         self.shapes[name] = tuple(st.get_slice(name).get_shape())
             except Exception as e:  # safetensors raises several types for truncated or corrupt headers
-                raise DtrtError(f"{f}: not a readable safetensors file ({e}); re-download it")
+                raise DtrtError(f"{f}: not a readable safetensors file ({e}); re-download it") from None
         self.files = files
 
     def __contains__(self, name):

@@ -15,7 +15,9 @@ def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DtrtError(f"{path}: not valid JSON ({e.__class__.__name__}: {e}); restore the file from the checkpoint")
+        raise DtrtError(
+            f"{path}: not valid JSON ({e.__class__.__name__}: {e}); restore the file from the checkpoint"
+        ) from None
 
 
 def _rope_theta(cfg: dict, default: float) -> float:

@@ -226,7 +226,7 @@ class HybridDecoder(nn.Module):
 
 
 class HybridTarget(Target):
-    """Target's interface (forward, taps, new_cache); forward also takes the tree's `parents` (default: read
+    """Target's interface (forward, new_cache); forward also takes the tree's `parents` (default: read
     from the mask, which must be [N, N]: one tree for every row of a batch)."""
 
     def __init__(self, cfg: HybridConfig):
@@ -236,7 +236,7 @@ class HybridTarget(Target):
     def new_cache(self, capacity: int) -> HybridCache:
         return HybridCache(self.cfg, capacity, self.dtype, self.lm_head.weight.device)
 
-    def forward(self, ids, positions, mask, cache: HybridCache | None = None, parents=None):
+    def forward(self, ids, positions, mask, cache: HybridCache | None = None, parents=None, taps=()):
         if mask.dim() != 2:
             raise DtrtError(
                 "a hybrid target takes one [N, N] mask for the whole batch; per-row masks (left-padded "
@@ -253,8 +253,8 @@ class HybridTarget(Target):
         tapped = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, parents, cache)
-            if i in self.taps:
+            if i in taps:
                 tapped[i] = x
         logits = self.lm_head(self.model.norm(x)).float()
-        hidden = torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else x[..., :0]
+        hidden = torch.cat([tapped[i] for i in taps], dim=-1) if taps else x[..., :0]
         return logits, hidden

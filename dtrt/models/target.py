@@ -3,7 +3,7 @@
 forward(ids [N], positions [N], mask [N, N], cache) attends to the whole past in the cache plus the new
 tokens allowed by `mask` (the tree's ancestor mask; causal for prefill), writes the new K/V after the
 past, and returns fp32 logits [N, V] and the tapped hidden states [N, taps*H] (outputs of the decoder
-layers in `taps`, before the final norm). The cache only advances on `cache.commit(accepted)`.
+layers in `taps`, given per call, before the final norm). The cache only advances on `cache.commit(accepted)`.
 """
 
 import torch
@@ -92,7 +92,6 @@ class Target(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.taps: list[int] = []
 
     @property
     def dtype(self):
@@ -102,8 +101,9 @@ class Target(nn.Module):
         """An empty cache for one generation of at most `capacity` positions."""
         return KVCache(self.cfg, capacity, self.dtype, self.lm_head.weight.device)
 
-    def forward(self, ids, positions, mask, cache: KVCache | None = None):
-        """ids/positions [..., N], mask bool [..., N, N]; a cache prepends its past to the keys."""
+    def forward(self, ids, positions, mask, cache: KVCache | None = None, taps: tuple[int, ...] = ()):
+        """ids/positions [..., N], mask bool [..., N, N]; a cache prepends its past to the keys; `taps`: the decoder
+        layers whose outputs come back as the hidden states (what the drafter reads)."""
         x = self.model.embed_tokens(ids)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         if cache is not None:  # every new token sees the whole past
@@ -111,8 +111,8 @@ class Target(nn.Module):
         tapped = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, cache, i)
-            if i in self.taps:
+            if i in taps:
                 tapped[i] = x
         logits = self.lm_head(self.model.norm(x)).float()
-        hidden = torch.cat([tapped[i] for i in self.taps], dim=-1) if self.taps else x[..., :0]
+        hidden = torch.cat([tapped[i] for i in taps], dim=-1) if taps else x[..., :0]
         return logits, hidden

@@ -3,7 +3,8 @@
 import onnxscript
 import torch
 
-DOMAIN, VERSION = "dtrt", 1
+from dtrt.plugins import DOMAIN, VERSION
+
 OPSET = onnxscript.values.Opset(DOMAIN, VERSION)
 _FUNCTIONS: dict[str, onnxscript.OnnxFunction] = {}
 

@@ -131,7 +131,9 @@ def LedgerSelect(
         op.Concat(bs, op.Shape(nodes), op.Shape(nodes), axis=0),
     )
     cur = out_parents  # D parent hops: an ONNX Loop whose trip count is the ledger's depth
-    for unused_hop in range(op.Squeeze(op.Shape(scores, start=1, end=2))):
+    for unused_hop in range(  # noqa: B007 (onnxscript turns this loop into an ONNX Loop)
+        op.Squeeze(op.Shape(scores, start=1, end=2))
+    ):
         alive = op.GreaterOrEqual(cur, zero)
         mask = op.Or(mask, op.And(op.Equal(op.Unsqueeze(cur, [2]), nodes), op.Unsqueeze(alive, [2])))
         cur = op.Where(alive, op.GatherElements(out_parents, op.Max(cur, zero), axis=1), cur)

@@ -10,8 +10,8 @@ running an engine needs no Python. Importing this package needs neither Triton n
 import hashlib
 from pathlib import Path
 
-from dtrt.ops.base import DOMAIN, VERSION
-
+# the exported nodes' domain and version (dtrt.ops.base) are the plugins' namespace and version
+DOMAIN, VERSION = "dtrt", 1
 NAMESPACE, PLUGIN_VERSION = DOMAIN, str(VERSION)
 OPS = ("TreeAttention", "TopMCorrectedScore", "LedgerSelect", "TreeGatedDeltaNet", "TreeCausalConv1d")
 TRITON_INSTALL = 'pip install "dtrt[gpu]"'

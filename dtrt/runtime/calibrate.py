@@ -23,6 +23,8 @@ def measure_cost_curve(backend, max_nodes: int, repeats: int = 3) -> CostCurve:
     samples = {}
     for ctx in contexts:
         backend.time_verify(widths[-1], ctx)  # warm-up at this context
-        samples[ctx] = [(w - 1, _median_time(lambda: backend.time_verify(w, ctx), repeats)) for w in widths]
+        samples[ctx] = [
+            (w - 1, _median_time(lambda w=w, ctx=ctx: backend.time_verify(w, ctx), repeats)) for w in widths
+        ]
     draft_cost = _median_time(backend.time_draft, repeats)
     return CostCurve.fit(samples, draft_cost)

@@ -32,7 +32,7 @@ class DraftGraph:
         self.length.fill_(cache.length)
         if self.backend.device.type != "cuda":
             return self.step().tree(0)
-        key = (cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity)
+        key = self.backend.graph_key()
         if key != self.key:
             self._capture()
             self.key = key

@@ -1,10 +1,14 @@
-"""The one decode loop: draft -> build -> verify -> accept -> commit, for every method and backend."""
+"""The one decode loop: draft -> build -> verify -> accept -> commit, for every method and backend, as a stream of
+rounds. `generate` yields a Step per round (the prefill's first token, then each verify round's committed tokens);
+whoever iterates it decides when to stop early (stop strings, Ctrl-C, a cancelled request): it stops iterating."""
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.methods import Method
 from dtrt.runtime.sampling import SamplingConfig, choose
 from dtrt.tree import Tree, accept
@@ -21,12 +25,35 @@ class RoundStats:
 
 
 @dataclass
+class Step:
+    """What one round committed."""
+
+    tokens: list[int]  # cut after an EOS token and at max_new_tokens
+    stats: RoundStats | None = None  # None: the token chosen at prefill
+    prefill_s: float = 0.0  # on the prefill step: prompt forward, first choice, drafter context
+    end: str | None = None  # "eos" or "length" when the generation ends with this step
+
+
+@dataclass
 class Generation:
-    tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    stop_reason: str = "length"  # "eos" | "length" | whatever on_tokens returned ("stop", "cancelled")
+    stop_reason: str = "length"  # "eos" | "length" | "stop" | "cancelled" (the last two: set by the consumer)
+    _decode_t0: float = field(default=0.0, repr=False)
+
+    def add(self, step: Step):
+        """Take one step of the stream; decode time runs from the prefill step to the last step taken."""
+        now = time.perf_counter()
+        self.tokens += step.tokens
+        if step.stats is None:
+            self.prefill_s, self._decode_t0 = step.prefill_s, now
+        else:
+            self.rounds.append(step.stats)
+            self.decode_s = now - self._decode_t0
+        if step.end is not None:
+            self.stop_reason = step.end
 
     @property
     def tau(self) -> float:
@@ -43,51 +70,50 @@ def capacity_for(prompt_len: int, max_new_tokens: int, budget: int, block_size: 
     return prompt_len + max_new_tokens + max(budget, block_size) + 2
 
 
+def collect(steps: Iterator[Step]) -> Generation:
+    """The whole stream as one Generation."""
+    out = Generation()
+    for step in steps:
+        out.add(step)
+    return out
+
+
 @torch.no_grad()
 def generate(
-    backend,
+    backend: Backend,
     method: Method,
     prompt: list[int],
     max_new_tokens: int,
     sampling: SamplingConfig,
     eos: tuple[int, ...] = (),
     budget: int = 16,
-    on_tokens=None,
-) -> Generation:
-    """Generate up to `max_new_tokens` tokens after `prompt`; `on_tokens(list)` streams committed tokens and may
-    return a reason (e.g. "stop", "cancelled") to end the generation after this round with that stop_reason."""
+) -> Iterator[Step]:
+    """Up to `max_new_tokens` tokens after `prompt`, one Step per round."""
     drafter = backend.drafter if method.uses_drafter else None
     block = drafter.cfg.block_size if drafter is not None else 1
     backend.reset(capacity_for(len(prompt), max_new_tokens, budget, block))
-    # samples are drawn where the logits are (a CUDA torch backend keeps them on the device)
-    gen = torch.Generator(getattr(backend, "device", "cpu")).manual_seed(sampling.seed)
-    out = Generation(tokens=[])
+    gen = torch.Generator(backend.device).manual_seed(sampling.seed)  # samples are drawn where the logits are
+    produced = 0
+
+    def cut(tokens: list[int]) -> tuple[list[int], str | None]:
+        for i, t in enumerate(tokens):
+            if t in eos:
+                return tokens[: i + 1][: max_new_tokens - produced], "eos"
+        tokens = tokens[: max_new_tokens - produced]
+        return tokens, "length" if produced + len(tokens) >= max_new_tokens else None
 
     t0 = time.perf_counter()
     n = len(prompt)
-    logits, hidden = backend.target_forward(
-        torch.tensor(prompt), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
-    )
+    logits, hidden = backend.target_forward(torch.tensor(prompt), torch.arange(n), torch.ones(n, n).tril().bool())
     backend.commit(torch.arange(n))
     root = int(choose(logits[-1:], sampling, gen)[0])
     if drafter is not None:
         backend.draft_context(hidden, torch.arange(n))
         method.prepare(backend, drafter.cfg.k_draft)
-    out.prefill_s = time.perf_counter() - t0
-
-    def emit(tokens):
-        for i, t in enumerate(tokens):
-            if t in eos:
-                out.stop_reason = "eos"
-                return tokens[: i + 1]
-        return tokens
-
-    new = emit([root])[:max_new_tokens]
-    out.tokens += new
-    if on_tokens and (reason := on_tokens(new)):
-        out.stop_reason = reason
-    t_start = time.perf_counter()
-    while len(out.tokens) < max_new_tokens and out.stop_reason == "length":
+    tokens, end = cut([root])
+    produced += len(tokens)
+    yield Step(tokens, prefill_s=time.perf_counter() - t0, end=end)
+    while end is None:
         t0 = time.perf_counter()
         start = backend.past
         if drafter is not None:
@@ -101,14 +127,10 @@ def generate(
         t3 = time.perf_counter()
         backend.commit(accepted)
         if drafter is not None:
-            idx = torch.tensor(accepted)
-            backend.draft_context(hidden[idx], start + torch.arange(len(accepted)))
+            backend.draft_context(hidden[torch.tensor(accepted)], start + torch.arange(len(accepted)))
         t4 = time.perf_counter()
-        out.rounds.append(RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3))
-        new = emit(tree.tokens[accepted[1:]].tolist() + [bonus])[: max_new_tokens - len(out.tokens)]
-        out.tokens += new
-        if on_tokens and (reason := on_tokens(new)):
-            out.stop_reason = reason
+        stats = RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        tokens, end = cut(tree.tokens[accepted[1:]].tolist() + [bonus])
+        produced += len(tokens)
+        yield Step(tokens, stats, end=end)
         root = bonus
-    out.decode_s = time.perf_counter() - t_start
-    return out

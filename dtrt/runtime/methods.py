@@ -10,67 +10,18 @@ cadominotree  dominotree with caddtree's cost-aware stopping rule (heap builder;
 """
 
 import time
-from dataclasses import dataclass
 
 import torch
 
-from dtrt.errors import DtrtError
 from dtrt.runtime.calibrate import measure_cost_curve
-from dtrt.tree import Round, Tree, build_ddtree, build_frontier, build_heap
-from dtrt.tree.caddtree import CostAwareStop
-
-METHODS = ("ar", "dflash", "domino", "ddtree", "caddtree", "dominotree", "cadominotree")
-TREE_METHODS = ("dominotree", "cadominotree")  # Domino's per-path scorer: --builder, --arm, --node-topk
-BUILDERS = ("heap", "frontier")
-ARMS = ("dominotree", "condstatic", "marg")
-
-
-@dataclass
-class DraftConfig:
-    method: str = "dominotree"
-    budget: int = 16  # draft nodes per tree (verify width budget + 1); caddtree, cadominotree: the cap
-    builder: str = "heap"  # dominotree only (cadominotree: heap)
-    arm: str = "dominotree"
-    topm: int = 64  # Domino candidates per depth (0 = full vocabulary)
-    node_topk: int = 8  # children per node
-    cuda_graph: bool = False  # dominotree with the frontier: drafting + tree building replayed as one CUDA graph
-
-    def __post_init__(self):
-        for flag, value, allowed in (
-            ("--method", self.method, METHODS),
-            ("--builder", self.builder, BUILDERS),
-            ("--arm", self.arm, ARMS),
-        ):
-            if value not in allowed:
-                raise DtrtError(f"{flag} {value!r}: use one of {', '.join(allowed)}")
-        for flag, value, low in (
-            ("--budget", self.budget, 1),
-            ("--node-topk", self.node_topk, 1),
-            ("--topm", self.topm, 0),
-        ):
-            if value < low:
-                raise DtrtError(f"{flag} {value}: must be >= {low}")
-        if self.method == "cadominotree" and self.builder != "heap":
-            raise DtrtError(
-                f"--builder {self.builder}: cadominotree decides per node whether to grow the tree, "
-                f"which the host heap builder does; use --builder heap (or --method dominotree)"
-            )
-        if self.cuda_graph and (self.method != "dominotree" or self.builder != "frontier"):
-            given = f"--method {self.method}" if self.method != "dominotree" else f"--builder {self.builder}"
-            raise DtrtError(
-                f"--cuda-graph: captures DominoTree's fixed-shape frontier build, not {given}; use "
-                f"--method dominotree --builder frontier"
-            )
-
-    @property
-    def needs_head(self) -> bool:
-        return self.method == "domino" or (self.method in TREE_METHODS and self.arm != "marg")
+from dtrt.runtime.spec import RunSpec
+from dtrt.tree import CostAwareStop, Round, Tree, build_ddtree, build_heap
 
 
 class Method:
     uses_drafter = True
 
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: RunSpec):
         self.cfg = cfg
 
     def prepare(self, backend, max_depth: int):
@@ -152,11 +103,9 @@ class DominoTree(Method):
         return build_heap(backend.scorer(c.arm, rnd, c.node_topk, c.topm), c.budget, self.max_depth, self.stop(backend))
 
     def trees(self, backend, rnd):
-        """The frontier's FrontierTrees, still on the round's device."""
+        """The frontier's FrontierTrees, still on the round's device (on an export backend: one stage call)."""
         c = self.cfg
-        return build_frontier(
-            backend.scorer(c.arm, rnd, c.node_topk, c.topm), c.budget, self.max_depth, backend.drafter.cfg.mask_token_id
-        )
+        return backend.frontier(rnd, c.budget, c.arm, c.node_topk, c.topm, self.max_depth)
 
     def draft(self, backend, root, start):
         if self.graph is None:
@@ -169,7 +118,7 @@ class CaDominoTree(CostAware, DominoTree):
     pass
 
 
-def make_method(cfg: DraftConfig) -> Method:
+def make_method(cfg: RunSpec) -> Method:
     return {
         "ar": lambda: AR(cfg),
         "dflash": lambda: Chain(cfg, "marg"),

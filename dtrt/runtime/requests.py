@@ -1,14 +1,12 @@
-"""One request, as `dtrt run` and `dtrt serve` both take it: fields checked, the prompt rendered (chat template or
-raw text) and fitted to the backend's context, and the generation streamed as text cut before any stop string."""
+"""One request, as `dtrt run`, its JSONL lines, `dtrt serve` and `dtrt bench` take it: its fields checked in one
+place (make_request), the prompt rendered (chat template or raw text) and fitted to the backend's context."""
 
 import json
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtrt.errors import DtrtError
-from dtrt.runtime.generate import Generation
-from dtrt.runtime.methods import DraftConfig
 from dtrt.runtime.sampling import SamplingConfig
 
 MAX_STOPS = 16
@@ -32,21 +30,52 @@ class Request:
     stop: tuple[str, ...] = ()
 
 
-def check_stop(stop, param: str = "stop") -> tuple[str, ...]:
+# what each field is called where it comes from: the command line's flags, or OpenAI's JSON keys
+FLAGS = {
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "seed": "--seed",
+    "stop": "--stop",
+}
+KEYS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop"}
+
+
+def make_request(
+    *,
+    prompt: str | None = None,
+    messages: list[dict] | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop=(),
+    names: dict = FLAGS,
+) -> Request:
+    """A checked Request: the one place a request's values are validated, whether they come from flags (`names`
+    FLAGS), JSONL lines or HTTP bodies (KEYS) or the bench grid. Errors are RequestErrors naming the field as
+    `names` calls it."""
+
+    def bad(field: str, value, why: str):
+        name = names[field]
+        return RequestError(f"{name} {value}: {why}" if field != "stop" else f"{name}: {why}", name.lstrip("-"))
+
+    if max_new_tokens < 1:
+        raise bad("max_new_tokens", max_new_tokens, "must be >= 1")
+    if not temperature >= 0:
+        raise bad("temperature", temperature, "must be >= 0")
+    if not 0 < top_p <= 1:
+        raise bad("top_p", top_p, "must be in (0, 1]")
+    if not 0 <= seed < 2**63:
+        raise bad("seed", seed, "must be in [0, 2**63)")
     stops = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-        raise RequestError(f"{param}: must be a string or a list of strings", param)
+        raise bad("stop", stop, "must be a string or a list of strings")
     if any(s == "" for s in stops):
-        raise RequestError(f"{param}: an empty stop string would stop before the first token", param)
+        raise bad("stop", stop, "an empty stop string would stop before the first token")
     if len(stops) > MAX_STOPS:
-        raise RequestError(f"{param}: {len(stops)} stop strings, at most {MAX_STOPS}", param)
-    return tuple(stops)
-
-
-def check_seed(seed: int, param: str = "--seed") -> int:
-    if not 0 <= seed < 2**63:
-        raise RequestError(f"{param} {seed}: must be in [0, 2**63)", param.lstrip("-"))
-    return seed
+        raise bad("stop", stop, f"{len(stops)} stop strings, at most {MAX_STOPS}")
+    return Request(prompt, messages, max_new_tokens, SamplingConfig(temperature, top_p, seed), tuple(stops))
 
 
 def _number(body: dict, key: str, default, kind=float):
@@ -103,19 +132,17 @@ def parse_request(body, defaults: Request, known=()) -> Request:
     if messages is not None:
         messages = parse_messages(messages)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_new = _number(body, key, defaults.max_new_tokens, int)
-    if max_new < 1:
-        raise RequestError(f"{key} {max_new}: must be >= 1", key)
     s = defaults.sampling
-    temperature, top_p = _number(body, "temperature", s.temperature), _number(body, "top_p", s.top_p)
-    seed = check_seed(_number(body, "seed", s.seed, int), "seed")
-    try:
-        sampling = SamplingConfig(temperature, top_p, seed)
-    except DtrtError as e:
-        param = "temperature" if "--temperature" in str(e) else "top_p"
-        raise RequestError(str(e).replace(f"--{param.replace('_', '-')}", param), param) from None
-    stop = check_stop(body["stop"]) if body.get("stop") is not None else defaults.stop
-    return Request(prompt, messages, max_new, sampling, stop)
+    return make_request(
+        prompt=prompt,
+        messages=messages,
+        max_new_tokens=_number(body, key, defaults.max_new_tokens, int),
+        temperature=_number(body, "temperature", s.temperature),
+        top_p=_number(body, "top_p", s.top_p),
+        seed=_number(body, "seed", s.seed, int),
+        stop=body["stop"] if body.get("stop") is not None else defaults.stop,
+        names=KEYS | {"max_new_tokens": key},
+    )
 
 
 def read_requests(path: str, defaults: Request) -> list[tuple[int, object, Request]]:
@@ -189,126 +216,3 @@ def fit_prompt(
     except DtrtError as e:
         raise RequestError(str(e), "prompt" if room > 0 else flag) from None
     return ids
-
-
-class TextStream:
-    """Committed tokens in, text out: what may be shown so far, cut before the first stop string.
-
-    A suffix that could still grow into a stop string, and an incomplete UTF-8 character at the end (decoded as
-    U+FFFD), are held back until later tokens decide them, so nothing shown is ever taken back."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.tokens: list[int] = []
-        self.text = ""
-        self.sent = 0  # characters handed out
-        self.stopped = False
-
-    def _decode(self, tokens) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def _find_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
-
-    def _held(self, text: str) -> int:
-        held = len(text) - len(text.rstrip("\ufffd"))
-        for s in self.stop:
-            held = max(held, next((n for n in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:n])), 0))
-        return held
-
-    def _take(self, end: int) -> str:
-        delta, self.sent = self.text[self.sent : end], max(self.sent, end)
-        return delta
-
-    def push(self, tokens: list[int]) -> str:
-        """The text that may be shown after these tokens (possibly empty)."""
-        first = len(self.tokens)
-        self.tokens += tokens
-        self.text = self._decode(self.tokens)
-        hit = self._find_stop(self.text)
-        if hit is None:
-            return self._take(len(self.text) - self._held(self.text))
-        self.stopped = True
-        # keep the tokens up to the one that completes the stop string
-        n = next(
-            n
-            for n in range(first + 1, len(self.tokens) + 1)
-            if self._find_stop(self._decode(self.tokens[:n])) is not None
-        )
-        self.tokens, self.text = self.tokens[:n], self.text[:hit]
-        return self._take(hit)
-
-    def finish(self) -> str:
-        """The held-back rest, once the generation has ended."""
-        return "" if self.stopped else self._take(len(self.text))
-
-
-@dataclass
-class Completion:
-    text: str
-    generation: Generation  # tokens end with the token that completed a stop string, if one did
-    prompt_tokens: int
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.generation.tokens
-
-    @property
-    def stop_reason(self) -> str:
-        return self.generation.stop_reason
-
-    def to_json(self, draft: DraftConfig) -> dict:
-        out = self.generation
-        stage = {k: sum(getattr(r, f"{k}_s") for r in out.rounds) for k in ("draft", "build", "verify", "commit")}
-        return {
-            "tokens": out.tokens,
-            "text": self.text,
-            "tau": out.tau,
-            "tokens_per_s": out.tokens_per_s,
-            "rounds": len(out.rounds),
-            "method": draft.method,
-            "budget": draft.budget,
-            "prompt_tokens": self.prompt_tokens,
-            "prefill_s": out.prefill_s,
-            "decode_s": out.decode_s,
-            "stop_reason": out.stop_reason,
-            "stage_s": stage,
-            "accepted": [r.accepted for r in out.rounds],
-            "tree_sizes": [r.tree_size for r in out.rounds],
-        }
-
-
-def complete(
-    pipe,
-    ids: list[int],
-    max_new_tokens: int,
-    sampling: SamplingConfig,
-    stop: tuple[str, ...] = (),
-    on_text=None,
-    cancelled=None,
-) -> Completion:
-    """Generate after `ids`: `on_text(str)` receives the text as it becomes final, the output ends before the first
-    stop string (stop_reason "stop"), and `cancelled()` turning true ends it at the next round ("cancelled")."""
-    stream = TextStream(pipe.tokenizer, stop)
-
-    def on_tokens(tokens):
-        if on_text is not None or stop:
-            delta = stream.push(tokens)
-            if delta and on_text is not None:
-                on_text(delta)
-            if stream.stopped:
-                return "stop"
-        else:
-            stream.tokens += tokens
-        if cancelled is not None and cancelled():
-            return "cancelled"
-        return None
-
-    gen = pipe.generate(ids, max_new_tokens, sampling, on_tokens)
-    if on_text is None and not stop:
-        stream.text = stream._decode(stream.tokens)
-    rest = stream.finish()
-    if rest and on_text is not None:
-        on_text(rest)
-    return Completion(stream.text, replace(gen, tokens=stream.tokens), len(ids))

@@ -4,20 +4,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dtrt.errors import DtrtError
 
-
-@dataclass
+@dataclass(frozen=True)
 class SamplingConfig:
+    """The target's sampling (checked where a request is made: dtrt.runtime.requests.make_request)."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise DtrtError(f"--temperature {self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise DtrtError(f"--top-p {self.top_p}: must be in (0, 1]")
 
 
 def target_probs(logits, temperature: float, top_p: float):

@@ -6,7 +6,8 @@ import threading
 from dataclasses import replace
 
 from dtrt.errors import DtrtError
-from dtrt.runtime.requests import Completion, Request, RequestError, complete, encode, fit_prompt, has_chat_template
+from dtrt.runtime.requests import Request, RequestError, encode, fit_prompt, has_chat_template
+from dtrt.runtime.text import Completion, complete
 
 NEW_CHAT = "/new"
 
@@ -86,7 +87,7 @@ def repl(pipe, defaults: Request, chat: bool, truncate: bool, read_line, write, 
             log(f"error: {e}")
             continue
         write("\n")
-        log(stats_line(c, pipe.draft.method))
+        log(stats_line(c, pipe.spec.method))
         if history is not None:
             history += [{"role": "user", "content": line}, {"role": "assistant", "content": c.text}]
 

@@ -5,12 +5,13 @@ loop ends at its next round)."""
 import asyncio
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
 from dtrt.errors import DtrtError
-from dtrt.runtime.requests import complete
 from dtrt.runtime.sampling import SamplingConfig
+from dtrt.runtime.text import complete
 from dtrt.serve.metrics import Metrics
 
 
@@ -119,11 +120,11 @@ class Scheduler:
                 (lambda text: job.post("text", text)) if job.stream else None,
                 job.cancel.is_set,
             )
-        except DtrtError as e:
+        except DtrtError as e:  # the request's own fault (400)
             self.metrics.finished("error")
             return "error", e
-        except Exception as e:  # a bug or a backend failure: answer 500 and keep serving
-            self.log(f"generation failed: {e.__class__.__name__}: {e}")
+        except Exception as e:  # a backend fault or a bug (500): logged with its traceback, and serving goes on
+            self.log(f"generation failed: {e.__class__.__name__}: {e}\n{traceback.format_exc().rstrip()}")
             self.metrics.finished("error")
             return "error", e
         outcome = job.why if c.stop_reason == "cancelled" else "ok"

@@ -4,7 +4,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from dtrt.runtime.requests import Completion, Request, RequestError, parse_request
+from dtrt.runtime.requests import Request, RequestError, parse_request
+from dtrt.runtime.text import Completion
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
 # OpenAI parameters dtrt takes only at their neutral value: anything else would change the output silently

@@ -12,9 +12,10 @@ import signal
 import socket
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
-from dtrt.errors import DtrtError
+from dtrt.errors import BackendFault, DtrtError
 
 try:
     from aiohttp import web
@@ -96,8 +97,8 @@ class Server:
             else:
                 msg = f"{request.method} {request.path}: {e.reason}"
             return json_error(e.status, msg, code=str(e.status))
-        except Exception as e:  # a bug: a JSON 500 and one log line, never a traceback to the client
-            self.log(f"{request.method} {request.path}: {e.__class__.__name__}: {e}")
+        except Exception as e:  # a fault: a JSON 500 to the client, the traceback to the server's log
+            self.log(f"{request.method} {request.path}: {e.__class__.__name__}: {e}\n{traceback.format_exc().rstrip()}")
             return json_error(500, f"internal error ({e.__class__.__name__})", "server_error")
 
     # read-only endpoints
@@ -134,7 +135,9 @@ class Server:
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HttpError(400, f"the request body is not valid JSON ({getattr(e, 'msg', e.__class__.__name__)})")
+            raise HttpError(
+                400, f"the request body is not valid JSON ({getattr(e, 'msg', e.__class__.__name__)})"
+            ) from None
 
     def _job(self, body, chat: bool, loop) -> tuple[Job, object]:
         try:
@@ -184,7 +187,7 @@ class Server:
             if o.stream:
                 return await self._stream(request, job, rid, chat, o.include_usage, deadline)
             kind, value = await self._next(job, deadline, wait_for=("done", "error"))
-            return web.json_response(completion_body(rid, self.cfg.model_name, chat, value, self.pipe.draft.method))
+            return web.json_response(completion_body(rid, self.cfg.model_name, chat, value, self.pipe.spec.method))
         except asyncio.CancelledError:  # the client disconnected
             self.scheduler.withdraw(job, "cancelled")
             raise
@@ -209,7 +212,8 @@ class Server:
                     raise HttpError(503, "the server is shutting down", "unavailable")
                 if isinstance(value, DtrtError):
                     raise HttpError(400, str(value), param=getattr(value, "param", None))
-                raise HttpError(500, f"the generation failed ({value.__class__.__name__})", "server_error")
+                why = str(value) if isinstance(value, BackendFault) else value.__class__.__name__
+                raise HttpError(500, f"the generation failed ({why})", "server_error")
             if kind in wait_for:
                 return kind, value
 
@@ -296,7 +300,7 @@ def serve_forever(pipe, cfg: ServeConfig, sock: socket.socket, log):
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig.name)
-        await server.run(sock, stop, lambda: log(f"dtrt serve: {cfg.model_name} ({pipe.draft.method}) on {url}"))
+        await server.run(sock, stop, lambda: log(f"dtrt serve: {cfg.model_name} ({pipe.spec.method}) on {url}"))
         log("dtrt serve: stopped")
 
     asyncio.run(main())

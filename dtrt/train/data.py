@@ -58,20 +58,20 @@ def text_rows(tokenizer, text: str, T: int, max_rows: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy_labels_and_features(target, rows, batch: int, device, log=None):
-    """One batched causal forward per chunk of rows: (labels, features fp16)."""
+def greedy_labels_and_features(target, rows, batch: int, device, taps, log=None):
+    """One batched causal forward per chunk of rows: (labels, features fp16 of the layers `taps`)."""
     S, T = rows.shape
     mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     labels = torch.empty_like(rows)
     feats = None
     for i in range(0, S, batch):
         x = rows[i : i + batch].to(device)
-        logits, taps = target(x, torch.arange(T, device=device).expand_as(x), mask)
+        logits, hidden = target(x, torch.arange(T, device=device).expand_as(x), mask, taps=taps)
         labels[i : i + batch, 0] = rows[i : i + batch, 0]
         labels[i : i + batch, 1:] = logits[:, :-1].argmax(-1).cpu()
         if feats is None:
-            feats = torch.empty(S, T, taps.shape[-1], dtype=torch.float16)
-        feats[i : i + batch] = taps.to(torch.float16).cpu()
+            feats = torch.empty(S, T, hidden.shape[-1], dtype=torch.float16)
+        feats[i : i + batch] = hidden.to(torch.float16).cpu()
         if log:
             log(min(i + batch, S), S)
     return labels, feats

@@ -135,25 +135,30 @@ def build_data(target: Target, tokenizer, cfg: TrainConfig, corpus, prompts: lis
     if not rows:
         raise DtrtError("no training data: give --corpus PATH and/or --prompts FILE")
     tokens = torch.cat(rows)
-    target.taps = taps_for(target.cfg.num_layers)
-    labels, feats = greedy_labels_and_features(target, tokens, 8, cfg.device, log=progress("features"))
+    taps = taps_for(target.cfg.num_layers)
+    labels, feats = greedy_labels_and_features(target, tokens, 8, cfg.device, taps, log=progress("features"))
     return DrafterData(tokens, labels, torch.cat(lengths), feats)
 
 
 @torch.no_grad()
 def held_out_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[list[int]], cfg: TrainConfig) -> dict:
     """Mean tau of DominoTree and of the DFlash chain on held-out prompts, on the torch backend."""
-    from dtrt.runtime.generate import generate
-    from dtrt.runtime.methods import DraftConfig, make_method
+    from dtrt.runtime.backends.torch import TorchBackend
+    from dtrt.runtime.generate import collect, generate
+    from dtrt.runtime.methods import make_method
     from dtrt.runtime.sampling import SamplingConfig
-    from dtrt.runtime.torch_backend import TorchBackend
+    from dtrt.runtime.spec import RunSpec
 
     drafter.eval()
     backend = TorchBackend(target, drafter)
     out = {}
-    for name, d in (("dominotree", DraftConfig("dominotree")), ("dflash", DraftConfig("dflash"))):
-        method = make_method(d)
-        taus = [generate(backend, method, p, cfg.eval_tokens, SamplingConfig(), budget=d.budget).tau for p in prompts]
+    for name in ("dominotree", "dflash"):
+        spec = RunSpec(method=name)
+        method = make_method(spec)
+        taus = [
+            collect(generate(backend, method, p, cfg.eval_tokens, SamplingConfig(), budget=spec.budget)).tau
+            for p in prompts
+        ]
         out[name] = sum(taus) / len(taus)
     drafter.train()
     return out
@@ -218,7 +223,6 @@ def train_drafter(
         data = DrafterData(data.tokens[:-n], data.labels[:-n], data.lengths[:-n], data.feats[:-n])
 
     drafter = new_drafter(target, cfg, pick_mask_token(tokenizer, target.cfg.vocab_size)).to(cfg.device)
-    target.taps = drafter.cfg.target_layer_ids
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(cfg.seed)
     state = {"step": 0, "best": None, "history": []}

@@ -11,11 +11,6 @@ import math
 import statistics
 from dataclasses import dataclass
 
-import torch
-
-from dtrt.tree.ddtree import build_ddtree
-from dtrt.tree.tree import Tree
-
 
 @dataclass
 class CostCurve:
@@ -122,9 +117,3 @@ class CostAwareStop:
         self.phi += delta
         self.theta = theta
         return True
-
-
-def build_caddtree(
-    logprobs: torch.Tensor, curve: CostCurve, context_len: int, max_budget: int = 1024, root: int = 0
-) -> Tree:
-    return build_ddtree(logprobs, max_budget, CostAwareStop(curve, context_len), root=root)

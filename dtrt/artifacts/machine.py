@@ -1,4 +1,5 @@
-"""Engine keys: the machine a TensorRT plan is built for, and where its engine directory lives.
+"""The machine a TensorRT plan is built for (its engine key), where its engine directory lives, and what this
+machine has (TensorRT, CUDA devices).
 
 A plan runs only on the TensorRT version and GPU architecture it was built with, so engines are kept per
 machine: `<root>/<gpu-name>-sm<cc>-trt<version>-cu<cuda>/<model>/`.

@@ -31,19 +31,22 @@ from polygraphy.comparator import Comparator
 from polygraphy.datatype import DataType
 from polygraphy.logger import G_LOGGER
 
+from dtrt.artifacts.export import Export, check_source
+from dtrt.artifacts.files import MANIFEST
 from dtrt.errors import DtrtError
-from dtrt.exporter.artifact import MANIFEST, Export, check_source
-from dtrt.exporter.export import load_sources, pair_stages
+from dtrt.exporter.export import load_models, pair_stages
 from dtrt.exporter.stages import Stage
 from dtrt.models.checkpoint import parse_dtype
 from dtrt.models.hybrid import HybridCache, tree_parents
 from dtrt.models.tokenizer import load_tokenizer
-from dtrt.runtime.generate import generate
-from dtrt.runtime.methods import DraftConfig, make_method
-from dtrt.runtime.ort_backend import cpu_session
+from dtrt.runtime.backends.onnxruntime import cpu_session
+from dtrt.runtime.backends.torch import TorchBackend
+from dtrt.runtime.generate import collect, generate
+from dtrt.runtime.methods import make_method
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.torch_backend import TorchBackend
-from dtrt.tree import DominoScorer, Round
+from dtrt.runtime.spec import RunSpec
+from dtrt.scoring import DominoScorer
+from dtrt.tree import Round
 
 
 @dataclass(frozen=True)
@@ -82,11 +85,9 @@ def reference_stages(exp: Export) -> dict[str, Stage]:
     m, src = exp.manifest, exp.manifest["source"]
     drafter_paths = {kind: Path(d["path"]) for kind, d in src["drafters"].items()}
     check_source(exp, Path(src["target"]), drafters=drafter_paths)
-    target, drafters = load_sources(Path(src["target"]), drafter_paths, parse_dtype(m["dtype"]))
-    built = {
-        s.name: s
-        for s in pair_stages(target, {k: d for k, (_, d) in drafters.items()}, m["budget"], m["topm"], m["node_topk"])
-    }
+    target, drafters, taps = load_models(Path(src["target"]), drafter_paths, parse_dtype(m["dtype"]))
+    models = {k: d for k, (_, d) in drafters.items()}
+    built = {s.name: s for s in pair_stages(target, taps, models, m["budget"], m["topm"], m["node_topk"])}
     out = {}
     for name, meta in m["stages"].items():
         if name not in built:
@@ -266,24 +267,13 @@ def real_inputs(exp: Export, stages: dict[str, Stage], prompts: int) -> dict[str
         (kind, stages[f"{kind}.block"].module.drafter) for kind in m["source"]["drafters"] if f"{kind}.block" in stages
     ] or [("", None)]
     calls = defaultdict(list)
-    taps = list(target.taps)
-    try:
-        for kind, drafter in runs:
-            method = "ar" if drafter is None else "dominotree" if drafter.head is not None else "ddtree"
-            draft = DraftConfig(method, m["budget"], topm=m["topm"], node_topk=m["node_topk"])
-            for prompt in PROMPTS[:prompts]:
-                ids = tokenizer.encode(prompt, add_special_tokens=False)
-                generate(
-                    Recorder(target, drafter, kind, calls),
-                    make_method(draft),
-                    ids,
-                    MAX_NEW_TOKENS,
-                    SamplingConfig(),
-                    tuple(sorted(eos)),
-                    draft.budget,
-                )
-    finally:
-        target.taps = taps  # the backend sets the taps from the drafter; the reference keeps the export's
+    for kind, drafter in runs:
+        method = "ar" if drafter is None else "dominotree" if drafter.head is not None else "ddtree"
+        spec = RunSpec(method=method, budget=m["budget"], topm=m["topm"], node_topk=m["node_topk"])
+        for prompt in PROMPTS[:prompts]:
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
+            backend = Recorder(target, drafter, kind, calls)
+            collect(generate(backend, make_method(spec), ids, MAX_NEW_TOKENS, SamplingConfig(), tuple(sorted(eos))))
     for name, stage in stages.items():
         kind = name.split(".")[0]
         if name not in calls and f"{kind}.rows" in calls and set(stage.inputs) <= {"root", "ph", "base"}:

@@ -5,10 +5,7 @@ is word-like; both drafters are then distilled on the target's own greedy contin
 accepted. Everything is created once and cached on disk (write to a temp dir, then rename)."""
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -162,9 +159,9 @@ def greedy_continuations(target: Target, prompts, new_tokens: int):
 
 
 @torch.no_grad()
-def features(target: Target, seqs):
+def features(target: Target, seqs, taps):
     T = seqs.shape[1]
-    _, feats = target(seqs, torch.arange(T).expand_as(seqs), torch.ones(T, T, dtype=torch.bool).tril())
+    _, feats = target(seqs, torch.arange(T).expand_as(seqs), torch.ones(T, T, dtype=torch.bool).tril(), taps=taps)
     return feats
 
 
@@ -188,41 +185,35 @@ def init_weights(module: torch.nn.Module, std: float = 0.02):
 
 
 def build(path: Path, log=None, seed: int = 0):
-    """Create the tiny pair under `path` (target/, dflash/, domino/), atomically."""
+    """Create the tiny pair under `path` (target/, dflash/, domino/); the registry stages the directory."""
     torch.manual_seed(seed)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=path.parent))
-    try:
-        text = corpus(300_000, seed)
-        data = torch.tensor(encode(text))
-        target = init_weights(Target(TargetConfig.from_json(_write_json(tmp / "target.json", TARGET_CONFIG))))
-        train_target(target, data, seed=seed, log=log)
-        target.requires_grad_(False).eval()
+    tmp = Path(path)
+    tmp.mkdir(parents=True, exist_ok=True)
+    text = corpus(300_000, seed)
+    data = torch.tensor(encode(text))
+    target = init_weights(Target(TargetConfig.from_json(_write_json(tmp / "target.json", TARGET_CONFIG))))
+    train_target(target, data, seed=seed, log=log)
+    target.requires_grad_(False).eval()
 
-        gen = torch.Generator().manual_seed(seed + 1)
-        prompts = _batches(data, 31, 256, gen)[:, :32]
-        seqs = greedy_continuations(target, prompts, 64)
-        for kind in ("dflash", "domino"):
-            cfg_json = drafter_config(kind == "domino")
-            cfg = DrafterConfig.from_json(_write_json(tmp / f"{kind}.json", cfg_json))
-            target.taps = cfg.target_layer_ids
-            feats = features(target, seqs)
-            head = DominoHead(cfg.hidden_size, 32, 32, VOCAB) if kind == "domino" else None
-            drafter = init_weights(Drafter(cfg, head))
-            init_drafter_from_target(drafter, target)
-            if log:
-                log(f"distilling the {kind} drafter")
-            distill(target, drafter, seqs, feats, DistillConfig(steps=300, seed=seed), log=log)
-            save_checkpoint(tmp / kind, cfg_json, drafter_state(drafter))
-        save_checkpoint(tmp / "target", TARGET_CONFIG, target_state(target))
-        write_tokenizer(tmp / "target")
-        for f in ("target.json", "dflash.json", "domino.json"):
-            (tmp / f).unlink()
-        (tmp / "README.md").write_text(f"tiny pair v{TINY_VERSION}, dtrt {__version__}, seed {seed}\n")
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    gen = torch.Generator().manual_seed(seed + 1)
+    prompts = _batches(data, 31, 256, gen)[:, :32]
+    seqs = greedy_continuations(target, prompts, 64)
+    for kind in ("dflash", "domino"):
+        cfg_json = drafter_config(kind == "domino")
+        cfg = DrafterConfig.from_json(_write_json(tmp / f"{kind}.json", cfg_json))
+        feats = features(target, seqs, cfg.target_layer_ids)
+        head = DominoHead(cfg.hidden_size, 32, 32, VOCAB) if kind == "domino" else None
+        drafter = init_weights(Drafter(cfg, head))
+        init_drafter_from_target(drafter, target)
+        if log:
+            log(f"distilling the {kind} drafter")
+        distill(target, drafter, seqs, feats, DistillConfig(steps=300, seed=seed), log=log)
+        save_checkpoint(tmp / kind, cfg_json, drafter_state(drafter))
+    save_checkpoint(tmp / "target", TARGET_CONFIG, target_state(target))
+    write_tokenizer(tmp / "target")
+    for f in ("target.json", "dflash.json", "domino.json"):
+        (tmp / f).unlink()
+    (tmp / "README.md").write_text(f"tiny pair v{TINY_VERSION}, dtrt {__version__}, seed {seed}\n")
     return path
 
 

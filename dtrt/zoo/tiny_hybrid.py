@@ -3,21 +3,18 @@ one gated full-attention layer, dense MLPs) is trained briefly on tiny's seeded 
 (which also serves the DFlash methods) is distilled on the target's own greedy continuations, so drafts really get
 accepted. Written once in the Hugging Face layouts, to a temp dir and then renamed."""
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from dtrt import __version__
-from dtrt.models import tiny
 from dtrt.models.checkpoint import drafter_state, save_checkpoint, target_state
 from dtrt.models.config import DrafterConfig, TargetConfig
 from dtrt.models.domino import DominoHead
 from dtrt.models.drafter import Drafter
 from dtrt.models.hybrid import HybridCache, HybridTarget
 from dtrt.train.distill import DistillConfig, distill
+from dtrt.zoo import tiny
 
 TINY_HYBRID_VERSION = 1
 
@@ -52,39 +49,38 @@ TARGET_CONFIG = {
 
 
 def build(path: Path, log=None, seed: int = 0, target_steps: int = 200, distill_steps: int = 300):
-    """Create the tiny hybrid pair under `path` (target/, domino/), atomically."""
+    """Create the tiny hybrid pair under `path` (target/, domino/); the registry stages the directory."""
     torch.manual_seed(seed)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-hybrid-", dir=path.parent))
-    try:
-        data = torch.tensor(tiny.encode(tiny.corpus(300_000, seed)))
-        cfg = TargetConfig.from_json(tiny._write_json(tmp / "target.json", TARGET_CONFIG))
-        target = tiny.init_weights(HybridTarget(cfg))
-        tiny.train_target(target, data, steps=target_steps, seed=seed, log=log)
-        target.requires_grad_(False).eval()
+    tmp = Path(path)
+    tmp.mkdir(parents=True, exist_ok=True)
+    data = torch.tensor(tiny.encode(tiny.corpus(300_000, seed)))
+    cfg = TargetConfig.from_json(tiny._write_json(tmp / "target.json", TARGET_CONFIG))
+    target = tiny.init_weights(HybridTarget(cfg))
+    tiny.train_target(target, data, steps=target_steps, seed=seed, log=log)
+    target.requires_grad_(False).eval()
 
-        prompts = tiny._batches(data, 31, 256, torch.Generator().manual_seed(seed + 1))[:, :32]
-        seqs = greedy_continuations(target, prompts, 64)
-        cfg_json = tiny.drafter_config(domino=True)
-        dcfg = DrafterConfig.from_dict(cfg_json)
-        target.taps = dcfg.target_layer_ids
-        drafter = tiny.init_weights(Drafter(dcfg, DominoHead(dcfg.hidden_size, 32, 32, tiny.VOCAB)))
-        with torch.no_grad():  # the drafter's final norm starts as the target's (stored as an offset from one)
-            drafter.norm.weight.copy_(1 + target.model.norm.weight)
-        if log:
-            log("distilling the domino drafter")
-        distill(
-            target, drafter, seqs, tiny.features(target, seqs), DistillConfig(steps=distill_steps, seed=seed), log=log
-        )
-        save_checkpoint(tmp / "domino", cfg_json, drafter_state(drafter))
-        save_checkpoint(tmp / "target", TARGET_CONFIG, target_state(target))
-        tiny.write_tokenizer(tmp / "target")
-        (tmp / "target.json").unlink()
-        (tmp / "README.md").write_text(f"tiny-hybrid pair v{TINY_HYBRID_VERSION}, dtrt {__version__}, seed {seed}\n")
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    prompts = tiny._batches(data, 31, 256, torch.Generator().manual_seed(seed + 1))[:, :32]
+    seqs = greedy_continuations(target, prompts, 64)
+    cfg_json = tiny.drafter_config(domino=True)
+    dcfg = DrafterConfig.from_dict(cfg_json)
+    drafter = tiny.init_weights(Drafter(dcfg, DominoHead(dcfg.hidden_size, 32, 32, tiny.VOCAB)))
+    with torch.no_grad():  # the drafter's final norm starts as the target's (stored as an offset from one)
+        drafter.norm.weight.copy_(1 + target.model.norm.weight)
+    if log:
+        log("distilling the domino drafter")
+    distill(
+        target,
+        drafter,
+        seqs,
+        tiny.features(target, seqs, dcfg.target_layer_ids),
+        DistillConfig(steps=distill_steps, seed=seed),
+        log=log,
+    )
+    save_checkpoint(tmp / "domino", cfg_json, drafter_state(drafter))
+    save_checkpoint(tmp / "target", TARGET_CONFIG, target_state(target))
+    tiny.write_tokenizer(tmp / "target")
+    (tmp / "target.json").unlink()
+    (tmp / "README.md").write_text(f"tiny-hybrid pair v{TINY_HYBRID_VERSION}, dtrt {__version__}, seed {seed}\n")
     return path
 
 

@@ -3,14 +3,12 @@ model.safetensors, config.json, generation_config.json and the tokenizer with it
 the `gguf` package reads and dequantizes the file."""
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dtrt.artifacts.files import staging
 from dtrt.errors import DtrtError
 
 LAYER_TENSORS = {
@@ -150,16 +148,14 @@ def write_tokenizer(f: dict, path: Path):
 
 
 def convert(gguf_path: Path, out: Path, log=None) -> Path:
-    """Write the HF checkpoint directory `out` from `gguf_path`, atomically: a temporary sibling, then a rename."""
+    """Write the HF checkpoint directory `out` from `gguf_path`, staged (a temporary sibling, then a rename)."""
     from gguf import GGUFReader
     from safetensors.torch import save_file
 
     reader = GGUFReader(str(gguf_path))
     f = read_fields(reader)
     cfg = llama_config(f, has_output=any(t.name == "output.weight" for t in reader.tensors))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with staging(out) as tmp:
         tmp.chmod(0o755)
         state = read_weights(reader, cfg, log)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -167,11 +163,4 @@ def convert(gguf_path: Path, out: Path, log=None) -> Path:
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         write_tokenizer(f, tmp)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not (out / "config.json").is_file():  # not a concurrent conversion that finished first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

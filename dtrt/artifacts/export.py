@@ -1,29 +1,15 @@
 """The export directory contract: `manifest.json` next to one ONNX file per stage, checked on every load."""
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from dtrt import __version__
+from dtrt.artifacts.files import MANIFEST, checkpoint_hashes
+from dtrt.artifacts.verify import check_files
 from dtrt.errors import DtrtError
 
 FORMAT = "dtrt-export"
-MANIFEST = "manifest.json"
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def checkpoint_hashes(path: Path) -> dict[str, str]:
-    """sha256 of config.json and every safetensors file (and index) of a checkpoint directory."""
-    names = sorted(p.name for p in path.iterdir() if p.name == "config.json" or ".safetensors" in p.name)
-    return {n: sha256(path / n) for n in names}
 
 
 @dataclass
@@ -37,6 +23,14 @@ class Export:
     @property
     def drafters(self) -> dict:
         return self.manifest.get("drafters", {})
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    @property
+    def max_context(self) -> int:
+        return int(self.manifest["max_context"])
 
     def fix_hint(self, **changes) -> str:
         """The `dtrt export` command that rewrites this export with its recorded flags (and any `changes`)."""
@@ -55,39 +49,37 @@ class Export:
         return f"dtrt export {how}{opts} --out {self.path} --force"
 
 
-def load_export(path, verify_hashes: bool = False) -> Export:
-    """Read and check an export directory: manifest present and from this dtrt, every file present with its
-    recorded size (and sha256 when asked). Errors name the file and the command that fixes it."""
-    path = Path(path)
+def read_manifest(path: Path, fmt: str, what: str, how: str) -> dict:
+    """The manifest of the artifact directory `path` (`what` it should be) in format `fmt`; `how` makes one."""
     mpath = path / MANIFEST
-    rerun = f"re-export it with `dtrt export ... --out {path} --force`"
-    if not path.is_dir():
-        raise DtrtError(f"{path}: export directory not found; create it with `dtrt export --model NAME --out {path}`")
     if not mpath.is_file():
-        raise DtrtError(f"{mpath}: not found, so {path} is not a complete dtrt export; {rerun}")
+        raise DtrtError(f"{mpath}: not found, so {path} is not {what}; {how}")
     try:
         manifest = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DtrtError(f"{mpath}: not valid JSON ({e.__class__.__name__}); {rerun}")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DtrtError(f"{mpath}: not a dtrt export manifest; {rerun}")
+        raise DtrtError(f"{mpath}: not valid JSON ({e.__class__.__name__}); {how}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise DtrtError(f"{mpath}: not a {fmt.replace('-', ' ')} manifest; {how}")
+    return manifest
+
+
+def load_export(path, full_check: bool = False) -> Export:
+    """Read and check an export directory: manifest present and from this dtrt, every file present with its
+    recorded size and sha256 (hashed where the file changed since it was last verified; every file when
+    `full_check`). Errors name the file and the command that fixes it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DtrtError(f"{path}: export directory not found; create it with `dtrt export --model NAME --out {path}`")
+    manifest = read_manifest(
+        path, FORMAT, "a complete dtrt export", f"re-export it with `dtrt export ... --out {path} --force`"
+    )
     exp = Export(path, manifest)
     if manifest.get("dtrt_version") != __version__:
         raise DtrtError(
-            f"{mpath}: written by dtrt {manifest.get('dtrt_version')}, this is dtrt {__version__}; "
+            f"{path / MANIFEST}: written by dtrt {manifest.get('dtrt_version')}, this is dtrt {__version__}; "
             f"re-export with `{exp.fix_hint()}`"
         )
-    for name, meta in manifest.get("files", {}).items():
-        f = path / name
-        if not f.is_file():
-            raise DtrtError(f"{f}: missing from the export; re-export with `{exp.fix_hint()}`")
-        if f.stat().st_size != meta["size"]:
-            raise DtrtError(
-                f"{f}: {f.stat().st_size} bytes, the manifest records {meta['size']} (truncated or "
-                f"modified); re-export with `{exp.fix_hint()}`"
-            )
-        if verify_hashes and sha256(f) != meta["sha256"]:
-            raise DtrtError(f"{f}: sha256 differs from the manifest (modified); re-export with `{exp.fix_hint()}`")
+    check_files(path, manifest.get("files", {}), f"re-export with `{exp.fix_hint()}`", full=full_check)
     return exp
 
 

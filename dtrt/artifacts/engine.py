@@ -1,14 +1,15 @@
 """The engine directory contract (DESIGN.md section 4): one plan per stage, the timing cache and
 manifest.json, checked against the machine before any plan is deserialized."""
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from dtrt import __version__
-from dtrt.engines.keys import LABELS, Machine
+from dtrt.artifacts.export import Export, load_export, read_manifest
+from dtrt.artifacts.files import MANIFEST, sha256
+from dtrt.artifacts.machine import LABELS, Machine
+from dtrt.artifacts.verify import check_files
 from dtrt.errors import DtrtError
-from dtrt.exporter.artifact import MANIFEST, Export, load_export, sha256
 
 FORMAT = "dtrt-engine"
 TIMING_CACHE = "timing.cache"
@@ -41,30 +42,18 @@ def export_digest(exp: Export) -> str:
     return sha256(exp.path / MANIFEST)
 
 
-def read_engine(path) -> Engine:
-    """Read an engine directory's manifest and check that its files are all there, as written."""
+def read_engine(path, full_check: bool = False) -> Engine:
+    """Read an engine directory's manifest and check its files against it (as load_export does)."""
     path = Path(path)
-    mpath = path / MANIFEST
     build = "build it with `dtrt build-engine EXPORT_DIR --out DIR`"
-    if not mpath.is_file():
-        raise DtrtError(f"{mpath}: not found, so {path} is not a dtrt engine directory; {build}")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DtrtError(f"{mpath}: not valid JSON ({e.__class__.__name__}); {build}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DtrtError(f"{mpath}: not a dtrt engine manifest; {build}")
+    manifest = read_manifest(path, FORMAT, "a dtrt engine directory", build)
     eng = Engine(path, manifest)
     if manifest.get("dtrt_version") != __version__:
         raise DtrtError(
-            f"{mpath}: written by dtrt {manifest.get('dtrt_version')}, this is dtrt {__version__}; "
+            f"{path / MANIFEST}: written by dtrt {manifest.get('dtrt_version')}, this is dtrt {__version__}; "
             f"rebuild with `{eng.rebuild_hint()}`"
         )
-    for name, meta in manifest["files"].items():
-        f = path / name
-        if not f.is_file() or f.stat().st_size != meta["size"]:
-            what = "missing" if not f.is_file() else f"{f.stat().st_size} bytes, the manifest records {meta['size']}"
-            raise DtrtError(f"{f}: {what}; rebuild with `{eng.rebuild_hint()}`")
+    check_files(path, manifest["files"], f"rebuild with `{eng.rebuild_hint()}`", full=full_check)
     return eng
 
 
@@ -127,3 +116,14 @@ def resolve_engine_dir(path, machine: Machine, model: str | None = None) -> Path
         f"{keyed}: holds engines for {', '.join(models)}; pass --export {keyed}/NAME"
         + (f" (none is for {model!r})" if model else "")
     )
+
+
+def open_engine(path, model: str | None = None) -> tuple[Engine, Export]:
+    """The engine directory at `path` (or this machine's under the root `path`), checked against this machine,
+    this dtrt's plugin kernels and its export; returns it with the export."""
+    from dtrt.artifacts.machine import probe_machine
+    from dtrt.plugins import sources_sha256
+
+    machine = probe_machine("--backend tensorrt")
+    engine = read_engine(resolve_engine_dir(path, machine, model))
+    return engine, check_engine(engine, machine, sources_sha256())

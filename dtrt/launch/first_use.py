@@ -6,9 +6,11 @@ unchanged), checked against the checkpoints on every load and made again when th
 from pathlib import Path
 
 from dtrt import __version__
+from dtrt.artifacts.export import Export, check_source, load_export
+from dtrt.artifacts.files import MANIFEST, cache_dir
 from dtrt.errors import DtrtError
-from dtrt.exporter.artifact import MANIFEST, Export, check_source, load_export
-from dtrt.models.registry import Pair, cache_dir
+from dtrt.exporter.export import export_pair
+from dtrt.models.checkpoint import Pair
 
 DRAFTER_QUANT = "int8"
 
@@ -26,7 +28,5 @@ def cached_export(pair: Pair, model: str, log=None) -> Export:
             return exp
         except DtrtError as e:
             log(f"{path}: out of date ({e}); exporting again")
-    from dtrt.exporter.export import export_pair
-
     log(f"exporting {model} to ONNX in {path} (first use only)")
     return export_pair(pair, Path(path), model, force=True, drafter_quant=DRAFTER_QUANT, log=log)

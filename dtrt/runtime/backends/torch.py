@@ -6,18 +6,29 @@ import torch
 
 from dtrt.models.drafter import DraftCache, Drafter
 from dtrt.models.target import KVCache, Target
-from dtrt.tree import CondStaticScorer, DominoScorer, MarginalScorer, Round
+from dtrt.runtime.backends.base import Backend
+from dtrt.scoring import CondStaticScorer, DominoScorer
+from dtrt.tree import FrontierTrees, MarginalScorer, Round, build_frontier
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     name = "torch"
 
-    def __init__(self, target: Target, drafter: Drafter | None = None, device: str | torch.device | None = None):
-        """The models are moved to `device` (default: where the target is)."""
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        device: str | torch.device | None = None,
+        max_context: int | None = None,
+        context_source: str = "",
+    ):
+        """The models are moved to `device` (default: where the target is); the target taps the layers the drafter
+        reads."""
         self.device = torch.device(device) if device is not None else target.lm_head.weight.device
         self.target = target.to(self.device)
         self.drafter = drafter.to(self.device) if drafter is not None else None
-        target.taps = list(drafter.cfg.target_layer_ids) if drafter is not None else []
+        self.taps = tuple(drafter.cfg.target_layer_ids) if drafter is not None else ()
+        self.max_context, self.context_source = max_context, context_source
         self.cache: KVCache | None = None
         self.draft_cache: DraftCache | None = None
 
@@ -25,8 +36,11 @@ class TorchBackend:
     def past(self) -> int:
         return self.cache.past
 
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
     def reset(self, capacity: int):
-        """Fresh caches for one generation of at most `capacity` positions (prompt + output + one tree)."""
         if self.cache is None or self.cache.capacity < capacity:
             self.cache = self.target.new_cache(capacity)
             if self.drafter is not None:
@@ -38,9 +52,8 @@ class TorchBackend:
     # target stages
     @torch.no_grad()
     def target_forward(self, ids, positions, mask):
-        """Logits [N, V] fp32 and tapped hidden states [N, taps*H]; the new K/V sit after the past, uncommitted."""
         dev = self.device
-        return self.target(ids.to(dev), positions.to(dev), mask.to(dev), self.cache)
+        return self.target(ids.to(dev), positions.to(dev), mask.to(dev), self.cache, taps=self.taps)
 
     def commit(self, accepted):
         self.cache.commit(accepted)
@@ -48,13 +61,11 @@ class TorchBackend:
     # drafter stages
     @torch.no_grad()
     def draft_context(self, hidden, positions):
-        self.draft_cache.append(
-            self.drafter.context_kv(hidden.to(self.device, self.drafter.dtype), positions.to(self.device))
-        )
+        kv = self.drafter.context_kv(hidden.to(self.device, self.drafter.dtype), positions.to(self.device))
+        self.draft_cache.append(kv)
 
     @torch.no_grad()
     def draft_block(self, root: int, start: int):
-        """(ph [k_draft, H], base logits [k_draft, V] fp32) for the block rooted at `root`, position `start`."""
         cfg = self.drafter.cfg
         ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long)
         ids[0] = root
@@ -76,13 +87,17 @@ class TorchBackend:
         ctx = [(cache.k[i], cache.v[i]) for i in range(cfg.num_layers)]
         return self._block(ids, positions, ctx, mask)
 
+    def graph_key(self) -> tuple:
+        """What a captured drafting graph depends on: the draft cache's buffers (re-captured when they change)."""
+        cache = self.draft_cache
+        return (cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity)
+
     def _block(self, ids, positions, ctx, mask=None):
         x = self.target.model.embed_tokens(ids).to(self.drafter.dtype)
         ph = self.drafter.proposal_rows(self.drafter.block(x, positions, ctx, mask))
         return ph, self.target.lm_head(ph.to(self.target.dtype)).float()
 
     def scorer(self, arm: str, rnd: Round, k: int, topm: int):
-        """The Domino scorer stage (or the marginal one) over one round's drafter rows."""
         if arm == "marg":
             return MarginalScorer(rnd, k)
         cls = {"dominotree": DominoScorer, "condstatic": CondStaticScorer}[arm]
@@ -90,11 +105,10 @@ class TorchBackend:
             rnd, self.drafter.head, self.target.model.embed_tokens, k, topm, self.drafter.cfg.pure_draft_prefix_len
         )
 
-    # cost probes for CaDDTree: they write only past the committed entries, which the next forward overwrites
-    @property
-    def capacity(self) -> int:
-        return self.cache.capacity
+    def frontier(self, rnd: Round, budget: int, arm: str, k: int, topm: int, max_depth: int) -> FrontierTrees:
+        return build_frontier(self.scorer(arm, rnd, k, topm), budget, max_depth, self.drafter.cfg.mask_token_id)
 
+    # cost probes: they write only past the committed entries, which the next forward overwrites
     def time_verify(self, n: int, past: int):
         saved = self.cache.past
         self.cache.past = past
@@ -104,12 +118,3 @@ class TorchBackend:
             self.synchronize()
         finally:
             self.cache.past = saved
-
-    def time_draft(self):
-        self.draft_block(0, self.past)
-        self.synchronize()
-
-    def synchronize(self):
-        """Wait for the device's queued work (the cost probes time it from the host)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)

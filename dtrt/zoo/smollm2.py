@@ -28,7 +28,7 @@ def target_dir(cache: Path, log=None) -> Path:
     path = cache / CACHE_NAME
     if (path / "config.json").is_file():
         return path
-    from dtrt.models.gguf import convert
+    from dtrt.zoo.gguf import convert
 
     src = gguf_path()
     if log:
@@ -47,7 +47,7 @@ def shipped_drafter(kind: str) -> Path | None:
 
 
 def pair(cache: Path, log=None):
-    from dtrt.models.registry import Pair
+    from dtrt.models.checkpoint import Pair
 
     target = target_dir(cache, log)
     hint = (

@@ -1,0 +1,101 @@
+"""Files of an artifact directory: sha256, the manifest's file table, and staging (a directory is written under
+a temporary name next to its destination and renamed into place only when complete)."""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+# .<name>.tmp-<pid>-<random> while being written; .<name>.old-<pid> while an older copy is swapped out
+_STAGED = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)(?:-.*)?$")
+
+
+def cache_dir() -> Path:
+    """Where dtrt keeps what it makes on first use (`$DTRT_CACHE`, default ~/.cache/dtrt)."""
+    return Path(os.environ.get("DTRT_CACHE", Path.home() / ".cache" / "dtrt"))
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def checkpoint_hashes(path: Path) -> dict[str, str]:
+    """sha256 of config.json and every safetensors file (and index) of a checkpoint directory."""
+    names = sorted(p.name for p in path.iterdir() if p.name == "config.json" or ".safetensors" in p.name)
+    return {n: sha256(path / n) for n in names}
+
+
+def file_table(root: Path) -> dict[str, dict]:
+    """Relative path -> {"size", "sha256"} for every file under `root` except the manifest."""
+    return {
+        str(f.relative_to(root)): {"size": f.stat().st_size, "sha256": sha256(f)}
+        for f in sorted(root.rglob("*"))
+        if f.is_file() and f != root / MANIFEST
+    }
+
+
+def write_manifest(root: Path, manifest: dict):
+    """manifest.json with the size and sha256 of every file under `root`; everything made world-readable."""
+    manifest["files"] = file_table(root)
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    for f in root.rglob("*"):
+        f.chmod(0o755 if f.is_dir() else 0o644)
+    root.chmod(0o755)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def clear_stale(parent: Path) -> list[Path]:
+    """Remove the staging directories under `parent` whose writing process no longer runs (killed mid-write)."""
+    removed = []
+    if not parent.is_dir():
+        return removed
+    for entry in parent.iterdir():
+        m = _STAGED.match(entry.name)
+        if m and entry.is_dir() and not _alive(int(m["pid"])):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+@contextmanager
+def staging(out: Path) -> Iterator[Path]:
+    """A fresh directory next to `out` that replaces `out` when the block ends without an error (an existing `out`
+    is swapped out, then removed) and is removed when it raises. Stale staging directories of processes that no
+    longer run are cleared first."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clear_stale(out.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

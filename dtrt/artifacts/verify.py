@@ -1,0 +1,87 @@
+"""Checking an artifact's files against the sha256 its manifest records.
+
+Hashing a multi-GB export on every start would cost seconds, so every load checks each file's size, and hashes
+the files whose size or modification time differ from the last state verified on this machine (kept under
+`$DTRT_CACHE/verified/`, never inside the artifact: the runtime does not write artifacts). A producer records
+that state right after writing, so the first load hashes nothing. `dtrt verify DIR` hashes every file.
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from dtrt.artifacts.files import cache_dir, sha256
+from dtrt.errors import DtrtError
+
+
+def _state_path(root: Path) -> Path:
+    key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:32]
+    return cache_dir() / "verified" / f"{key}.json"
+
+
+def _stamp(f: Path) -> list[int]:
+    st = f.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _read_state(root: Path) -> dict:
+    try:
+        state = json.loads(_state_path(root).read_text())
+        return state if isinstance(state, dict) and state.get("root") == str(root.resolve()) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def record_verified(root: Path, files: dict[str, dict]):
+    """Remember that `files` (name -> {"size", "sha256"}) under `root` are verified as they are now. A cache that
+    cannot be written only means the next load hashes again."""
+    state = {"root": str(root.resolve()), "files": {n: [*_stamp(root / n), m["sha256"]] for n, m in files.items()}}
+    path = _state_path(root)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def check_files(root: Path, files: dict[str, dict], fix: str, full: bool = False) -> list[str]:
+    """Every file of the manifest's table present with its size, and its sha256 where its stamp changed since the
+    last verification (every file when `full`); the first mismatch raises, naming the file and `fix` (the command
+    that writes the artifact again). Returns the names that were hashed."""
+    known = {} if full else _read_state(root).get("files", {})
+    hashed = []
+    for name, meta in files.items():
+        f = root / name
+        if not f.is_file():
+            raise DtrtError(f"{f}: missing; {fix}")
+        size = f.stat().st_size
+        if size != meta["size"]:
+            raise DtrtError(f"{f}: {size} bytes, the manifest records {meta['size']} (truncated or modified); {fix}")
+        if known.get(name) == [*_stamp(f), meta["sha256"]]:
+            continue
+        hashed.append(name)
+        if sha256(f) != meta["sha256"]:
+            raise DtrtError(f"{f}: its sha256 differs from the manifest's (the file was modified); {fix}")
+    if hashed:
+        record_verified(root, files)
+    return hashed
+
+
+def verify_dir(path: Path) -> tuple[int, int]:
+    """`dtrt verify`: hash every file of an export or engine directory; (files, bytes), or the first mismatch as
+    a one-line error naming the file and the command that writes the artifact again."""
+    from dtrt.artifacts.engine import FORMAT as ENGINE
+    from dtrt.artifacts.engine import read_engine
+    from dtrt.artifacts.export import load_export
+    from dtrt.artifacts.files import MANIFEST
+
+    try:
+        fmt = json.loads((path / MANIFEST).read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        fmt = None
+    art = read_engine(path, full_check=True) if fmt == ENGINE else load_export(path, full_check=True)
+    files = art.manifest["files"]
+    return len(files), sum(m["size"] for m in files.values())

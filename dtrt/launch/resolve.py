@@ -1,0 +1,97 @@
+"""From front-end inputs to a RunSpec: the one place where defaults are applied.
+
+no --model, --target or --export     the embedded default model (zoo.registry.DEFAULT_MODEL) on ONNX Runtime
+--export alone                       ONNX Runtime
+--model / --target, or --device cuda the torch backend, unless --backend says otherwise
+--budget                             the model's entry in the registry table (16 where it says nothing)
+--builder                            frontier on a CUDA torch backend or under --cuda-graph, else heap
+                                     (cadominotree always grows its tree on the host heap)
+"""
+
+from pathlib import Path
+
+from dtrt.errors import DtrtError
+from dtrt.runtime.spec import RunSpec, device_kind
+from dtrt.zoo.registry import DEFAULT_MODEL, default_budget
+
+
+def default_backend(named: bool, export, device: str) -> str:
+    return "onnxruntime" if (export is not None or not named) and device_kind(device) != "cuda" else "torch"
+
+
+def default_builder(method: str, device: str, cuda_graph: bool = False) -> str:
+    """The frontier builder on a CUDA device (no host synchronization per node) or under --cuda-graph (which
+    captures it), the heap on the CPU; cadominotree always grows its tree on the host heap."""
+    return "frontier" if (device_kind(device) == "cuda" or cuda_graph) and method != "cadominotree" else "heap"
+
+
+def check_cuda(device: str):
+    """A CUDA --device must name a device torch can see."""
+    if device_kind(device) != "cuda":
+        return
+    from dtrt.artifacts.machine import cuda_status
+
+    devices, why = cuda_status()
+    if why:
+        raise DtrtError(f"--device {device}: {why}")
+    index = int(device.partition(":")[2] or 0)
+    if index >= len(devices):
+        raise DtrtError(f"--device {device}: torch sees {len(devices)} CUDA device(s), numbered from 0")
+
+
+def resolve_spec(
+    *,
+    model: str | None = None,
+    target=None,
+    drafter=None,
+    model_dir=None,
+    export=None,
+    backend: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    threads: int | None = None,
+    method: str = "dominotree",
+    budget: int | None = None,
+    builder: str | None = None,
+    arm: str = "dominotree",
+    topm: int = 64,
+    node_topk: int = 8,
+    cuda_graph: bool = False,
+    **unused,
+) -> RunSpec:
+    """The RunSpec the flags describe, defaults applied and every value checked (RunSpec checks its values; the
+    device must exist here). Keys of other commands' flags (`unused`) are ignored."""
+    device = device or "cpu"
+    device_kind(device)
+    named = model is not None or target is not None or drafter is not None
+    if backend is None:
+        backend = default_backend(named, export, device)
+    if not named and export is None:
+        model = DEFAULT_MODEL
+    spec = RunSpec(
+        model=model,
+        target=Path(target) if target is not None else None,
+        drafter=Path(drafter) if drafter is not None else None,
+        model_dir=Path(model_dir) if model_dir is not None else None,
+        export=Path(export) if export is not None else None,
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        threads=threads,
+        method=method,
+        budget=default_budget(model) if budget is None else budget,
+        builder=builder or default_builder(method, device, cuda_graph),
+        arm=arm,
+        topm=topm,
+        node_topk=node_topk,
+        cuda_graph=cuda_graph,
+    )
+    if spec.backend == "onnxruntime" and device_kind(device) == "cuda":  # its CUDA provider first: the fix differs
+        import onnxruntime as ort
+        import torch
+
+        from dtrt.runtime.backends.onnxruntime import providers_for
+
+        providers_for(torch.device(device), ort.get_available_providers())
+    check_cuda(device)
+    return spec

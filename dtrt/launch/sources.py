@@ -1,0 +1,56 @@
+"""Opening what a RunSpec runs from: registry names resolved to checkpoints (the tiny pairs and the SmolLM2
+conversion made on first use), exports and engines read and checked, and the first-use export of a registry model
+made into the cache. This is the front end's decision, never the runtime's."""
+
+from dtrt.artifacts.export import check_source, load_export
+from dtrt.errors import DtrtError
+from dtrt.launch.first_use import cached_export
+from dtrt.models.checkpoint import Pair
+from dtrt.runtime.pipeline import Pipeline, Sources, open_pipeline
+from dtrt.runtime.spec import RunSpec
+from dtrt.zoo.registry import resolve
+
+
+def load_pair(spec: RunSpec, log=None) -> Pair | None:
+    """The checkpoints the spec names (None when an export runs alone)."""
+    if spec.target is not None:
+        return Pair(spec.target, spec.drafter, spec.drafter)
+    if spec.model is not None:
+        return resolve(spec.model, spec.model_dir, log=log)
+    return None
+
+
+def open_sources(spec: RunSpec, log=None, pair: Pair | None = None) -> Sources:
+    """The spec's sources; `pair`: checkpoints already at hand instead of the ones the spec names."""
+    pair = pair or load_pair(spec, log)
+    if spec.backend == "torch":
+        return Sources(pair=pair)
+    if spec.backend == "tensorrt":
+        if spec.export is None:
+            raise DtrtError(
+                "--backend tensorrt needs --export DIR: an engine directory written by `dtrt build-engine` "
+                "(or the --out root it was given)"
+            )
+        from dtrt.artifacts.engine import open_engine
+
+        engine, exp = open_engine(spec.export, spec.model)
+        if pair is not None:
+            check_source(exp, pair.target, spec.model)
+        return Sources(pair=pair, export=exp, engine=engine)
+    if spec.export is not None:
+        exp = load_export(spec.export)
+        if pair is not None:
+            check_source(exp, pair.target, spec.model)
+    elif spec.model is not None:
+        exp = cached_export(pair, spec.model, log)
+    else:
+        raise DtrtError(
+            "--backend onnxruntime needs --export DIR (write one with `dtrt export --model NAME --out DIR`) or "
+            "--model NAME (exported into the cache on first use)"
+        )
+    return Sources(pair=pair, export=exp)
+
+
+def pipeline(spec: RunSpec, log=None) -> Pipeline:
+    """open_pipeline over the spec's opened sources: what every front end runs."""
+    return open_pipeline(spec, open_sources(spec, log))

@@ -1,0 +1,105 @@
+"""The backend contract: every call the decode loop (dtrt.runtime.generate), the methods (dtrt.runtime.methods),
+the cost probes (dtrt.runtime.calibrate) and the CUDA-graph step (dtrt.runtime.draft_graph) make of a backend.
+
+Shapes: N tree nodes or prompt tokens (root first), D = the drafter's k_draft, H hidden size, V vocabulary,
+taps = the target layers the drafter reads. "Host" means CPU torch tensors; "device" means `backend.device`.
+docs/DESIGN.md has this contract as a table.
+"""
+
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+import torch
+
+from dtrt.tree import FrontierTrees, Round
+
+
+class DrafterDims(Protocol):
+    """What the loop and the methods read of `backend.drafter.cfg`."""
+
+    block_size: int  # the drafter's block, slot 0 the committed token
+    k_draft: int  # D: draft depths per block
+    mask_token_id: int
+    pure_draft_prefix_len: int  # depths below it use the base marginal, not Domino's correction
+    target_layer_ids: tuple[int, ...] | list[int]
+
+
+class Drafter(Protocol):
+    cfg: DrafterDims
+
+
+class Backend(ABC):
+    name: str
+    """`torch`, `onnxruntime` or `tensorrt`."""
+    device: torch.device
+    """Where logits, hidden states and drafter rows come back (and where sampling draws)."""
+    drafter: Drafter | None
+    """The drafter this backend runs (its `cfg`), or None for a target alone (AR)."""
+    max_context: int | None
+    """Positions one generation may use (prompt + output + one tree), or None for no limit but memory."""
+    context_source: str = ""
+    """Where max_context comes from, for error messages."""
+
+    def context_fix(self, need: int) -> str | None:
+        """The command that raises max_context to `need` positions, if there is one."""
+        return None
+
+    @abstractmethod
+    def reset(self, capacity: int) -> None:
+        """Empty caches for one generation of at most `capacity` positions."""
+
+    @property
+    @abstractmethod
+    def past(self) -> int:
+        """Committed positions in the target cache."""
+
+    @property
+    @abstractmethod
+    def capacity(self) -> int:
+        """Positions the caches hold since the last reset."""
+
+    @abstractmethod
+    def target_forward(self, ids, positions, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, positions Long[N] and mask Bool[N, N] (causal for a prompt, the ancestor mask for a tree), on the
+        host or the device -> (logits float32[N, V], hidden [N, taps*H]) on the device. The new entries wait after
+        the past until commit."""
+
+    @abstractmethod
+    def commit(self, accepted) -> None:
+        """Keep the accepted entries of the last target_forward (indices into its N, ascending, root first)."""
+
+    @abstractmethod
+    def draft_context(self, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append the drafter context of committed positions: hidden [n, taps*H] (as target_forward gave it),
+        positions Long[n]."""
+
+    @abstractmethod
+    def draft_block(self, root: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter block rooted at token `root` at position `start`: (ph [D, H], base float32[D, V]) on the
+        device."""
+
+    @abstractmethod
+    def scorer(self, arm: str, rnd: Round, k: int, topm: int):
+        """A scorer (dtrt.tree.scorer's protocol) over one round's drafter rows, for the host heap builders."""
+
+    @abstractmethod
+    def frontier(self, rnd: Round, budget: int, arm: str, k: int, topm: int, max_depth: int) -> FrontierTrees:
+        """The whole DominoTree frontier build of one round (batch 1) as FrontierTrees on the device."""
+
+    @abstractmethod
+    def time_verify(self, n: int, past: int) -> None:
+        """One verify of `n` nodes over `past` positions, for the cost probes; leaves the caches as they were."""
+
+    def time_draft(self) -> None:
+        """One drafter block, for the cost probes."""
+        self.draft_block(0, self.past)
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (the cost probes time it from the host)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def prepare(self, spec) -> None:  # noqa: B027 (a backend with nothing to load keeps it empty)
+        """Check, when the pipeline opens, that this backend can run `spec` (a RunSpec), loading what it needs:
+        one-line errors naming the fix."""

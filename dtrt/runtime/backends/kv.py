@@ -1,0 +1,70 @@
+"""K/V caches of the export backends, kept dense for the current length: [layers, kv_heads, length, head_dim]
+each for K and V, stored as one flat buffer so a stage reads the past as a view of its first
+layers*kv_heads*length*head_dim elements. A strided [.., capacity, ..] buffer would instead need a contiguous copy
+of the whole past on every stage call.
+
+PackedKV (host memory) re-spaces the (layer, head) rows in place on every append: one memmove per row, last row
+first so no row overwrites one not yet moved. DevicePackedKV (device memory, where overlapping moves are not a
+primitive) writes the re-spaced entries into a second buffer and swaps the two.
+"""
+
+import ctypes
+
+import torch
+
+
+class PackedKV:
+    def __init__(self, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device="cpu"):
+        self.lead, self.rows, self.head_dim, self.capacity = (layers, heads), layers * heads, head_dim, capacity
+        size = self.rows * capacity * head_dim
+        self.k, self.v = (torch.zeros(size, dtype=dtype, device=device) for _ in range(2))
+        self.length = 0
+
+    def view(self, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) [layers, kv_heads, length, head_dim] views; a length beyond the stored one reads stale rows."""
+        n = self.length if length is None else length
+        size = self.rows * n * self.head_dim
+        shape = (*self.lead, n, self.head_dim)
+        return self.k[:size].view(shape), self.v[:size].view(shape)
+
+    def _check(self, n: int) -> int:
+        q = self.length + n
+        if q > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {q} > capacity {self.capacity}")
+        return q
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Add k, v [layers, kv_heads, n, head_dim] after the stored entries."""
+        p, n, hd = self.length, k.shape[2], self.head_dim
+        q = self._check(n)
+        for buf, new in ((self.k, k), (self.v, v)):
+            if p:
+                row, base, item = p * hd * buf.element_size(), buf.data_ptr(), buf.element_size()
+                for r in range(self.rows - 1, 0, -1):
+                    ctypes.memmove(base + r * q * hd * item, base + r * row, row)
+            buf[: self.rows * q * hd].view(self.rows, q, hd)[:, p:] = new.reshape(self.rows, n, hd)
+        self.length = q
+
+    def reset(self):
+        self.length = 0
+
+
+class DevicePackedKV(PackedKV):
+    def __init__(self, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device="cuda"):
+        super().__init__(layers, heads, head_dim, capacity, dtype, device)
+        self._spare = [torch.empty_like(self.k), torch.empty_like(self.v)]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        p, n, hd = self.length, k.shape[2], self.head_dim
+        q = self._check(n)
+        for i, (buf, new) in enumerate(((self.k, k), (self.v, v))):
+            dst = self._spare[i][: self.rows * q * hd].view(self.rows, q, hd)
+            if p:
+                dst[:, :p].copy_(buf[: self.rows * p * hd].view(self.rows, p, hd))
+            dst[:, p:].copy_(new.reshape(self.rows, n, hd))
+        (self.k, self._spare[0]), (self.v, self._spare[1]) = (self._spare[0], self.k), (self._spare[1], self.v)
+        self.length = q
+
+
+def kv_cache_for(device: torch.device) -> type[PackedKV]:
+    return PackedKV if device.type == "cpu" else DevicePackedKV

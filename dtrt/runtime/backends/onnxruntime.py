@@ -1,0 +1,160 @@
+"""The ONNX Runtime backend: the stages of an export directory (dtrt export), one InferenceSession per stage,
+loaded once, on the CPU or on a GPU through onnxruntime-gpu's CUDA execution provider.
+
+CPU: inputs go in as numpy views of the torch tensors (ONNX Runtime wraps contiguous arrays without a copy) and
+outputs come back as numpy arrays over ONNX Runtime's own buffers, wrapped by torch.from_numpy (no copy). IO
+binding, rebound on every call as the shapes change, saves no copy on top of that on the CPU and measured slower,
+so plain `run` is used there.
+CUDA: every input is bound where it lies (device tensors: the K/V caches, the recurrent state, the drafter rows)
+and every output is left on the device and read through DLPack, so no round copies the past to the host.
+"""
+
+import importlib.metadata
+
+import numpy as np
+import torch
+
+from dtrt.artifacts.export import Export
+from dtrt.errors import DtrtError
+from dtrt.runtime.backends.stages import ExportedBackend, StageRunner
+
+ORT_TYPES = {
+    "tensor(float)": torch.float32,
+    "tensor(float16)": torch.float16,
+    "tensor(bfloat16)": torch.bfloat16,
+    "tensor(int64)": torch.int64,
+    "tensor(int32)": torch.int32,
+    "tensor(bool)": torch.bool,
+}
+NUMPY_TYPES = {
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.bool: np.bool_,
+}
+GPU_INSTALL = "pip uninstall -y onnxruntime && pip install onnxruntime-gpu"
+
+
+def ort_version() -> str:
+    import onnxruntime as ort
+
+    return ort.__version__
+
+
+def providers_for(device: torch.device, available: list[str], stream: int | None = None) -> list:
+    """The execution providers of a session on `device`: the CPU provider on the CPU; on a CUDA device the CUDA
+    provider on that device (on torch's stream `stream`, so its work is ordered with torch's), with the CPU provider
+    for the nodes it does not take. A one-line error with the install command where the CUDA provider is absent."""
+    if device.type == "cpu":
+        return ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" not in available:
+        try:
+            gpu = importlib.metadata.version("onnxruntime-gpu")
+        except importlib.metadata.PackageNotFoundError:
+            gpu = None
+        why = (
+            f"onnxruntime-gpu {gpu} is installed but its CUDA provider does not load (check the CUDA and cuDNN "
+            f"libraries it needs)"
+            if gpu
+            else f"onnxruntime {ort_version()} has no CUDA provider (available: {', '.join(available)}); {GPU_INSTALL}"
+        )
+        raise DtrtError(f"--device {device}: {why}")
+    options = {"device_id": str(device.index or 0)}
+    if stream is not None:
+        options.update(has_user_compute_stream="1", user_compute_stream=str(stream))
+    return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+
+
+def make_session(path, threads: int | None = None, providers: list | None = None):
+    """An InferenceSession configured as every dtrt stage runs (on the CPU also what `dtrt parity` measures)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    # idle intra-op threads would spin between stage calls, on the cores the host tree code needs
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if threads:
+        opts.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), opts, providers=providers or ["CPUExecutionProvider"])
+
+
+def cpu_session(path, threads: int | None = None):
+    return make_session(path, threads, ["CPUExecutionProvider"])
+
+
+def binding_plan(feeds: dict[str, torch.Tensor]) -> list[tuple]:
+    """(name, device type, device id, numpy element type, shape, address) per input, as IoBinding.bind_input takes
+    them: every tensor bound where it lies."""
+    plan = []
+    for name, t in feeds.items():
+        if not t.is_contiguous():
+            raise ValueError(f"input {name}: IO binding needs a contiguous tensor")
+        kind = "cuda" if t.device.type == "cuda" else "cpu"
+        plan.append((name, kind, t.device.index or 0, NUMPY_TYPES[t.dtype], tuple(t.shape), t.data_ptr()))
+    return plan
+
+
+class OrtRunner(StageRunner):
+    name = "onnxruntime"
+
+    def __init__(self, export: Export, threads: int | None = None, device="cpu", binding: bool | None = None):
+        """`binding`: run through IO binding (default: on a CUDA device only; the CPU tests also run it)."""
+        import onnxruntime as ort
+
+        self.export, self.threads, self.device = export, threads, torch.device(device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        self.providers = providers_for(self.device, ort.get_available_providers(), stream)
+        self.binding = self.device.type == "cuda" if binding is None else binding
+        self.sessions: dict = {}
+        self.types: dict[str, dict[str, torch.dtype]] = {}
+        self.outputs: dict[str, list[str]] = {}
+
+    def open(self, stage: str):
+        if stage in self.sessions:
+            return
+        exp = self.export
+        path = exp.stage(stage)
+        try:
+            sess = make_session(path, self.threads, self.providers)
+        except Exception as e:  # ONNX Runtime raises its own exception types for unreadable or invalid graphs
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            raise DtrtError(
+                f"{path}: ONNX Runtime cannot load it ({e.__class__.__name__}: {first}); re-export with "
+                f"`{exp.fix_hint()}`"
+            ) from None
+        meta = exp.manifest["stages"][stage]
+        got = ([i.name for i in sess.get_inputs()], [o.name for o in sess.get_outputs()])
+        if got != (meta["inputs"], meta["outputs"]):
+            raise DtrtError(
+                f"{path}: inputs/outputs {got[0]} -> {got[1]} differ from the manifest's "
+                f"{meta['inputs']} -> {meta['outputs']}; re-export with `{exp.fix_hint()}`"
+            )
+        self.sessions[stage] = sess
+        self.types[stage] = {i.name: ORT_TYPES[i.type] for i in sess.get_inputs()}
+        self.outputs[stage] = got[1]
+
+    def inputs(self, stage: str) -> dict[str, torch.dtype]:
+        return self.types[stage]
+
+    def run(self, stage: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        sess, names = self.sessions[stage], self.outputs[stage]
+        if not self.binding:
+            outs = sess.run(None, {n: t.numpy() for n, t in feeds.items()})
+            return {n: torch.from_numpy(o) for n, o in zip(names, outs)}
+        io = sess.io_binding()
+        for args in binding_plan(feeds):
+            io.bind_input(*args)
+        kind = "cuda" if self.device.type == "cuda" else "cpu"
+        for n in names:
+            io.bind_output(n, kind, self.device.index or 0)
+        sess.run_with_iobinding(io)
+        return {n: torch.from_dlpack(v) for n, v in zip(names, io.get_outputs())}
+
+
+class OrtBackend(ExportedBackend):
+    def __init__(self, export: Export, kind: str | None = None, threads: int | None = None, device="cpu", binding=None):
+        super().__init__(OrtRunner(export, threads, device, binding), kind)

