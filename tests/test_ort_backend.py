@@ -350,3 +350,45 @@ def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
     logs = []
     assert cache.cached_export(Pair(other, tiny.dflash, tiny.domino), "tiny", logs.append) == "new"
     assert made and any("out of date" in m for m in logs)
+
+
+# the exported frontier stage
+
+
+def test_frontier_stage_builds_the_heaps_trees_in_one_call_per_round(tiny_export, torch_tokens, monkeypatch):
+    """--builder frontier on ONNX Runtime: each round's tree comes from one call of the domino.frontier stage, and
+    on the rounds of real generations it is the tree the host heap builds from the same drafter rows."""
+    from dtrt.runtime.backends.stages import FRONTIER_STAGE
+    from dtrt.runtime.methods import DominoTree
+    from dtrt.tree import build_heap
+
+    draft = spec("dominotree", builder="frontier")
+    pipe = ort_pipeline(tiny_export, draft)
+    runner, calls = pipe.backend.runner, []
+    real_run = runner.run
+    monkeypatch.setattr(runner, "run", lambda stage, feeds: calls.append(stage) or real_run(stage, feeds))
+    compared = []
+    real_build = DominoTree.build
+
+    def build(self, backend, rnd):
+        tree = real_build(self, backend, rnd)
+        c = self.cfg
+        heap = build_heap(backend.scorer(c.arm, rnd, c.node_topk, c.topm), c.budget, self.max_depth)
+        assert torch.equal(tree.tokens, heap.tokens) and torch.equal(tree.parents, heap.parents)
+        torch.testing.assert_close(tree.scores, heap.scores, atol=1e-4, rtol=0)
+        compared.append(len(tree))
+        return tree
+
+    monkeypatch.setattr(DominoTree, "build", build)
+    gens = generate_all(pipe)
+    assert [g.tokens for g in gens] == torch_tokens
+    rounds = sum(len(g.rounds) for g in gens)
+    assert calls.count(FRONTIER_STAGE) == rounds == len(compared) > 0
+    assert sum(r.accepted for g in gens for r in g.rounds) / rounds > 2
+
+
+def test_frontier_stage_has_the_exports_budget(tiny_export):
+    with pytest.raises(DtrtError, match=r"^--budget 8: the frontier stage of .* was exported with --budget 16; pass"):
+        ort_pipeline(tiny_export, spec("dominotree", builder="frontier", budget=8))
+    pipe = ort_pipeline(tiny_export, spec("dominotree", builder="frontier", budget=8, arm="marg"))
+    assert not pipe.backend.frontier_stage  # the ablation arms build on the host, at any budget

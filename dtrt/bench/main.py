@@ -81,8 +81,6 @@ def bench(o: BenchOptions, log) -> Path:
     base = grid[0]
     gguf = engines.find_gguf(o.gguf, base.model)
 
-    if o.threads:
-        torch.set_num_threads(o.threads)
     engs = engines.dtrt_engines(grid, open_sources(base, log), explicit=o.methods is not None, log=log)
     peer = engines.llamacpp_engine(gguf, engs[0].tokenizer, o.threads, max_new, log)
     engs += [peer] if peer else []

@@ -17,8 +17,6 @@ DEFAULT_BUDGET = 16  # draft nodes per tree where a model's entry says nothing e
 @dataclass(frozen=True)
 class ModelEntry:
     name: str
-    about: str
-    """One phrase for `--help` and the README."""
     target: str | None = None
     """Hugging Face id of the target; None for the models dtrt makes itself."""
     dflash: str | None = None
@@ -34,19 +32,17 @@ MODELS = {
     for e in (
         # SmolLM2 in fp32 on ONNX Runtime: a 17-node verify costs ~1.5x a 1-token step and its drafter commits ~1.5
         # tokens a round, so 4 nodes beat 16 (T=0: 1.07x AR vs 0.86x; README, dtrt bench).
-        ModelEntry("smollm2-135m", "SmolLM2-135M-Instruct with its shipped drafter (the embedded default)", budget=4),
-        ModelEntry("tiny", "a small seeded Qwen3-layout pair made on first use (tests, examples)"),
-        ModelEntry("tiny-hybrid", "a small seeded Gated-DeltaNet hybrid pair made on first use"),
+        ModelEntry("smollm2-135m", budget=4),
+        ModelEntry("tiny"),
+        ModelEntry("tiny-hybrid"),
         ModelEntry(
             "qwen3-4b",
-            "Qwen3-4B with z-lab's DFlash and Huang2020's Domino drafters",
             "Qwen/Qwen3-4B",
             "z-lab/Qwen3-4B-DFlash-b16",
             "Huang2020/Qwen3-4B-Domino-b16",
         ),
         ModelEntry(
             "qwen3-8b",
-            "Qwen3-8B with z-lab's DFlash and Huang2020's Domino drafters",
             "Qwen/Qwen3-8B",
             "z-lab/Qwen3-8B-DFlash-b16",
             "Huang2020/Qwen3-8B-Domino-b16",
