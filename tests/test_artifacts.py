@@ -463,3 +463,22 @@ def test_killed_build_leaves_nothing_finished_looking(cache):
     path = built_once("fake-v1", fake_build(calls))
     assert len(calls) == 1 and (path / "weights").read_text() == "w"
     assert sorted(p.name for p in cache.iterdir()) == ["fake-v1"]
+
+
+@pytest.mark.parametrize("table", [None, {}, {"target.onnx": {"size": 500}}, ["target.onnx"]])
+def test_a_manifest_without_its_file_table_is_refused(tmp_path, cache, monkeypatch, capsys, fake_trt, table):  # noqa: F811
+    """A manifest whose file table is missing or malformed would check nothing: refused like a modified file."""
+    path = small_export(tmp_path / "exp")
+    eng = build_engines(write_export(tmp_path / "exports" / "tiny"), tmp_path / "engines").path
+    for art, load, fix in ((path, load_export, "re-export with `dtrt export"), (eng, read_engine, "rebuild with")):
+        m = json.loads((art / MANIFEST).read_text())
+        m.pop("files")
+        if table is not None:
+            m["files"] = table
+        (art / MANIFEST).write_text(json.dumps(m))
+        with pytest.raises(DtrtError) as e:
+            load(art)
+        msg = one_line_error(e)
+        assert msg.startswith(f"{art / MANIFEST}: no table of its files' sizes and sha256") and fix in msg
+        code, out, err = run_cli(monkeypatch, capsys, "verify", str(art))
+        assert code == 2 and out == "" and err.count("\n") == 1 and "no table of its files'" in err

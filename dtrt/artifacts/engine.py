@@ -53,7 +53,7 @@ def read_engine(path, full_check: bool = False) -> Engine:
             f"{path / MANIFEST}: written by dtrt {manifest.get('dtrt_version')}, this is dtrt {__version__}; "
             f"rebuild with `{eng.rebuild_hint()}`"
         )
-    check_files(path, manifest["files"], f"rebuild with `{eng.rebuild_hint()}`", full=full_check)
+    check_files(path, manifest.get("files"), f"rebuild with `{eng.rebuild_hint()}`", full=full_check)
     return eng
 
 

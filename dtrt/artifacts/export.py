@@ -79,7 +79,7 @@ def load_export(path, full_check: bool = False) -> Export:
             f"{path / MANIFEST}: written by dtrt {manifest.get('dtrt_version')}, this is dtrt {__version__}; "
             f"re-export with `{exp.fix_hint()}`"
         )
-    check_files(path, manifest.get("files", {}), f"re-export with `{exp.fix_hint()}`", full=full_check)
+    check_files(path, manifest.get("files"), f"re-export with `{exp.fix_hint()}`", full=full_check)
     return exp
 
 

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from dtrt.artifacts.files import cache_dir, sha256
+from dtrt.artifacts.files import MANIFEST, cache_dir, sha256
 from dtrt.errors import DtrtError
 
 
@@ -47,10 +47,16 @@ def record_verified(root: Path, files: dict[str, dict]):
         pass
 
 
-def check_files(root: Path, files: dict[str, dict], fix: str, full: bool = False) -> list[str]:
+def _entry(meta) -> bool:
+    return isinstance(meta, dict) and isinstance(meta.get("size"), int) and isinstance(meta.get("sha256"), str)
+
+
+def check_files(root: Path, files: dict[str, dict] | None, fix: str, full: bool = False) -> list[str]:
     """Every file of the manifest's table present with its size, and its sha256 where its stamp changed since the
     last verification (every file when `full`); the first mismatch raises, naming the file and `fix` (the command
-    that writes the artifact again). Returns the names that were hashed."""
+    that writes the artifact again); so does a missing or malformed table. Returns the names that were hashed."""
+    if not files or not isinstance(files, dict) or not all(_entry(m) for m in files.values()):
+        raise DtrtError(f"{root / MANIFEST}: no table of its files' sizes and sha256 (incomplete or edited); {fix}")
     known = {} if full else _read_state(root).get("files", {})
     hashed = []
     for name, meta in files.items():
@@ -76,7 +82,6 @@ def verify_dir(path: Path) -> tuple[int, int]:
     from dtrt.artifacts.engine import FORMAT as ENGINE
     from dtrt.artifacts.engine import read_engine
     from dtrt.artifacts.export import load_export
-    from dtrt.artifacts.files import MANIFEST
 
     try:
         fmt = json.loads((path / MANIFEST).read_text()).get("format")
