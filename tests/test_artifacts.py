@@ -237,6 +237,14 @@ def test_unwritable_cache_does_not_break_loading(tmp_path, monkeypatch, hashes, 
     tamper_keeping_stamp(path / "target.onnx")
     with pytest.raises(DtrtError, match="sha256 differs"):
         load_export(path)
+    if cache.is_dir():  # nothing half-written left behind in the cache
+        assert sorted(p.name for p in cache.rglob("*")) == sorted(
+            {"cache is a file": [], "verified is a file": ["verified"]}.get(where, ["verified", state_name(path)])
+        )
+
+
+def state_name(path: Path) -> str:
+    return verify._state_path(path).name
 
 
 def test_unreadable_state_is_ignored(tmp_path, cache, hashes):

@@ -38,13 +38,16 @@ def record_verified(root: Path, files: dict[str, dict]):
     cannot be written only means the next load hashes again."""
     state = {"root": str(root.resolve()), "files": {n: [*_stamp(root / n), m["sha256"]] for n, m in files.items()}}
     path = _state_path(root)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, path)
     except OSError:
-        pass
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _entry(meta) -> bool:
