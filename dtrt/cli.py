@@ -514,7 +514,7 @@ def main():
         _log(f"error: {e}")
         sys.exit(2)
     except BackendFault as e:  # not the user's input: one line, the traceback on request
-        if os.environ.get("DTRT_TRACEBACK"):
+        if os.environ.get("DTRT_TRACEBACK", "0").strip() not in ("", "0"):
             raise
         _log(f"fault: {e} (a backend failed on valid input; DTRT_TRACEBACK=1 shows the traceback)")
         sys.exit(1)

@@ -35,8 +35,12 @@ def ort_run(monkeypatch, capsys, export, *args):
 # the CLI
 
 
-def test_backend_fault_is_one_line_and_exit_1(tiny_export, monkeypatch, capsys):
-    monkeypatch.delenv("DTRT_TRACEBACK", raising=False)
+@pytest.mark.parametrize("traceback", [None, "", "0"])
+def test_backend_fault_is_one_line_and_exit_1(tiny_export, monkeypatch, capsys, traceback):
+    if traceback is None:
+        monkeypatch.delenv("DTRT_TRACEBACK", raising=False)
+    else:
+        monkeypatch.setenv("DTRT_TRACEBACK", traceback)
     monkeypatch.setattr(OrtRunner, "run", boom)
     code, out, err = ort_run(monkeypatch, capsys, tiny_export.path)
     assert code == 1 and out == ""
