@@ -58,6 +58,9 @@ def small_export(path: Path) -> Path:
     (path / "target.onnx.data").write_bytes(bytes(range(256)) * 40)
     (path / "tokenizer").mkdir()
     (path / "tokenizer" / "tokenizer.json").write_text('{"model": {}}')
+    for f in path.rglob("*"):  # written an hour ago: a rewrite in the test gets another mtime on any filesystem
+        st = f.stat()
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns - 3600 * 10**9))
     manifest = {
         "format": FORMAT,
         "dtrt_version": dtrt.__version__,
@@ -490,3 +493,17 @@ def test_a_manifest_without_its_file_table_is_refused(tmp_path, cache, monkeypat
         assert msg.startswith(f"{art / MANIFEST}: no table of its files' sizes and sha256") and fix in msg
         code, out, err = run_cli(monkeypatch, capsys, "verify", str(art))
         assert code == 2 and out == "" and err.count("\n") == 1 and "no table of its files'" in err
+
+
+@pytest.mark.slow
+def test_export_records_what_it_wrote(tiny, tmp_path, cache, hashes):
+    """An export records its files as verified at their final path (as an engine build does, above): its first
+    load hashes nothing, and the state is in the cache, not in the export."""
+    from dtrt.exporter.export import export_pair
+
+    exp = export_pair(tiny, tmp_path / "exp", model="tiny", max_context=64)
+    assert hashes == []
+    assert load_export(exp.path).manifest == exp.manifest and hashes == []
+    assert MANIFEST in listing(exp.path) and not [n for n in listing(exp.path) if "verified" in n or ".tmp" in n]
+    assert json.loads(verify._state_path(exp.path).read_text())["root"] == str(exp.path.resolve())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "exp"]  # no staging leftovers
