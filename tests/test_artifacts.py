@@ -364,6 +364,22 @@ def test_staging_replaces_an_existing_directory(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_staging_replaces_a_file_or_a_symlink_without_leftovers(tmp_path):
+    (tmp_path / "file").write_text("a file where the directory goes")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep").write_text("keep")
+    (tmp_path / "link").symlink_to(target)
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    for name in ("file", "link", "dangling"):
+        with staging(tmp_path / name) as tmp:
+            (tmp / "new").write_text("new")
+        assert (tmp_path / name).is_dir() and not (tmp_path / name).is_symlink()
+        assert listing(tmp_path / name) == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "elsewhere", "file", "link"]
+    assert listing(target) == ["keep"]  # a symlink is replaced, not what it points to
+
+
 def dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
@@ -379,11 +395,18 @@ def test_stale_staging_of_a_dead_process_is_removed(tmp_path):
         d.mkdir()
         (d / "half").write_text("half")
     others[2].write_text("a file, not a staging directory")
+    target = tmp_path / "target"  # older copies swapped out by a killed writer: a file, a symlink
+    target.mkdir()
+    (target / "keep").write_text("keep")
+    (tmp_path / f".file.old-{pid}").write_text("an older file")
+    (tmp_path / f".link.old-{pid}").symlink_to(target)
+    dead += [tmp_path / f".file.old-{pid}", tmp_path / f".link.old-{pid}"]
+    others.append(target)
 
     with staging(tmp_path / "new") as tmp:
         (tmp / "x").write_text("x")
-    assert not any(d.exists() for d in dead)
-    assert all(d.exists() for d in live + others)
+    assert not any(d.exists() or d.is_symlink() for d in dead)
+    assert all(d.exists() for d in live + others) and listing(target) == ["keep"]
     assert clear_stale(tmp_path) == [] and clear_stale(tmp_path / "missing") == []
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 MANIFEST = "manifest.json"
 # .<name>.tmp-<pid>-<random> while being written; .<name>.old-<pid> while an older copy is swapped out
-_STAGED = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)(?:-.*)?$")
+_STAGED = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)(?:-.*)?$")
 
 
 def cache_dir() -> Path:
@@ -53,6 +53,17 @@ def write_manifest(root: Path, manifest: dict):
     root.chmod(0o755)
 
 
+def _remove(path: Path):
+    """Remove a directory tree, a file or a symlink (not what it points to); whatever cannot be removed stays."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
 def _alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -72,8 +83,9 @@ def clear_stale(parent: Path) -> list[Path]:
         return removed
     for entry in parent.iterdir():
         m = _STAGED.match(entry.name)
-        if m and entry.is_dir() and not _alive(int(m["pid"])):
-            shutil.rmtree(entry, ignore_errors=True)
+        # a staging directory, or an older copy swapped out (a directory, or what `out` was: a file, a symlink)
+        if m and (m["kind"] == "old" or (entry.is_dir() and not entry.is_symlink())) and not _alive(int(m["pid"])):
+            _remove(entry)
             removed.append(entry)
     return removed
 
@@ -90,12 +102,12 @@ def staging(out: Path) -> Iterator[Path]:
     try:
         yield tmp
         old = None
-        if out.exists():
+        if out.exists() or out.is_symlink():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
             os.replace(out, old)
         os.replace(tmp, out)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
