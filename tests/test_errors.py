@@ -173,3 +173,28 @@ def test_user_error_during_generation_answers_400(own_pipe, logged_server, monke
     assert body["error"]["type"] == "invalid_request_error"
     assert body["error"]["message"] == "this request cannot be served: shorten it"
     assert complete(server)[0] == 200
+
+
+def test_backend_fault_mid_stream_ends_it_with_an_error_event(own_pipe, logged_server, monkeypatch):
+    """After the headers went out (200), a fault is the stream's last event, without [DONE]."""
+    server, logs = logged_server
+    logs.clear()
+    real = own_pipe.backend.target_forward
+    calls = []
+
+    def fails_after_the_prefill(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise BackendFault("stage target: onnxruntime failed to run it (RuntimeError: boom)")
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(own_pipe.backend, "target_forward", fails_after_the_prefill)
+        status, text = complete(server, stream=True, max_tokens=32)
+    assert status == 200
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    assert "data: [DONE]" not in text and len(events) >= 2
+    assert events[0]["choices"][0]["text"]  # the prefill's token went out
+    assert events[-1]["error"]["type"] == "server_error" and "boom" in events[-1]["error"]["message"]
+    assert "Traceback" in "\n".join(logs)
+    assert complete(server)[0] == 200
