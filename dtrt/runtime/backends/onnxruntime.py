@@ -32,6 +32,7 @@ NUMPY_TYPES = {
     torch.int64: np.int64,
     torch.int32: np.int32,
     torch.bool: np.bool_,
+    torch.bfloat16: 16,  # onnx.TensorProto.BFLOAT16: numpy has no bfloat16, bind_input takes the ONNX type number
 }
 GPU_INSTALL = "pip uninstall -y onnxruntime && pip install onnxruntime-gpu"
 
@@ -86,15 +87,29 @@ def cpu_session(path, threads: int | None = None):
     return make_session(path, threads, ["CPUExecutionProvider"])
 
 
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+
+
+def empty_address(device: torch.device) -> int:
+    """A valid address on `device` for a zero-size input: torch reports 0 as an empty tensor's data_ptr (even for
+    a zero-length view into a buffer, as the past is before the prefill), and a bound input should not be null."""
+    if device not in _EMPTY:
+        _EMPTY[device] = torch.empty(16, dtype=torch.uint8, device=device)
+    return _EMPTY[device].data_ptr()
+
+
 def binding_plan(feeds: dict[str, torch.Tensor]) -> list[tuple]:
     """(name, device type, device id, numpy element type, shape, address) per input, as IoBinding.bind_input takes
-    them: every tensor bound where it lies."""
+    them: every tensor bound where it lies (a zero-size one at a valid address on its device)."""
     plan = []
     for name, t in feeds.items():
         if not t.is_contiguous():
             raise ValueError(f"input {name}: IO binding needs a contiguous tensor")
+        if t.dtype not in NUMPY_TYPES:
+            raise ValueError(f"input {name}: IO binding takes no {t.dtype} tensors")
         kind = "cuda" if t.device.type == "cuda" else "cpu"
-        plan.append((name, kind, t.device.index or 0, NUMPY_TYPES[t.dtype], tuple(t.shape), t.data_ptr()))
+        address = t.data_ptr() if t.numel() else empty_address(t.device)
+        plan.append((name, kind, t.device.index or 0, NUMPY_TYPES[t.dtype], tuple(t.shape), address))
     return plan
 
 
