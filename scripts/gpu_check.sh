@@ -2,7 +2,8 @@
 # One-command GPU check (PyTorch with CUDA and Triton; TensorRT not needed): every `gpu`- and `kernels`-marked
 # test, then the DominoTree tree-build time per round at Qwen3-4B shapes (V=151936, H=2560, G=1024, E=256,
 # budget 32, M=64, k=8, D=16, random weights), sequential heap vs frontier side by side, drafting + tree
-# building eager vs one CUDA graph on the tiny pair, and a short summary.
+# building eager vs one CUDA graph on the tiny pair, every method on ONNX Runtime's CUDA provider through IO binding
+# (when onnxruntime-gpu's CUDA provider is installed; nothing is installed here), and a short summary.
 #
 #   bash scripts/gpu_check.sh            # results also go to gpu-check/ (or $GPU_CHECK_OUT)
 set -euo pipefail
@@ -25,7 +26,9 @@ PY
 
 start=$SECONDS
 set +e
-python -m pytest -q -m "gpu or kernels" tests -p no:cacheprovider --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
+# the ONNX Runtime CUDA tests run in their own step below
+python -m pytest -q -m "gpu or kernels" tests --ignore=tests/test_ort_device.py -p no:cacheprovider \
+    --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 set -e
 tests_s=$((SECONDS - start))
@@ -43,18 +46,41 @@ graph_rc=${PIPESTATUS[0]}
 set -e
 graph_s=$((SECONDS - start))
 
-python - "$out" "$tests_rc" "$tests_s" "$bench_s" "$graph_rc" "$graph_s" <<'PY'
-import json, sys
+start=$SECONDS
+ort_rc=0
+rm -f "$out/ort-cuda.xml" "$out/ort-cuda-skipped.txt"
+if ort_why=$(python -c "import onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers(), \
+        f'onnxruntime {o.__version__} has no CUDA provider (available: {o.get_available_providers()}); to run it: \
+pip uninstall -y onnxruntime && pip install onnxruntime-gpu'" 2>&1); then
+    set +e
+    python -m pytest -q -m gpu tests/test_ort_device.py -p no:cacheprovider --junitxml="$out/ort-cuda.xml" 2>&1 \
+        | tee "$out/ort-cuda.log"
+    ort_rc=${PIPESTATUS[0]}
+    set -e
+else
+    ort_why=$(printf '%s\n' "$ort_why" | tail -n 1)
+    echo "gpu_check: ONNX Runtime CUDA step skipped: ${ort_why#AssertionError: }" | tee "$out/ort-cuda-skipped.txt"
+fi
+ort_s=$((SECONDS - start))
+
+python - "$out" "$tests_rc" "$tests_s" "$bench_s" "$graph_rc" "$graph_s" "$ort_rc" "$ort_s" <<'PY'
+import json, os, sys
 import xml.etree.ElementTree as ET
 
-out, rc, tests_s, bench_s, graph_rc, graph_s = sys.argv[1], *map(int, sys.argv[2:])
-suite = ET.parse(f"{out}/gpu-tests.xml").getroot()
-suite = suite if suite.tag == "testsuite" else suite[0]
-n, skipped = int(suite.get("tests")), int(suite.get("skipped"))
-bad = int(suite.get("failures")) + int(suite.get("errors"))
+out, rc, tests_s, bench_s, graph_rc, graph_s, ort_rc, ort_s = sys.argv[1], *map(int, sys.argv[2:])
+
+
+def counts(path):
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    n, skipped = int(suite.get("tests")), int(suite.get("skipped"))
+    bad = int(suite.get("failures")) + int(suite.get("errors"))
+    return f"{n - bad - skipped} passed, {bad} failed, {skipped} skipped"
+
+
 row = json.load(open(f"{out}/tree_build.json"))["results"][0]
 print("\n== gpu_check summary ==")
-print(f"gpu tests: {n - bad - skipped} passed, {bad} failed, {skipped} skipped ({tests_s} s)")
+print(f"gpu tests: {counts(f'{out}/gpu-tests.xml')} ({tests_s} s)")
 print(f"tree build per round, budget {row['budget']} at Qwen3-4B shapes ({bench_s} s): "
       f"heap {row['heap_median_ms']:.3f} ms (p90 {row['heap_p90_ms']:.3f}), "
       f"frontier {row['frontier_median_ms']:.3f} ms (p90 {row['frontier_p90_ms']:.3f}), "
@@ -69,5 +95,12 @@ else:
     print(f"drafting + build per round, tiny pair, budget 16 ({graph_s} s): eager {e['draft_build_median_ms']:.3f} ms, "
           f"CUDA graph {c['draft_build_median_ms']:.3f} ms; tok/s {e['tok_s_median']:.0f} vs {c['tok_s_median']:.0f}; "
           f"same tokens {g['same_tokens']}/{g['prompts']}")
-sys.exit(1 if rc or graph_rc else 0)
+if os.path.exists(f"{out}/ort-cuda.xml"):
+    print(f"ONNX Runtime CUDA provider, every method vs the torch AR tokens: {counts(f'{out}/ort-cuda.xml')} "
+          f"({ort_s} s)")
+elif os.path.exists(f"{out}/ort-cuda-skipped.txt"):
+    print(open(f"{out}/ort-cuda-skipped.txt").read().strip().removeprefix("gpu_check: "))
+else:
+    print(f"ONNX Runtime CUDA provider: the tests did not run, see {out}/ort-cuda.log")
+sys.exit(1 if rc or graph_rc or ort_rc else 0)
 PY
