@@ -17,7 +17,11 @@ class TextStream:
     tokens[prefix:] minus that of tokens[prefix:read], so tokenizers that drop a leading space at the start of a
     decode still give the whole decode's text), so streaming costs time linear in the output's length.
     An incomplete UTF-8 character at the end (decoded as U+FFFD) and a suffix that could still grow into a stop
-    string are held back until later tokens decide them, so nothing shown is ever taken back."""
+    string are held back until later tokens decide them, so nothing shown is ever taken back. The characters
+    before such an incomplete one are final already: they count for the stop strings at once.
+
+    Stop strings are looked for after every token, so the text and the tokens kept do not depend on how the tokens
+    were grouped into pushes (one per AR round, several per speculative round)."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer, self.stop = tokenizer, stop
@@ -25,18 +29,27 @@ class TextStream:
         self.text = ""  # the final characters so far
         self.sent = 0  # characters handed out
         self.stopped = False
-        self._prefix = self._read = 0  # tokens[_prefix:_read] are decoded into text; the window starts at _prefix
+        self._prefix = self._read = 0  # tokens[_prefix:_read] are decoded into _done; the window starts at _prefix
+        self._done = ""  # the text of tokens[:_read]
+        self._window: int | None = 0  # len(decode(tokens[_prefix:_read])), None until the next token needs it
 
     def _decode(self, tokens) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def _advance(self, final: bool = False):
-        """Take into text what the tokens after _read add, once it ends with a whole character (or at the end)."""
+        """Take into text what the tokens after _read add: all of it once it ends with a whole character (or at
+        the end), else the characters before the incomplete one (the window stays open for the rest)."""
+        if self._window is None:
+            self._window = len(self._decode(self.tokens[self._prefix : self._read]))
         new = self._decode(self.tokens[self._prefix :])
-        old = self._decode(self.tokens[self._prefix : self._read]) if self._read > self._prefix else ""
-        if len(new) > len(old) and (final or not new.endswith("\ufffd")):
-            self.text += new[len(old) :]
-            self._prefix, self._read = self._read, len(self.tokens)
+        if len(new) <= self._window:  # nothing added yet (special tokens only)
+            return
+        if final or not new.endswith("\ufffd"):
+            self._done += new[self._window :]
+            self.text = self._done
+            self._prefix, self._read, self._window = self._read, len(self.tokens), None
+        else:
+            self.text = self._done + new[self._window :].rstrip("\ufffd")
 
     def _find_stop(self) -> int | None:
         hits = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
@@ -141,10 +154,7 @@ def complete(
                 break
     finally:
         rounds.close()
-    if on_text is None and not stop:
-        stream.text = stream._decode(stream.tokens)
-        stream._prefix = stream._read = len(stream.tokens)
-    rest = stream.finish()
+    rest = stream.finish()  # without listeners or stop strings: the tokens decoded here, once
     if rest and on_text is not None:
         on_text(rest)
     gen.tokens = stream.tokens
