@@ -20,13 +20,15 @@ import dtrt
 from dtrt.artifacts import verify
 from dtrt.artifacts.engine import read_engine
 from dtrt.artifacts.export import FORMAT, load_export
-from dtrt.artifacts.files import MANIFEST, cache_dir, clear_stale, staging, write_manifest
+from dtrt.artifacts.files import MANIFEST, cache_dir, clear_stale, host_tag, staging, write_manifest
 from dtrt.artifacts.verify import check_files, record_verified, verify_dir
 from dtrt.engines.build import build_engines
 from dtrt.errors import DtrtError
 from dtrt.zoo.registry import built_once
 
 REPO = Path(dtrt.__file__).resolve().parent.parent
+
+H = host_tag()  # staging names carry the machine
 
 
 @pytest.fixture
@@ -324,7 +326,7 @@ def staged(parent: Path) -> list[str]:
 def test_staging_appears_only_complete(tmp_path):
     out = tmp_path / "parent" / "out"
     with staging(out) as tmp:
-        assert tmp.parent == out.parent and tmp.name.startswith(f".out.tmp-{os.getpid()}-")
+        assert tmp.parent == out.parent and tmp.name.startswith(f".out.tmp-{H}-{os.getpid()}-")
         (tmp / "a").write_text("a")
         assert not out.exists()
         (tmp / "sub").mkdir()
@@ -387,11 +389,14 @@ def dead_pid() -> int:
 
 
 def test_stale_staging_of_a_dead_process_is_removed(tmp_path):
-    pid = dead_pid()
+    pid, me = f"{H}-{dead_pid()}", f"{H}-{os.getpid()}"
+    for name in ("out", "file", "link"):  # the older copies' destinations exist: the swap finished
+        (tmp_path / name).mkdir()
     dead = [tmp_path / f".out.tmp-{pid}-abcd1234", tmp_path / f".other.tmp-{pid}-x", tmp_path / f".out.old-{pid}"]
-    live = [tmp_path / f".out.tmp-{os.getpid()}-keep", tmp_path / f".out.old-{os.getpid()}"]
+    live = [tmp_path / f".out.tmp-{me}-keep", tmp_path / f".out.old-{me}"]
     others = [tmp_path / ".out.tmp-notapid", tmp_path / "plain", tmp_path / f".file.tmp-{pid}-x"]
-    for d in dead + live + others[:2]:
+    others.append(tmp_path / f".out.tmp-otherhost-{dead_pid()}-x")  # another machine's writer: not ours to judge
+    for d in dead + live + others[:2] + others[3:]:
         d.mkdir()
         (d / "half").write_text("half")
     others[2].write_text("a file, not a staging directory")
@@ -408,6 +413,14 @@ def test_stale_staging_of_a_dead_process_is_removed(tmp_path):
     assert not any(d.exists() or d.is_symlink() for d in dead)
     assert all(d.exists() for d in live + others) and listing(target) == ["keep"]
     assert clear_stale(tmp_path) == [] and clear_stale(tmp_path / "missing") == []
+
+
+def test_an_older_copy_swapped_out_by_a_killed_writer_is_put_back(tmp_path):
+    old = tmp_path / f".out.old-{H}-{dead_pid()}"  # killed after moving `out` aside, before the new one arrived
+    old.mkdir()
+    (old / "manifest.json").write_text("{}")
+    assert clear_stale(tmp_path) == []
+    assert not old.exists() and (tmp_path / "out" / "manifest.json").read_text() == "{}"
 
 
 def child_in_staging(code: str) -> subprocess.Popen:
@@ -446,7 +459,7 @@ def test_killed_writer_leaves_no_output_and_its_leftover_is_removed(tmp_path):
     )
     kill9(child)
     leftovers = staged(tmp_path)
-    assert not out.exists() and len(leftovers) == 1 and leftovers[0].startswith(f".out.tmp-{child.pid}-")
+    assert not out.exists() and len(leftovers) == 1 and leftovers[0].startswith(f".out.tmp-{H}-{child.pid}-")
     with staging(out) as tmp:
         (tmp / "whole").write_text("whole")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and listing(out) == ["whole"]
@@ -492,7 +505,7 @@ def test_killed_build_leaves_nothing_finished_looking(cache):
     kill9(child)
     assert not (cache / "fake-v1").exists()
     leftovers = staged(cache)
-    assert len(leftovers) == 1 and leftovers[0].startswith(f".fake-v1.tmp-{child.pid}-")
+    assert len(leftovers) == 1 and leftovers[0].startswith(f".fake-v1.tmp-{H}-{child.pid}-")
     calls = []
     path = built_once("fake-v1", fake_build(calls))
     assert len(calls) == 1 and (path / "weights").read_text() == "w"

@@ -6,14 +6,21 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 MANIFEST = "manifest.json"
-# .<name>.tmp-<pid>-<random> while being written; .<name>.old-<pid> while an older copy is swapped out
-_STAGED = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)(?:-.*)?$")
+# .<name>.tmp-<host>-<pid>-<random> while being written; .<name>.old-<host>-<pid> while an older copy is swapped out
+_STAGED = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<host>[^-]+)-(?P<pid>\d+)(?:-.*)?$")
+
+
+def host_tag() -> str:
+    """This machine in staging names: a cache shared between machines must not take another's live writer for a
+    dead one."""
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
 
 
 def cache_dir() -> Path:
@@ -77,16 +84,26 @@ def _alive(pid: int) -> bool:
 
 
 def clear_stale(parent: Path) -> list[Path]:
-    """Remove the staging directories under `parent` whose writing process no longer runs (killed mid-write)."""
+    """Remove the staging directories under `parent` whose writing process, on this machine, no longer runs (killed
+    mid-write). A swapped-out older copy whose replacement never arrived (killed between the two renames) is put
+    back instead."""
     removed = []
     if not parent.is_dir():
         return removed
     for entry in parent.iterdir():
         m = _STAGED.match(entry.name)
         # a staging directory, or an older copy swapped out (a directory, or what `out` was: a file, a symlink)
-        if m and (m["kind"] == "old" or (entry.is_dir() and not entry.is_symlink())) and not _alive(int(m["pid"])):
-            _remove(entry)
-            removed.append(entry)
+        if not m or m["host"] != host_tag() or _alive(int(m["pid"])):
+            continue
+        if m["kind"] == "old":
+            dest = parent / m["name"]
+            if not (dest.exists() or dest.is_symlink()):
+                os.replace(entry, dest)
+                continue
+        elif not (entry.is_dir() and not entry.is_symlink()):
+            continue
+        _remove(entry)
+        removed.append(entry)
     return removed
 
 
@@ -98,15 +115,20 @@ def staging(out: Path) -> Iterator[Path]:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     clear_stale(out.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{host_tag()}-{os.getpid()}-", dir=out.parent))
     try:
         yield tmp
         old = None
         if out.exists() or out.is_symlink():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            old = out.with_name(f".{out.name}.old-{host_tag()}-{os.getpid()}")
             _remove(old)
             os.replace(out, old)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if old is not None:  # put the older copy back
+                os.replace(old, out)
+            raise
         if old is not None:
             _remove(old)
     finally:
