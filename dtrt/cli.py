@@ -297,8 +297,15 @@ def serve(
     show_default=True,
     help="int8 weights in the drafters' block stages (ONNX Runtime CPU; drafts only, output unchanged)",
 )
+@click.option(
+    "--drafters",
+    help="comma list of the drafter kinds to export: dflash, domino (default: every one the pair has; a Domino "
+    "drafter alone serves every method)",
+)
 @click.option("--force", is_flag=True, help="replace an existing export directory")
-def export(model, target, drafter, model_dir, out, dtype, max_context, budget, topm, node_topk, drafter_quant, force):
+def export(
+    model, target, drafter, model_dir, out, dtype, max_context, budget, topm, node_topk, drafter_quant, drafters, force
+):
     """Export every stage to ONNX, with manifest.json, into OUT (complete or not at all)."""
     from dtrt.exporter.export import export_pair
 
@@ -314,6 +321,7 @@ def export(model, target, drafter, model_dir, out, dtype, max_context, budget, t
         node_topk,
         force,
         drafter_quant,
+        tuple(k.strip() for k in drafters.split(",") if k.strip()) if drafters else None,
         log=_log,
     )
     size = sum(m["size"] for m in exp.manifest["files"].values())

@@ -108,7 +108,7 @@ def test_flipped_byte_in_a_weight_file_is_refused(tiny_export, tmp_path, cache):
     path = tmp_path / "tiny"
     shutil.copytree(tiny_export.path, path)
     load_export(path)  # verified as it is: the state is recorded
-    data = path / "target.onnx.data"
+    data = path / "weights.data"
     size = data.stat().st_size
     flip_byte(data, size // 2)
     assert data.stat().st_size == size
@@ -125,8 +125,8 @@ def test_first_load_of_a_copy_hashes_every_file(tiny_export, tmp_path, cache, ha
     copy whose timestamps were preserved is still caught."""
     path = tmp_path / "tiny"
     shutil.copytree(tiny_export.path, path)
-    tamper_keeping_stamp(path / "target.onnx.data")
-    with pytest.raises(DtrtError, match=r"target\.onnx\.data: its sha256 differs .* --force`$"):
+    tamper_keeping_stamp(path / "weights.data")
+    with pytest.raises(DtrtError, match=r"weights\.data: its sha256 differs .* --force`$"):
         load_export(path)
 
 

@@ -100,8 +100,8 @@ def test_missing_or_corrupt_export(tiny_export, tmp_path, monkeypatch, capsys):
     )
     broken = tmp_path / "export"
     shutil.copytree(tiny_export.path, broken)
-    data = (broken / "target.onnx.data").read_bytes()
-    (broken / "target.onnx.data").write_bytes(data[:100])
+    data = (broken / "weights.data").read_bytes()
+    (broken / "weights.data").write_bytes(data[:100])
     expect_error(
         monkeypatch,
         capsys,
@@ -111,7 +111,7 @@ def test_missing_or_corrupt_export(tiny_export, tmp_path, monkeypatch, capsys):
         "--export",
         str(broken),
         PROMPT,
-        fragments=(str(broken / "target.onnx.data"), "truncated", "dtrt export"),
+        fragments=(str(broken / "weights.data"), "truncated", "dtrt export"),
     )
 
 

@@ -5,6 +5,7 @@ import shutil
 
 import onnx
 import pytest
+from helpers import run_cli
 
 from dtrt.artifacts.export import MANIFEST, check_source, load_export
 from dtrt.errors import DtrtError
@@ -79,14 +80,16 @@ def one_line_error(fn, *fragments):
 
 
 def test_bad_artifacts(copied, tiny_export):
-    (copied / "dflash.block.onnx.data").unlink()
-    one_line_error(lambda: load_export(copied), "dflash.block.onnx.data", "missing", "dtrt export --model tiny")
-    shutil.copy2(copied / "domino.block.onnx.data", copied / "dflash.block.onnx.data")  # the right size, not the file
-    one_line_error(lambda: load_export(copied), "dflash.block.onnx.data", "sha256 differs", "dtrt export --model tiny")
-    shutil.copy2(tiny_export.path / "dflash.block.onnx.data", copied / "dflash.block.onnx.data")
-    data = copied / "target.onnx.data"
+    (copied / "weights.data").unlink()
+    one_line_error(lambda: load_export(copied), "weights.data", "missing", "dtrt export --model tiny")
+    data = bytearray((tiny_export.path / "weights.data").read_bytes())
+    data[len(data) // 2] ^= 1  # the right size, not the file
+    (copied / "weights.data").write_bytes(bytes(data))
+    one_line_error(lambda: load_export(copied), "weights.data", "sha256 differs", "dtrt export --model tiny")
+    shutil.copy2(tiny_export.path / "weights.data", copied / "weights.data")
+    data = copied / "target.onnx"
     data.write_bytes(data.read_bytes()[:-100])
-    one_line_error(lambda: load_export(copied), "target.onnx.data", "truncated", "--force")
+    one_line_error(lambda: load_export(copied), "target.onnx", "truncated", "--force")
     manifest = json.loads((copied / MANIFEST).read_text())
     manifest["dtrt_version"] = "0.0.1"
     (copied / MANIFEST).write_text(json.dumps(manifest))
@@ -109,3 +112,47 @@ def test_export_from_another_model(tiny_export, tmp_path):
     cfg["rms_norm_eps"] = 1e-5
     (other / "config.json").write_text(json.dumps(cfg))
     one_line_error(lambda: check_source(exp, other), "another target checkpoint", "dtrt export")
+
+
+def test_every_weight_is_stored_once(tiny_export):
+    """The stages read their initializers from one shared file, each distinct tensor once (DFlash's body and the
+    Domino drafter's, the target's embedding in every block, scorer and frontier stage)."""
+    import hashlib
+
+    import onnx
+
+    from dtrt.exporter.weights import WEIGHTS, external
+
+    path = tiny_export.path
+    assert not list(path.glob("*.onnx.data"))
+    seen = {}  # (offset, length) -> sha256
+    for meta in tiny_export.manifest["stages"].values():
+        for init in onnx.load(str(path / meta["file"]), load_external_data=False).graph.initializer:
+            info = external(init)
+            if info is None:
+                continue
+            assert info["location"] == WEIGHTS and int(info["offset"]) % 64 == 0
+            with open(path / WEIGHTS, "rb") as f:
+                f.seek(int(info["offset"]))
+                seen[(int(info["offset"]), int(info["length"]))] = hashlib.sha256(f.read(int(info["length"]))).digest()
+    assert len(set(seen.values())) == len(seen), "a tensor stored twice"
+    w = tiny_export.manifest["weights"]
+    assert w["distinct"] == len(seen) < w["tensors"] and w["stored"] < w["bytes"]
+    assert (path / WEIGHTS).stat().st_size < w["stored"] + 64 * w["distinct"]
+
+
+def test_only_the_drafters_asked_for(tiny, tmp_path, monkeypatch, capsys):
+    code, out, err = run_cli(
+        monkeypatch, capsys, "export", "--model", "tiny", "--out", str(tmp_path / "e"), "--drafters", "domino",
+        "--max-context", "256",
+    )  # fmt: skip
+    assert code == 0, err
+    exp = load_export(tmp_path / "e")
+    assert set(exp.drafters) == {"domino"} and not any(s.startswith("dflash.") for s in exp.manifest["stages"])
+    assert "--drafters domino" in exp.fix_hint()
+    code, out, err = run_cli(monkeypatch, capsys, "export", "--model", "tiny", "--out", str(tmp_path / "x"),
+                             "--drafters", "eagle")  # fmt: skip
+    assert code == 2 and err == "error: --drafters 'eagle': use some of dflash, domino\n"
+    hybrid_like = Pair(tiny.target, None, tiny.domino)
+    with pytest.raises(DtrtError, match=r"^--drafters dflash: the pair has no dflash drafter \(it has: domino\)$"):
+        export_pair(hybrid_like, tmp_path / "y", drafter_kinds=("dflash",))

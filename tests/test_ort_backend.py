@@ -224,8 +224,8 @@ def fix(path):
 
 
 def test_missing_file(broken, monkeypatch, capsys):
-    (broken / "target.onnx.data").unlink()
-    expect_cli_error(monkeypatch, capsys, broken, str(broken / "target.onnx.data"), "missing", fix(broken))
+    (broken / "weights.data").unlink()
+    expect_cli_error(monkeypatch, capsys, broken, str(broken / "weights.data"), "missing", fix(broken))
 
 
 def test_truncated_file(broken, monkeypatch, capsys):

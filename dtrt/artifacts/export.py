@@ -44,6 +44,7 @@ class Export:
             "topm": m.get("topm"),
             "node_topk": m.get("node_topk"),
             "drafter_quant": None if m.get("drafter_quant", "none") == "none" else m["drafter_quant"],
+            "drafters": ",".join(m["drafters_asked"]) if m.get("drafters_asked") else None,
         } | changes
         opts = "".join(f" --{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None)
         return f"dtrt export {how}{opts} --out {self.path} --force"

@@ -14,10 +14,12 @@ from dtrt.exporter.onnx_export import OPSET, export_stage
 from dtrt.exporter.quantize import check_drafter_quant, quantize_drafters
 from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.exporter.stages import drafter_stages, target_stage
+from dtrt.exporter.weights import WEIGHTS, share_weights
 from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import HybridConfig
 
 EXPORT_DTYPES = ("fp32", "fp16")  # ONNX Runtime has no bf16 CPU kernels
+DRAFTER_KINDS = ("dflash", "domino")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -92,8 +94,11 @@ def export_pair(
     node_topk: int = 8,
     force: bool = False,
     drafter_quant: str = "none",
+    drafter_kinds: tuple[str, ...] | None = None,
     log=None,
 ) -> Export:
+    """`drafter_kinds`: the drafters to export (dflash, domino; None: every one the pair has). A Domino drafter
+    serves every method (its body is a DFlash drafter), so `("domino",)` is the smallest export that runs them all."""
     log = log or (lambda msg: None)
     out = Path(out)
     if dtype not in EXPORT_DTYPES:
@@ -103,8 +108,17 @@ def export_pair(
         raise DtrtError("--max-context must be >= 2 and --budget >= 1")
     if out.exists() and not force:
         raise DtrtError(f"--out {out}: already exists; pass --force to replace it")
+    for kind in drafter_kinds or ():
+        if kind not in DRAFTER_KINDS:
+            raise DtrtError(f"--drafters {kind!r}: use some of {', '.join(DRAFTER_KINDS)}")
     drafter_paths = {"dflash": pair.dflash, "domino": pair.domino}
     target, drafters, taps = load_models(pair.target, drafter_paths, parse_dtype(dtype))
+    if drafter_kinds is not None:
+        for kind in drafter_kinds:
+            if kind not in drafters:
+                have = ", ".join(drafters) or "none"
+                raise DtrtError(f"--drafters {kind}: the pair has no {kind} drafter (it has: {have})")
+        drafters = {k: v for k, v in drafters.items() if k in drafter_kinds}
     stages = pair_stages(target, taps, {k: d for k, (_, d) in drafters.items()}, budget, topm, node_topk)
 
     with staging(out) as tmp:
@@ -116,6 +130,7 @@ def export_pair(
             stage_meta[stage.name] = {"file": f"{stage.name}.onnx", "inputs": stage.inputs, "outputs": stage.outputs}
             log(f"[{i}/{len(stages)}] {stage.name} done in {time.perf_counter() - t0:.1f}s")
         quantized = quantize_drafters(tmp, stage_meta, drafter_quant, log)
+        weights = share_weights(tmp, [m["file"] for m in stage_meta.values()], log)
         (tmp / "tokenizer").mkdir()
         for name in TOKENIZER_FILES:
             if (pair.target / name).is_file():
@@ -133,6 +148,8 @@ def export_pair(
             "node_topk": node_topk,
             "drafter_quant": drafter_quant,
             "quantized_stages": quantized,
+            "drafters_asked": list(drafter_kinds) if drafter_kinds is not None else None,
+            "weights": {"file": WEIGHTS, **weights},
             "source": {
                 "model": model,
                 "target": str(pair.target.resolve()),
