@@ -11,6 +11,7 @@ from dtrt.artifacts.files import checkpoint_hashes, staging, write_manifest
 from dtrt.artifacts.verify import record_verified
 from dtrt.errors import DtrtError
 from dtrt.exporter.onnx_export import OPSET, export_stage
+from dtrt.exporter.precision import fp16_warning, stored_dtype
 from dtrt.exporter.quantize import check_drafter_quant, quantize_drafters
 from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.exporter.stages import drafter_stages, target_stage
@@ -18,7 +19,7 @@ from dtrt.exporter.weights import WEIGHTS, share_weights
 from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import HybridConfig
 
-EXPORT_DTYPES = ("fp32", "fp16")  # ONNX Runtime has no bf16 CPU kernels
+EXPORT_DTYPES = ("fp32", "fp16", "bf16")  # bf16: for TensorRT (ONNX Runtime's CPU provider has no bf16 kernels)
 DRAFTER_KINDS = ("dflash", "domino")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -113,6 +114,15 @@ def export_pair(
             raise DtrtError(f"--drafters {kind!r}: use some of {', '.join(DRAFTER_KINDS)}")
     drafter_paths = {"dflash": pair.dflash, "domino": pair.domino}
     target, drafters, taps = load_models(pair.target, drafter_paths, parse_dtype(dtype))
+    if dtype == "fp16" and stored_dtype(pair.target) == "bf16":
+        from dtrt.models.tokenizer import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(pair.target)
+        except DtrtError:
+            tokenizer = None
+        if warning := fp16_warning(pair.target, target, tokenizer):
+            log(warning)
     if drafter_kinds is not None:
         for kind in drafter_kinds:
             if kind not in drafters:

@@ -10,6 +10,7 @@ from dtrt.artifacts.export import Export, check_source, load_export
 from dtrt.artifacts.files import MANIFEST, cache_dir
 from dtrt.errors import DtrtError
 from dtrt.exporter.export import export_pair
+from dtrt.launch.memory import check_first_use
 from dtrt.models.checkpoint import Pair
 
 DRAFTER_QUANT = "int8"
@@ -28,5 +29,6 @@ def cached_export(pair: Pair, model: str, log=None) -> Export:
             return exp
         except DtrtError as e:
             log(f"{path}: out of date ({e}); exporting again")
+    check_first_use(pair, model)
     log(f"exporting {model} to ONNX in {path} (first use only)")
     return export_pair(pair, Path(path), model, force=True, drafter_quant=DRAFTER_QUANT, log=log)

@@ -474,6 +474,12 @@ def _finite(v):
 def run_parity(exp: Export, prompts: int = 3, stages: dict[str, Stage] | None = None, log=None) -> Report:
     """Compare every stage of `exp` on the random grid and, with prompts > 0, on real inputs. `stages` replaces
     the references rebuilt from the checkpoints (tests perturb one to see parity fail)."""
+    if exp.dtype == "bf16":
+        raise DtrtError(
+            f"{exp.path} holds bf16 graphs: dtrt parity runs the stages on ONNX Runtime's CPU provider, which has no "
+            f"bf16 kernels; check the same pair exported with --dtype fp32 (`{exp.fix_hint(dtype='fp32')}` with "
+            "another --out)"
+        )
     log = log or (lambda msg: None)
     if not 0 <= prompts <= len(PROMPTS):
         raise DtrtError(f"--prompts {prompts}: must be between 1 and {len(PROMPTS)}")
