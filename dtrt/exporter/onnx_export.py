@@ -39,17 +39,13 @@ def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int, ma
             opset_version=OPSET,
             verbose=False,
         )
-    model = program.model_proto
+    # the weights stream from the program's tensors (views of the module's) into the data file: serializing the
+    # whole model to one protobuf first would hold another copy of every weight
+    data = path.with_suffix(".onnx.data")
+    program.save(str(path), external_data=True)
+    model = onnx.load(str(path), load_external_data=False)
     used = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
     model.functions.extend(onnx_functions(used))
-    data = path.with_suffix(".onnx.data")
-    onnx.save_model(
-        model,
-        str(path),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=data.name,
-        size_threshold=1024,
-    )
+    onnx.save_model(model, str(path))
     onnx.checker.check_model(str(path))
     return [path, data] if data.exists() else [path]
