@@ -1,6 +1,5 @@
 """Small random checkpoints in the released layouts, written with the real writers and read with the real loaders."""
 
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -10,7 +9,7 @@ import torch
 from dtrt.launch import open_sources
 from dtrt.models.checkpoint import drafter_state, save_checkpoint
 from dtrt.models.config import DrafterConfig
-from dtrt.models.domino import DominoHead
+from dtrt.models.domino import HEAD_MODULES, DominoHead
 from dtrt.models.drafter import Drafter
 from dtrt.runtime.pipeline import open_pipeline
 from dtrt.runtime.spec import RunSpec
@@ -68,15 +67,22 @@ def drafter_json(hidden=64, vocab=100, layers=1, taps=(0, 1), block=8, domino=Fa
     return cfg
 
 
-def write_drafter(path: Path, cfg_json: dict, gru=16, emb=24, head=None):
+def write_drafter(path: Path, cfg_json: dict, gru=16, emb=24, head=None, head_prefix="", seed=None):
+    """A random drafter written with `cfg_json` as its config.json (as given, even without the keys a loader needs:
+    the tensors' shapes do not depend on shift_label), its Domino head's tensors under `head_prefix` (one of
+    dtrt.models.domino.HEAD_PREFIXES)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg_json))
-    cfg = DrafterConfig.from_json(path / "config.json")
-    has_head = cfg_json["dflash_config"].get("projector_type") is not None if head is None else head
+    dcfg = cfg_json["dflash_config"]
+    cfg = DrafterConfig.from_dict(cfg_json | {"dflash_config": dcfg | {"shift_label": False}})
+    has_head = dcfg.get("projector_type") is not None if head is None else head
     model = Drafter(cfg, DominoHead(cfg.hidden_size, gru, emb, cfg.vocab_size) if has_head else None)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
     for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.1)
-    save_checkpoint(path, cfg_json, drafter_state(model))
+        p.data.normal_(0, 0.1, generator=gen)
+    state = drafter_state(model)
+    save_checkpoint(
+        path, cfg_json, {(head_prefix + k if k.startswith(HEAD_MODULES) else k): v for k, v in state.items()}
+    )
     return path
 
 

@@ -1,6 +1,7 @@
 """Checkpoint loading: released layouts (single file and shards), config keys, and one-line errors."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from dtrt.models.checkpoint import (
     target_state,
 )
 from dtrt.models.config import DrafterConfig, default_target_layer_ids
+from dtrt.models.domino import HEAD_PREFIXES, HEAD_TENSORS
 from dtrt.zoo.registry import find_local, resolve
 
 
@@ -165,3 +167,91 @@ def test_checkpoint_rejects_unknown_tensors(tmp_path):
     save_checkpoint(path, json.loads((path / "config.json").read_text()), state)
     expect_error(lambda: load_drafter(path), "unexpected tensor", "surprise.weight")
     assert "surprise.weight" in Checkpoint(path)
+
+
+def _head_file(path, rename):
+    """Rewrite the drafter at `path` with its tensors renamed by `rename(name) -> name or None (dropped)`."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path / "model.safetensors"))
+    state = {rename(k): v for k, v in state.items() if rename(k) is not None}
+    save_checkpoint(path, json.loads((path / "config.json").read_text()), state)
+    return path
+
+
+def test_domino_head_in_every_published_layout(tmp_path):
+    """The released flat names, the older `logit_head.` nesting and speculators' `logits_correction.` load the same
+    head with the same weights."""
+    flat = load_drafter(write_drafter(tmp_path / "flat", drafter_json(domino=True), seed=1))
+    assert flat.head is not None
+    for prefix in HEAD_PREFIXES[1:]:
+        path = write_drafter(tmp_path / prefix.strip("."), drafter_json(domino=True), seed=1, head_prefix=prefix)
+        names = set(Checkpoint(path).shapes)
+        assert {prefix + n for n in HEAD_TENSORS} <= names and not names & set(HEAD_TENSORS)
+        d = load_drafter(path)
+        assert (d.head.gru_dim, d.head.emb_dim) == (16, 24) and d.cfg.k_draft == d.cfg.block_size
+        got, want = d.state_dict(), flat.state_dict()
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), (prefix, k)
+    other = load_drafter(write_drafter(tmp_path / "other", drafter_json(domino=True), seed=2))
+    assert not torch.equal(other.head.w2, flat.head.w2)  # the seed decides the weights: the comparison can fail
+
+
+def test_domino_head_layout_errors(tmp_path):
+    """Half a head, a head under two names, and head-like tensors the released head does not have are refused."""
+    path = write_drafter(tmp_path / "d", drafter_json(domino=True), head_prefix="logit_head.")
+    partial = _head_file(path, lambda n: None if n == "logit_head.embed_proj.2.weight" else n)
+    expect_error(lambda: load_drafter(partial), "'logit_head.embed_proj.2.weight' is missing")
+
+    path = write_drafter(tmp_path / "two", drafter_json(domino=True))
+    from safetensors.torch import load_file
+
+    state = load_file(str(path / "model.safetensors"))
+    state |= {"logits_correction." + n: state[n] for n in HEAD_TENSORS}
+    save_checkpoint(path, json.loads((path / "config.json").read_text()), state)
+    expect_error(lambda: load_drafter(path), "two names", "'prefix_gru.weight_ih_l0'", "'logits_correction.")
+
+    for extra in ("logit_head.bias_gate.weight", "embed_proj.1.weight", "logits_correction.norm.weight"):
+        path = write_drafter(tmp_path / extra, drafter_json(domino=True), head_prefix="logit_head.")
+        state = load_file(str(path / "model.safetensors")) | {extra: torch.zeros(3)}
+        save_checkpoint(path, json.loads((path / "config.json").read_text()), state)
+        expect_error(lambda p=path: load_drafter(p), repr(extra), "not part of the released Domino head")
+
+
+def test_shift_label_from_the_checkpoint_or_refused(tmp_path):
+    """shift_label decides the drafted depth: read from the config (dflash_config or top level); a DFlash drafter
+    without it uses DFlash's rows 1..B-1; a Domino drafter without it (projector_type or head tensors) is refused."""
+    for where, value in (("dflash_config", True), ("dflash_config", False), ("top", True)):
+        cfg = drafter_json(domino=True, block=8)
+        del cfg["dflash_config"]["shift_label"]
+        (cfg if where == "top" else cfg["dflash_config"])["shift_label"] = value
+        d = load_drafter(write_drafter(tmp_path / f"{where}-{value}", cfg))
+        assert d.cfg.shift_label is value and d.cfg.k_draft == (8 if value else 7)
+    dflash = load_drafter(write_drafter(tmp_path / "dflash", drafter_json(block=8)))
+    assert dflash.head is None and not dflash.cfg.shift_label and dflash.cfg.k_draft == 7
+
+    cfg = drafter_json(domino=True, block=8)
+    del cfg["dflash_config"]["shift_label"]
+    path = write_drafter(tmp_path / "domino", cfg)
+    msg = expect_error(lambda: load_drafter(path), str(path / "config.json"), "'dflash_config.shift_label'", "8", "7")
+    # no projector_type, but head tensors (here under logits_correction.): a Domino drafter all the same
+    path = write_drafter(tmp_path / "head-only", drafter_json(block=8), head=True, head_prefix="logits_correction.")
+    assert expect_error(lambda: load_drafter(path), "'dflash_config.shift_label'") == msg.replace("domino", "head-only")
+
+    cfg = drafter_json(domino=True)
+    cfg["dflash_config"]["shift_label"] = "true"
+    path = write_drafter(tmp_path / "string", cfg)
+    expect_error(lambda: load_drafter(path), "config.json", "shift_label 'true' must be true or false")
+
+
+def test_cli_domino_drafter_without_shift_label(tiny, tmp_path, monkeypatch, capsys):
+    cfg = json.loads((tiny.domino / "config.json").read_text())
+    del cfg["dflash_config"]["shift_label"]
+    path = tmp_path / "domino"
+    shutil.copytree(tiny.domino, path)
+    (path / "config.json").write_text(json.dumps(cfg))
+    args = ("run", "--target", str(tiny.target), "--drafter", str(path), "--method", "dominotree", "The cat")
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "dflash_config.shift_label" in err and str(path / "config.json") in err

@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 
 from dtrt.errors import DtrtError
-from dtrt.models.config import DrafterConfig, HybridConfig, TargetConfig
-from dtrt.models.domino import HEAD_TENSORS, DominoHead
+from dtrt.models.config import DrafterConfig, HybridConfig, TargetConfig, read_json
+from dtrt.models.domino import HEAD_MODULES, HEAD_PREFIXES, HEAD_TENSORS, DominoHead
 from dtrt.models.drafter import Drafter
 from dtrt.models.hybrid import HybridTarget
 from dtrt.models.target import Target
@@ -135,35 +135,55 @@ def load_target(path, dtype=torch.float32) -> Target:
     return model.eval()
 
 
+def head_prefix(ckpt: Checkpoint) -> str | None:
+    """Where the checkpoint keeps the Domino head's tensors (one of HEAD_PREFIXES; None: it has no head). Tensors that
+    look like a head's but are not the released head's (a partial head, a head under two prefixes, extra head
+    modules) are a one-line error."""
+    path = ckpt.path
+    found = [p for p in HEAD_PREFIXES if any(p + n in ckpt for n in HEAD_TENSORS)]
+    if len(found) > 1:
+        a, b = (next(p + n for n in HEAD_TENSORS if p + n in ckpt) for p in found[:2])
+        raise DtrtError(f"{path}: Domino head tensors under two names ({a!r} and {b!r}); a checkpoint holds one head")
+    prefix = found[0] if found else None
+    head = [prefix + n for n in HEAD_TENSORS] if prefix is not None else []
+    if missing := next((n for n in head if n not in ckpt), None):
+        raise DtrtError(f"{path}: Domino head tensor {missing!r} is missing; the checkpoint is incomplete")
+    modules = tuple(p + m for p in HEAD_PREFIXES for m in HEAD_MODULES) + tuple(p for p in HEAD_PREFIXES if p)
+    if stray := next((n for n in ckpt.shapes if n.startswith(modules) and n not in head), None):
+        raise DtrtError(
+            f"{path}: tensor {stray!r} is not part of the released Domino head (prefix_gru.weight_{{ih,hh}}_l0 and "
+            "embed_proj.{0,2}.weight, flat or under logit_head. or logits_correction.); is this the right kind of "
+            "checkpoint?"
+        )
+    return prefix
+
+
 def load_drafter(path, dtype=torch.float32) -> Drafter:
+    """A DFlash or Domino drafter; the Domino head may be stored flat or under a HEAD_PREFIXES prefix."""
     path = Path(path)
-    cfg = DrafterConfig.from_json(path / "config.json")
+    raw = read_json(path / "config.json")
     ckpt = Checkpoint(path)
+    prefix = head_prefix(ckpt)
+    cfg = DrafterConfig.from_dict(raw, path / "config.json", head=prefix is not None)
     head = None
-    present = [n for n in HEAD_TENSORS if n in ckpt]
-    if present:
-        if len(present) < len(HEAD_TENSORS):
-            missing = next(n for n in HEAD_TENSORS if n not in ckpt)
-            raise DtrtError(f"{path}: Domino head tensor {missing!r} is missing; the checkpoint is incomplete")
-        gru_dim, emb_dim = DominoHead.dims_from_shapes(ckpt.shapes)
+    if prefix is not None:
+        gru_dim, emb_dim = DominoHead.dims_from_shapes({n: ckpt.shapes[prefix + n] for n in HEAD_TENSORS})
         with torch.device("meta"):
             head = DominoHead(cfg.hidden_size, gru_dim, emb_dim, cfg.vocab_size)
     elif cfg.projector_type is not None:
         raise DtrtError(
             f"{path}: config.json says projector_type {cfg.projector_type!r} but the checkpoint has no "
-            "Domino head tensors (prefix_gru.*, embed_proj.*)"
+            "Domino head tensors (prefix_gru.*, embed_proj.*, flat or under logit_head. or logits_correction.)"
         )
     with torch.device("meta"):
         model = Drafter(cfg)
     model.head = head
-    expected = {k.removeprefix("head."): tuple(v.shape) for k, v in model.state_dict().items()}
-    ckpt.check(expected)
-    state = ckpt.load(list(expected), dtype)
-    model.load_state_dict(
-        {("head." + k if k.startswith(("prefix_gru.", "embed_proj.")) else k): v for k, v in state.items()},
-        strict=True,
-        assign=True,
-    )
+    # the checkpoint's name of each parameter: the body's as is, the head's under its prefix
+    shapes = model.state_dict()
+    names = {(prefix + k.removeprefix("head.") if k.startswith("head.") else k): k for k in shapes}
+    ckpt.check({n: tuple(shapes[k].shape) for n, k in names.items()})
+    state = ckpt.load(list(names), dtype)
+    model.load_state_dict({names[n]: v for n, v in state.items()}, strict=True, assign=True)
     return model.eval()
 
 

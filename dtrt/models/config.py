@@ -228,11 +228,13 @@ class DrafterConfig:
         return 0 if self.shift_label else 1
 
     @classmethod
-    def from_json(cls, path: Path) -> "DrafterConfig":
-        return cls.from_dict(read_json(path), path)
+    def from_json(cls, path: Path, head: bool = False) -> "DrafterConfig":
+        return cls.from_dict(read_json(path), path, head)
 
     @classmethod
-    def from_dict(cls, cfg: dict, path: Path = Path("config.json")) -> "DrafterConfig":
+    def from_dict(cls, cfg: dict, path: Path = Path("config.json"), head: bool = False) -> "DrafterConfig":
+        """The config of a drafter; `head`: whether its checkpoint holds Domino head tensors (a Domino drafter must
+        say shift_label, see _shift_label)."""
         dcfg = cfg.get("dflash_config") or {}
         heads = _require(cfg, "num_attention_heads", path)
         hidden = _require(cfg, "hidden_size", path)
@@ -263,6 +265,31 @@ class DrafterConfig:
             mask_token_id=int(mask),
             target_layer_ids=[int(t) for t in taps],
             projector_type=proj,
-            shift_label=bool(dcfg.get("shift_label", cfg.get("shift_label", False))),
-            pure_draft_prefix_len=int(dcfg.get("pure_draft_prefix_len", cfg.get("pure_draft_prefix_len", 1))),
+            shift_label=_shift_label(dcfg.get("shift_label", cfg.get("shift_label")), proj, head, int(block), path),
+            pure_draft_prefix_len=_prefix_len(
+                dcfg.get("pure_draft_prefix_len", cfg.get("pure_draft_prefix_len", 1)), path
+            ),
         )
+
+
+def _shift_label(value, projector: str | None, head: bool, block: int, path: Path) -> bool:
+    """shift_label as the config says it (`dflash_config`, or the top level). A DFlash drafter (no projector_type,
+    no head tensors) that leaves it out uses DFlash's rows 1..B-1 by definition; a Domino drafter that leaves it out
+    is refused, since it decides how many tokens a block drafts and no tensor tells."""
+    if value is None:
+        if projector is None and not head:
+            return False
+        raise DtrtError(
+            f"{path}: a Domino drafter's config needs 'dflash_config.shift_label', which decides the tokens "
+            f"drafted per block (true: {block}, row 0 drafts, as the released Domino-b16 configs say; false: "
+            f"DFlash's {block - 1}); add the value its training used"
+        )
+    if not isinstance(value, bool):
+        raise DtrtError(f"{path}: shift_label {value!r} must be true or false")
+    return value
+
+
+def _prefix_len(value, path: Path) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DtrtError(f"{path}: pure_draft_prefix_len {value!r} must be an integer >= 0")
+    return value

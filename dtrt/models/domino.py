@@ -10,6 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 HEAD_TENSORS = ("prefix_gru.weight_ih_l0", "prefix_gru.weight_hh_l0", "embed_proj.0.weight", "embed_proj.2.weight")
+# where checkpoints keep the head's tensors: flat (the released Domino-b16 files), nested under `logit_head.` (older
+# Domino checkpoints) or under `logits_correction.` (the speculators layout); the names below the prefix are the same
+HEAD_PREFIXES = ("", "logit_head.", "logits_correction.")
+HEAD_MODULES = ("prefix_gru.", "embed_proj.")
 
 
 class DominoHead(nn.Module):
