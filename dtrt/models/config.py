@@ -20,6 +20,27 @@ def read_json(path: Path) -> dict:
         ) from None
 
 
+def generation_eos(folder: Path) -> tuple[int, ...]:
+    """The EOS ids of `folder`/generation_config.json (`eos_token_id`: an id or a list of ids; Qwen3 lists
+    <|im_end|> and <|endoftext|> there while its config.json names only the first); () without the file or key."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    cfg = read_json(path)
+    if not isinstance(cfg, dict):
+        raise DtrtError(f"{path}: not a JSON object; restore the file from the checkpoint")
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise DtrtError(
+            f"{path}: eos_token_id {eos!r} must be a token id or a list of token ids; restore the file from the "
+            "checkpoint"
+        )
+    return tuple(ids)
+
+
 def _rope_theta(cfg: dict, default: float) -> float:
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}

@@ -43,6 +43,7 @@ from dtrt.runtime.backends.onnxruntime import cpu_session
 from dtrt.runtime.backends.torch import TorchBackend
 from dtrt.runtime.generate import collect, generate
 from dtrt.runtime.methods import make_method
+from dtrt.runtime.pipeline import stop_ids
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import RunSpec
 from dtrt.scoring import DominoScorer
@@ -261,7 +262,7 @@ def real_inputs(exp: Export, stages: dict[str, Stage], prompts: int) -> dict[str
     every drafter of the export (DominoTree for a Domino drafter, DDTree for a DFlash one) or AR without one."""
     m = exp.manifest
     tokenizer = load_tokenizer(exp.path / "tokenizer")
-    eos = set(m["target"]["eos_token_id"]) | ({tokenizer.eos_token_id} - {None})
+    eos = stop_ids(m["target"]["eos_token_id"], tokenizer, exp.path / "tokenizer")
     target = stages["target"].module.target
     runs = [
         (kind, stages[f"{kind}.block"].module.drafter) for kind in m["source"]["drafters"] if f"{kind}.block" in stages
@@ -273,7 +274,7 @@ def real_inputs(exp: Export, stages: dict[str, Stage], prompts: int) -> dict[str
         for prompt in PROMPTS[:prompts]:
             ids = tokenizer.encode(prompt, add_special_tokens=False)
             backend = Recorder(target, drafter, kind, calls)
-            collect(generate(backend, make_method(spec), ids, MAX_NEW_TOKENS, SamplingConfig(), tuple(sorted(eos))))
+            collect(generate(backend, make_method(spec), ids, MAX_NEW_TOKENS, SamplingConfig(), eos))
     for name, stage in stages.items():
         kind = name.split(".")[0]
         if name not in calls and f"{kind}.rows" in calls and set(stage.inputs) <= {"root", "ph", "base"}:

@@ -9,7 +9,7 @@ from dtrt.artifacts.engine import Engine
 from dtrt.artifacts.export import Export
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
-from dtrt.models.config import read_json
+from dtrt.models.config import generation_eos, read_json
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.generate import Generation, Step, capacity_for, collect, generate
@@ -77,9 +77,10 @@ class Pipeline:
         return collect(self.stream(prompt_ids, max_new_tokens, sampling))
 
 
-def stop_ids(config_eos, tokenizer) -> tuple[int, ...]:
-    """The target config's EOS ids plus the tokenizer's."""
-    eos = set(config_eos)
+def stop_ids(config_eos, tokenizer, folder: Path) -> tuple[int, ...]:
+    """Every id that ends a generation: the target config's EOS ids, those of `folder`/generation_config.json (the
+    checkpoint directory, or an export's tokenizer/) and the tokenizer's."""
+    eos = set(config_eos) | set(generation_eos(folder))
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return tuple(sorted(eos))
@@ -113,7 +114,7 @@ def open_pipeline(spec: RunSpec, sources: Sources) -> Pipeline:
 
             backend = TrtBackend(sources.engine, exp, kind)
         tokenizer = load_tokenizer(exp.path / "tokenizer")
-        eos = stop_ids(exp.manifest["target"]["eos_token_id"], tokenizer)
+        eos = stop_ids(exp.manifest["target"]["eos_token_id"], tokenizer, exp.path / "tokenizer")
     backend.prepare(spec)
     if spec.threads:
         import torch
@@ -144,7 +145,7 @@ def _torch_backend(spec: RunSpec, pair: Pair):
     config = Path(pair.target) / "config.json"
     limit = read_json(config).get("max_position_embeddings")
     backend = TorchBackend(target, drafter, spec.device, limit, f"max_position_embeddings in {config}")
-    return backend, tokenizer, stop_ids(target.cfg.eos_token_id, tokenizer)
+    return backend, tokenizer, stop_ids(target.cfg.eos_token_id, tokenizer, pair.target)
 
 
 def _drafter_kind(spec: RunSpec, exp: Export) -> str | None:

@@ -112,10 +112,11 @@ def pick_mask_token(tokenizer, vocab: int) -> int:
     return vocab - 1 if used < vocab else max(tokenizer.all_special_ids or [vocab - 1])
 
 
-def build_data(target: Target, tokenizer, cfg: TrainConfig, corpus, prompts: list[str], progress) -> DrafterData:
-    """Corpus rows and the target's continuations of the training prompts, labelled and featurized."""
-    from dtrt.runtime.pipeline import stop_ids
-
+def build_data(
+    target: Target, tokenizer, eos: tuple[int, ...], cfg: TrainConfig, corpus, prompts: list[str], progress
+) -> DrafterData:
+    """Corpus rows and the target's continuations of the training prompts (each ending at one of `eos`), labelled
+    and featurized."""
     T = cfg.seq_len
     rows = [text_rows(tokenizer, read_corpus(corpus, cfg.corpus_chars), T, cfg.corpus_rows)] if corpus else []
     lengths = [torch.full((rows[0].shape[0],), T)] if rows else []
@@ -126,7 +127,7 @@ def build_data(target: Target, tokenizer, cfg: TrainConfig, corpus, prompts: lis
             ids,
             cfg.gen_tokens,
             T,
-            stop_ids(target.cfg.eos_token_id, tokenizer),
+            eos,
             cfg.gen_batch,
             log=progress("continuations"),
         )
@@ -212,7 +213,10 @@ def train_drafter(
         log(f"data: {len(data)} rows from {work / 'data.pt'}")
     else:
         t0 = time.perf_counter()
-        data = build_data(target, tokenizer, cfg, corpus, train_prompts, progress)
+        from dtrt.runtime.pipeline import stop_ids
+
+        eos = stop_ids(target.cfg.eos_token_id, tokenizer, target_path)
+        data = build_data(target, tokenizer, eos, cfg, corpus, train_prompts, progress)
         data.save(work / "data.pt")
         log(f"data: {len(data)} rows x {cfg.seq_len} tokens in {time.perf_counter() - t0:.0f}s")
     if held_out:
