@@ -4,6 +4,7 @@ pipeline and hands it to the runtime, the server or the bench."""
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -14,7 +15,7 @@ from dtrt.exporter.quantize import DRAFTER_QUANTS
 from dtrt.launch import pipeline, resolve_spec
 from dtrt.launch.resolve import check_cuda
 from dtrt.launch.sources import load_pair
-from dtrt.runtime.requests import FLAGS, has_chat_template, make_request, read_requests
+from dtrt.runtime.requests import FLAGS, check_thinking, has_chat_template, make_request, read_requests
 from dtrt.runtime.spec import ARMS, BACKENDS, BUILDERS, DTYPES, METHODS
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
 from dtrt.train.trainer import TrainConfig
@@ -132,6 +133,17 @@ def request_options(f):
     return f
 
 
+THINKING_HELP = (
+    "render the chat template with thinking on (Qwen3's enable_thinking); off by default: the assistant's turn opens "
+    "with the empty think block the released drafters were trained with"
+)
+
+
+def thinking_option(f):
+    """--thinking/--no-thinking, shared by `run`, `serve` and `bench`."""
+    return click.option("--thinking/--no-thinking", default=False, show_default=True, help=THINKING_HELP)(f)
+
+
 def _use_chat(pipe, chat: bool | None) -> bool:
     """--chat/--no-chat, by default the chat template when the tokenizer has one."""
     if chat and not has_chat_template(pipe.tokenizer):
@@ -150,6 +162,7 @@ def _use_chat(pipe, chat: bool | None) -> bool:
 @click.option(
     "--chat/--no-chat", default=None, help="wrap the prompt in the chat template (default: when the tokenizer has one)"
 )
+@thinking_option
 @click.option(
     "--input",
     "input_file",
@@ -157,10 +170,16 @@ def _use_chat(pipe, chat: bool | None) -> bool:
     help="JSONL file of requests ('-' = standard input), one JSON result per line",
 )
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the text")
-def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, truncate, input_file, as_json, **flags):
+def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, thinking, truncate, input_file, as_json, **flags):
     """Generate a continuation of PROMPT (or of standard input; an interactive prompt at a terminal)."""
     defaults = make_request(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop, names=FLAGS
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=stop,
+        thinking=thinking,
+        names=FLAGS,
     )
     spec = resolve_spec(**flags)
     if prompt is not None and input_file is not None:
@@ -171,14 +190,13 @@ def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, truncate, 
         prompt = sys.stdin.read()
     pipe = pipeline(spec, _log)
     chat = _use_chat(pipe, chat)
+    check_thinking(pipe.tokenizer, thinking)
     if interactive:
         _log(f"dtrt run ({spec.method}): one prompt per line; Ctrl-C stops a generation, Ctrl-D quits")
         return repl(pipe, defaults, chat, truncate, input, lambda s: click.echo(s, nl=False), _log)
     if requests is not None:
         return _run_jsonl(pipe, requests, chat, truncate, input_file)
-    req = make_request(
-        prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop
-    )
+    req = replace(defaults, prompt=prompt)
     c = generate_one(
         pipe, req, prompt_ids(pipe, req, chat, truncate), None if as_json else lambda s: click.echo(s, nl=False)
     )
@@ -243,11 +261,13 @@ def _run_jsonl(pipe, requests, chat, truncate, source):
     show_default=True,
     help="seconds the generation in flight may finish after SIGINT/SIGTERM before it is cancelled",
 )
+@thinking_option
 def serve(
     max_new_tokens,
     temperature,
     top_p,
     seed,
+    thinking,
     truncate,
     host,
     port,
@@ -261,7 +281,9 @@ def serve(
     from dtrt.serve.server import ServeConfig, bind, serve_forever
 
     spec = resolve_spec(**flags)
-    defaults = make_request(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    defaults = make_request(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, thinking=thinking
+    )
     cfg = ServeConfig(
         name or spec.model or Path(spec.target or spec.export or "default").name,
         defaults,
@@ -273,6 +295,7 @@ def serve(
     sock = bind(host, port)  # a taken port fails before the model loads
     try:
         pipe = pipeline(spec, _log)
+        check_thinking(pipe.tokenizer, thinking)
     except BaseException:
         sock.close()
         raise
@@ -460,6 +483,7 @@ def _progress(what):
     type=click.Path(),
     help="GGUF of the same target for a llama.cpp peer row (needs llama-cpp-python; smollm2-135m finds its own)",
 )
+@thinking_option
 def bench(**flags):
     """Time methods x datasets x temperatures in one process against AR; write a JSON, a table and a plot."""
     from dtrt.bench.main import BenchOptions

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 import torch
 from helpers import drafter_json, pipe_for, run_cli, spec, write_drafter
-from test_run_cli import PROMPT, _one_thread, tiny_variant  # noqa: F401 (fixture)
+from test_run_cli import PROMPT, _one_thread, tiny_chat, tiny_variant  # noqa: F401 (fixtures)
 
 pytest.importorskip("aiohttp")
 
@@ -290,6 +290,52 @@ def test_chat_without_a_template(server, tmp_path, monkeypatch, capsys):
     )
 
 
+def test_thinking_without_a_thinking_switch(tiny, tiny_chat, server, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """--thinking (run, serve, bench) and chat_template_kwargs.enable_thinking (JSONL, HTTP) on a model whose chat
+    template has no thinking mode, or that has no template."""
+    for cmd, *rest in (("run", PROMPT), ("serve", "--port", "0")):
+        expect_error(
+            monkeypatch,
+            capsys,
+            cmd,
+            "--model",
+            "tiny",
+            "--thinking",
+            *rest,
+            fragments=("--thinking: this model's tokenizer has no chat template; drop --thinking",),
+        )
+    chat = ("--target", str(tiny_chat.target), "--drafter", str(tiny.domino))
+    expect_error(
+        monkeypatch,
+        capsys,
+        "run",
+        *chat,
+        "--thinking",
+        PROMPT,
+        fragments=("--thinking: this model's chat template has no thinking mode (it never reads enable_thinking)",),
+    )
+    requests = tmp_path / "think.jsonl"
+    line = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": True}}
+    requests.write_text(json.dumps(line) + "\n")
+    expect_error(
+        monkeypatch,
+        capsys,
+        "run",
+        *chat,
+        "--input",
+        str(requests),
+        fragments=(f"{requests}:1: chat_template_kwargs.enable_thinking: this model's chat template has no thinking",),
+    )
+    with BackgroundServer(pipe_for(tiny_chat, spec("ar")), ServeConfig("tiny-chat")) as chat_server:
+        expect_http_error(
+            f"{chat_server.url}/v1/chat/completions",
+            400,
+            line,
+            param="chat_template_kwargs",
+            fragments=("chat_template_kwargs.enable_thinking: this model's chat template has no thinking mode",),
+        )
+
+
 # flags and files
 
 
@@ -442,6 +488,11 @@ def test_malformed_http_body(tiny, server, monkeypatch):
         ({"prompt": "x", "logprobs": 5}, "logprobs", "logprobs 5: not supported"),
         ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
         ({"prompt": "x", "foo": 1}, "foo", "unknown parameter 'foo'"),
+        (
+            {"prompt": "x", "chat_template_kwargs": {"enable_thinking": True}},
+            "chat_template_kwargs",
+            "chat_template_kwargs is a chat parameter; /v1/completions takes the prompt as raw text",
+        ),
     ],
 )
 def test_bad_http_parameters(server, body, param, fragment):
@@ -460,6 +511,26 @@ def test_bad_http_parameters(server, body, param, fragment):
 def test_bad_chat_messages(server, messages, fragment):
     expect_http_error(
         f"{server.url}/v1/chat/completions", 400, {"messages": messages}, param="messages", fragments=(fragment,)
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"enable_thinking": "yes"}, "chat_template_kwargs.enable_thinking 'yes': must be true or false"),
+        ({"enable_thinking": True, "tools": []}, "chat_template_kwargs: only {'enable_thinking': true|false}"),
+        ([True], "chat_template_kwargs: only {'enable_thinking': true|false}"),
+    ],
+)
+def test_bad_chat_template_kwargs(server, tmp_path, kwargs, fragment, monkeypatch, capsys):
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+    expect_http_error(
+        f"{server.url}/v1/chat/completions", 400, body, param="chat_template_kwargs", fragments=(fragment,)
+    )
+    path = tmp_path / "requests.jsonl"
+    path.write_text(json.dumps(body) + "\n")
+    expect_error(
+        monkeypatch, capsys, "run", "--model", "tiny", "--input", str(path), fragments=(f"{path}:1: {fragment}",)
     )
 
 

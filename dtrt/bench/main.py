@@ -11,7 +11,7 @@ from dtrt import __version__
 from dtrt.bench import datasets, engines, report, runner
 from dtrt.errors import DtrtError
 from dtrt.launch import open_sources
-from dtrt.runtime.requests import FLAGS, make_request
+from dtrt.runtime.requests import FLAGS, check_thinking, make_request
 from dtrt.runtime.spec import BUDGET_METHODS, METHODS
 
 QUICK_PROMPTS, QUICK_TOKENS = 2, 32
@@ -41,6 +41,7 @@ class BenchOptions:
     out: str = "bench-results"
     cuda_graph: bool = False  # dominotree rows replay drafting + tree building as one CUDA graph
     gguf: str | None = None
+    thinking: bool = False  # the chat template's thinking mode (Qwen3's enable_thinking), as `dtrt run --thinking`
 
     @property
     def sources(self) -> dict:
@@ -75,13 +76,17 @@ def bench(o: BenchOptions, log) -> Path:
     if n < 1 or max_new < 2:
         raise DtrtError("--prompts must be >= 1 and --max-new-tokens >= 2 (the first token comes from prefill)")
     names_ = FLAGS | {"temperature": "--temperatures"}
-    requests = [make_request(max_new_tokens=max_new, temperature=t, seed=o.seed, names=names_) for t in temps]
+    requests = [
+        make_request(max_new_tokens=max_new, temperature=t, seed=o.seed, thinking=o.thinking, names=names_)
+        for t in temps
+    ]
     grid = engines.grid(o.sources, methods, budgets, o.cuda_graph)  # every spec checked before anything loads
     prompts = {d: datasets.load(d, n, o.seed) for d in names}  # missing packages fail before any model loads
     base = grid[0]
     gguf = engines.find_gguf(o.gguf, base.model)
 
     engs = engines.dtrt_engines(grid, open_sources(base, log), explicit=o.methods is not None, log=log)
+    check_thinking(engs[0].tokenizer, o.thinking)
     peer = engines.llamacpp_engine(gguf, engs[0].tokenizer, o.threads, max_new, log)
     engs += [peer] if peer else []
     log(
@@ -90,7 +95,7 @@ def bench(o: BenchOptions, log) -> Path:
     )
 
     t0 = time.perf_counter()
-    runner.warm_up(engs, log)
+    runner.warm_up(engs, log, o.thinking)
     records = runner.run(engs, prompts, requests, log)
     rows = report.summarize(records, o.seed)
 

@@ -10,11 +10,11 @@ from dtrt.runtime.sampling import SamplingConfig
 WARMUP_PROMPT, WARMUP_TOKENS = "Warmup", 16
 
 
-def warm_up(engines, log):
+def warm_up(engines, log, thinking: bool = False):
     """One short generation per engine before any timing (first-call allocations, CaDDTree's cost curve)."""
     for e in engines:
         log(f"warm-up {e.label}")
-        e.generate(render(e.tokenizer, [], WARMUP_PROMPT), WARMUP_TOKENS, SamplingConfig())
+        e.generate(render(e.tokenizer, [], WARMUP_PROMPT, thinking), WARMUP_TOKENS, SamplingConfig())
 
 
 def run(engines, prompts: dict[str, list[Prompt]], requests: list[Request], log) -> list[dict]:
@@ -31,7 +31,8 @@ def run(engines, prompts: dict[str, list[Prompt]], requests: list[Request], log)
                     sampling = replace(req.sampling, seed=seed * 1_000_003 + 1000 * i + turn)
                     k = (i + turn) % len(engines)
                     for e in engines[k:] + engines[:k]:
-                        rec = e.generate(render(e.tokenizer, history[e.label], user), req.max_new_tokens, sampling)
+                        text = render(e.tokenizer, history[e.label], user, req.thinking)
+                        rec = e.generate(text, req.max_new_tokens, sampling)
                         history[e.label].append((user, rec["text"]))
                         n = len(rec["tokens"])
                         rec.update(

@@ -1,5 +1,6 @@
 """One request, as `dtrt run`, its JSONL lines, `dtrt serve` and `dtrt bench` take it: its fields checked in one
-place (make_request), the prompt rendered (chat template or raw text) and fitted to the backend's context."""
+place (make_request), the prompt rendered (chat template or raw text; render_chat is the one place the template's
+arguments are decided) and fitted to the backend's context."""
 
 import json
 import sys
@@ -28,6 +29,7 @@ class Request:
     max_new_tokens: int = 128
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
+    thinking: bool = False  # the chat template's thinking switch (Qwen3's enable_thinking); off: the empty think block
 
 
 # what each field is called where it comes from: the command line's flags, or OpenAI's JSON keys
@@ -37,8 +39,16 @@ FLAGS = {
     "top_p": "--top-p",
     "seed": "--seed",
     "stop": "--stop",
+    "thinking": "--thinking",
 }
-KEYS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop"}
+KEYS = {
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+    "thinking": "chat_template_kwargs",
+}
 
 
 def make_request(
@@ -50,6 +60,7 @@ def make_request(
     top_p: float = 1.0,
     seed: int = 0,
     stop=(),
+    thinking: bool = False,
     names: dict = FLAGS,
 ) -> Request:
     """A checked Request: the one place a request's values are validated, whether they come from flags (`names`
@@ -75,7 +86,9 @@ def make_request(
         raise bad("stop", stop, "an empty stop string would stop before the first token")
     if len(stops) > MAX_STOPS:
         raise bad("stop", stop, f"{len(stops)} stop strings, at most {MAX_STOPS}")
-    return Request(prompt, messages, max_new_tokens, SamplingConfig(temperature, top_p, seed), tuple(stops))
+    if not isinstance(thinking, bool):
+        raise bad("thinking", thinking, "must be true or false")
+    return Request(prompt, messages, max_new_tokens, SamplingConfig(temperature, top_p, seed), tuple(stops), thinking)
 
 
 def _number(body: dict, key: str, default, kind=float):
@@ -112,13 +125,32 @@ def parse_messages(messages, param: str = "messages") -> list[dict]:
     return out
 
 
+def _thinking(body: dict, default: bool) -> bool:
+    """`chat_template_kwargs` as vLLM and SGLang take it, limited to the one argument dtrt's templates read."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return default
+    if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"}:
+        raise RequestError(
+            "chat_template_kwargs: only {'enable_thinking': true|false} is supported", "chat_template_kwargs"
+        )
+    value = kwargs.get("enable_thinking", default)
+    if not isinstance(value, bool):
+        raise RequestError(
+            f"chat_template_kwargs.enable_thinking {value!r}: must be true or false", "chat_template_kwargs"
+        )
+    return value
+
+
 def parse_request(body, defaults: Request, known=()) -> Request:
     """A request from a JSON object with OpenAI field names: `prompt` or `messages`, `max_tokens` (or
-    `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop`; missing fields take `defaults`.
+    `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop`, and `chat_template_kwargs`
+    (`{"enable_thinking": bool}`, as vLLM and SGLang take it); missing fields take `defaults`.
     Keys outside these and `known` are an error (a silently ignored parameter would change the output)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request must be a JSON object, not {type(body).__name__}")
     fields = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop"}
+    fields |= {"chat_template_kwargs"}
     unknown = sorted(set(body) - fields - set(known))
     if unknown:
         raise RequestError(
@@ -141,6 +173,7 @@ def parse_request(body, defaults: Request, known=()) -> Request:
         top_p=_number(body, "top_p", s.top_p),
         seed=_number(body, "seed", s.seed, int),
         stop=body["stop"] if body.get("stop") is not None else defaults.stop,
+        thinking=_thinking(body, defaults.thinking),
         names=KEYS | {"max_new_tokens": key},
     )
 
@@ -178,10 +211,35 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The prompt text of a chat, ending with the assistant's turn opened (the tokenizer's chat template)."""
+def has_thinking_switch(tokenizer) -> bool:
+    """Whether the chat template reads `enable_thinking` (Qwen3's does)."""
+    return has_chat_template(tokenizer) and "enable_thinking" in str(tokenizer.chat_template)
+
+
+def check_thinking(tokenizer, thinking: bool, flag: str = "--thinking"):
+    """Thinking asked for (`flag`) of a model whose chat template has no thinking switch is an error."""
+    if thinking and not has_thinking_switch(tokenizer):
+        why = (
+            "chat template has no thinking mode (it never reads enable_thinking)"
+            if has_chat_template(tokenizer)
+            else "tokenizer has no chat template"
+        )
+        raise DtrtError(f"{flag}: this model's {why}; drop {flag}")
+
+
+def render_chat(tokenizer, messages: list[dict], thinking: bool = False) -> str:
+    """The prompt text of a chat, ending with the assistant's turn opened (the tokenizer's chat template): the one
+    place the template's arguments are decided, for `dtrt run`, `dtrt serve` and `dtrt bench`. `enable_thinking` is
+    passed as `thinking`: off, Qwen3's template opens the turn with an empty think block, as the released drafters
+    were trained; templates without the switch ignore it."""
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        check_thinking(tokenizer, thinking, "chat_template_kwargs.enable_thinking")
+    except DtrtError as e:
+        raise RequestError(str(e), "chat_template_kwargs") from None
+    try:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, enable_thinking=thinking
+        )
     except Exception as e:  # the template's own checks (e.g. roles must alternate) raise jinja exceptions
         raise RequestError(f"messages: the chat template rejects them ({e})", "messages") from None
 
@@ -193,7 +251,7 @@ def encode(tokenizer, req: Request, chat: bool) -> list[int]:
             "messages: this model's tokenizer has no chat template; send the text as 'prompt'", "messages"
         )
     if req.messages is not None or chat:
-        text = render_chat(tokenizer, req.messages or [{"role": "user", "content": req.prompt}])
+        text = render_chat(tokenizer, req.messages or [{"role": "user", "content": req.prompt}], req.thinking)
     else:
         text = req.prompt
     ids = tokenizer.encode(text, add_special_tokens=False, verbose=False)  # a long prompt is checked below

@@ -75,6 +75,11 @@ def parse_openai(body, defaults: Request, chat: bool) -> OpenAIRequest:
         raise RequestError("stream_options: only {'include_usage': true|false} is supported", "stream_options")
     if not chat and body.get("max_completion_tokens") is not None:
         raise RequestError("max_completion_tokens is a chat parameter; use max_tokens", "max_completion_tokens")
+    if not chat and body.get("chat_template_kwargs") is not None:
+        raise RequestError(
+            "chat_template_kwargs is a chat parameter; /v1/completions takes the prompt as raw text",
+            "chat_template_kwargs",
+        )
     req = parse_request(body, defaults)
     return OpenAIRequest(req, model, stream, bool((options or {}).get("include_usage")))
 

@@ -320,10 +320,9 @@ def read_prompts(path, target_path: Path, chat: bool) -> list[str]:
         else:
             text = line
         prompts.append(text)
+    from dtrt.runtime.requests import has_chat_template, render_chat
+
     tokenizer = load_tokenizer(target_path)
-    if chat and getattr(tokenizer, "chat_template", None):
-        prompts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-            for p in prompts
-        ]
+    if chat and has_chat_template(tokenizer):  # as `dtrt run` renders them (Qwen3: thinking off)
+        prompts = [render_chat(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     return prompts
