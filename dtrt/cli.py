@@ -372,12 +372,13 @@ def verify(directory):
     show_default=True,
     help="prompts the real inputs are captured from",
 )
-def parity(export_dir, as_json, random_only, prompts):
+@click.option("--quick", is_flag=True, help="one random case per stage (N=9, P=7), for models too large for the grid")
+def parity(export_dir, as_json, random_only, prompts, quick):
     """Compare every stage of EXPORT_DIR under ONNX Runtime with its PyTorch reference on the same inputs."""
     from dtrt.artifacts.export import load_export
     from dtrt.parity import run_parity
 
-    report = run_parity(load_export(export_dir), 0 if random_only else prompts, log=_log)
+    report = run_parity(load_export(export_dir), 0 if random_only else prompts, log=_log, quick=quick)
     click.echo(json.dumps(report.to_json()) if as_json else report.table())
     if not report.ok:
         _log(f"parity failed: {', '.join(report.failed)}")

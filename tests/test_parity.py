@@ -168,3 +168,15 @@ def test_bad_export_dir_is_one_line_error(tmp_path, monkeypatch, capsys):
     code, out, err = run_cli(monkeypatch, capsys, "parity", str(tmp_path / "none"))
     assert code == 2 and out == "" and err.startswith("error: ") and "export directory not found" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_quick_parity_is_one_case_per_stage(tiny_export):
+    from dtrt.parity.check import random_cases, reference_stages
+
+    stages = reference_stages(tiny_export)
+    for name, stage in stages.items():
+        assert len(random_cases(stage, quick=True)) == 1, name
+    target = random_cases(stages["target"], quick=True)[0][0]
+    assert target == "N=9 P=7"
+    report = run_parity(tiny_export, prompts=0, quick=True, stages={"target": stages["target"]})
+    assert report.ok and {r.case for r in report.rows} == {"N=9 P=7"}
