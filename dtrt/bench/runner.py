@@ -1,25 +1,55 @@
-"""The benchmark loop: every engine on every prompt, interleaved, so machine noise hits all methods alike."""
+"""The benchmark loop: every engine on every prompt, interleaved, so machine noise hits all methods alike.
+
+Each finished record is handed to `keep` at once (the bench appends it to records.jsonl), and records already
+kept by an interrupted run are not redone: a multi-turn prompt resumes from the engine's own recorded answers. A
+peer engine that fails (dtrt.bench.peer) loses its row, with the reason, and the other engines go on."""
 
 from dataclasses import replace
 
 from dtrt.bench.datasets import Prompt
 from dtrt.bench.engines import render
+from dtrt.bench.peer import PeerFailed
 from dtrt.runtime.requests import Request
 from dtrt.runtime.sampling import SamplingConfig
 
 WARMUP_PROMPT, WARMUP_TOKENS = "Warmup", 16
 
 
-def warm_up(engines, log, thinking: bool = False):
-    """One short generation per engine before any timing (first-call allocations, CaDDTree's cost curve)."""
+def record_key(r: dict) -> tuple:
+    return r["temperature"], r["dataset"], r["prompt_id"], r["turn"], r["method"]
+
+
+def warm_up(engines, log, thinking: bool = False, failed: dict | None = None):
+    """One short generation per engine before any timing (first-call allocations, CaDDTree's cost curve); a peer
+    that fails here goes into `failed` (label -> why)."""
     for e in engines:
         log(f"warm-up {e.label}")
-        e.generate(render(e.tokenizer, [], WARMUP_PROMPT, thinking), WARMUP_TOKENS, SamplingConfig())
+        try:
+            e.generate(render(e.tokenizer, [], WARMUP_PROMPT, thinking), WARMUP_TOKENS, SamplingConfig())
+        except PeerFailed as why:
+            _lost(e, why, failed, log)
 
 
-def run(engines, prompts: dict[str, list[Prompt]], requests: list[Request], log) -> list[dict]:
+def _lost(engine, why, failed: dict | None, log):
+    log(f"{engine.label} row failed: {why}")
+    if failed is not None:
+        failed[engine.label] = str(why)
+
+
+def run(
+    engines,
+    prompts: dict[str, list[Prompt]],
+    requests: list[Request],
+    log,
+    keep=None,
+    done: dict | None = None,
+    failed: dict | None = None,
+) -> list[dict]:
     """One record per (request, i.e. temperature; dataset, prompt, turn, engine). Engines take turns in an order
-    rotated from prompt to prompt; on a multi-turn prompt each engine continues from its own earlier answers."""
+    rotated from prompt to prompt; on a multi-turn prompt each engine continues from its own earlier answers.
+    `done`: record key -> record of an earlier run, reused instead of generated; `keep(record)` is called for every
+    new record; `failed` (label -> why) collects the peers lost on the way."""
+    done, failed = done or {}, failed if failed is not None else {}
     records = []
     for req in requests:
         temperature, seed = req.sampling.temperature, req.sampling.seed
@@ -31,26 +61,42 @@ def run(engines, prompts: dict[str, list[Prompt]], requests: list[Request], log)
                     sampling = replace(req.sampling, seed=seed * 1_000_003 + 1000 * i + turn)
                     k = (i + turn) % len(engines)
                     for e in engines[k:] + engines[:k]:
-                        text = render(e.tokenizer, history[e.label], user, req.thinking)
-                        rec = e.generate(text, req.max_new_tokens, sampling)
+                        if e.label in failed:
+                            continue
+                        key = (temperature, dataset, prompt.id, turn, e.label)
+                        if key in done:
+                            rec = done[key]
+                        else:
+                            text = render(e.tokenizer, history[e.label], user, req.thinking)
+                            try:
+                                rec = e.generate(text, req.max_new_tokens, sampling)
+                            except PeerFailed as why:
+                                _lost(e, why, failed, log)
+                                continue
+                            annotate(rec, e, dataset, prompt.id, turn, temperature)
+                            if keep is not None:
+                                keep(rec)
+                            log(
+                                f"[T={temperature:g}] {dataset} {i + 1}/{len(items)}"
+                                f"{f' turn {turn + 1}' if len(prompt.turns) > 1 else ''} {e.label}: "
+                                f"tau {rec['tau']:.2f}  {rec['tokens_per_s']:.1f} tok/s  {rec['n_tokens']} tokens"
+                            )
                         history[e.label].append((user, rec["text"]))
-                        n = len(rec["tokens"])
-                        rec.update(
-                            dataset=dataset,
-                            prompt_id=prompt.id,
-                            turn=turn,
-                            temperature=temperature,
-                            method=e.label,
-                            base_method=e.method,
-                            budget=e.budget,
-                            n_tokens=n,
-                            tokens_per_s=n / rec["decode_s"] if rec["decode_s"] > 0 else 0.0,
-                            tpot_s=rec["decode_s"] / n if n else 0.0,
-                        )
                         records.append(rec)
-                        log(
-                            f"[T={temperature:g}] {dataset} {i + 1}/{len(items)}"
-                            f"{f' turn {turn + 1}' if len(prompt.turns) > 1 else ''} {e.label}: "
-                            f"tau {rec['tau']:.2f}  {rec['tokens_per_s']:.1f} tok/s  {n} tokens"
-                        )
     return records
+
+
+def annotate(rec: dict, engine, dataset: str, prompt_id, turn: int, temperature: float):
+    n = len(rec["tokens"])
+    rec.update(
+        dataset=dataset,
+        prompt_id=prompt_id,
+        turn=turn,
+        temperature=temperature,
+        method=engine.label,
+        base_method=engine.method,
+        budget=engine.budget,
+        n_tokens=n,
+        tokens_per_s=n / rec["decode_s"] if rec["decode_s"] > 0 else 0.0,
+        tpot_s=rec["decode_s"] / n if n else 0.0,
+    )
