@@ -92,6 +92,9 @@ class FakeBackend(Backend):
     def scorer(self, arm, rnd, k, topm):
         return MarginalScorer(rnd, k)  # no Domino head: every arm scores the marginals
 
+    def domino_chain(self, rnd):
+        return rnd.base[0].argmax(-1)  # no Domino head: the marginal argmax
+
     def frontier(self, rnd, budget, arm, k, topm, max_depth):
         return build_frontier(self.scorer(arm, rnd, k, topm), budget, max_depth, self.drafter.cfg.mask_token_id)
 

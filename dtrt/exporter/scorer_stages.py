@@ -6,6 +6,7 @@
     scorer_children  zproj [E], states [n, G], basec [M], w2c [M, E]             one TopMCorrectedScore node
                      -> logprobs [n, M] fp32
     scorer_advance   tokens [n], states [n, G] -> next_states [n, G]             GRU(e(token), s)
+    chain            ph [D, H], base [D, V] fp32, root [1] -> tokens [D]         Domino's chain, full vocabulary
     frontier         ph [bs, D, H], base [bs, D, V] fp32, root [bs]              build_frontier over DominoScorer
                      -> tokens, parents, depths [bs, N], scores [bs, N] fp32, mask [bs, N, N]
 
@@ -25,7 +26,7 @@ from dtrt.models.domino import DominoHead
 from dtrt.models.drafter import Drafter
 from dtrt.models.target import Target
 from dtrt.ops.topm_corrected_score import topm_corrected_score
-from dtrt.scoring import DominoScorer
+from dtrt.scoring import DominoScorer, domino_chain
 from dtrt.tree.frontier import build_frontier
 from dtrt.tree.scorer import Round
 
@@ -71,6 +72,17 @@ class ScorerChildrenStage(HeadStage):
 class ScorerAdvanceStage(HeadStage):
     def forward(self, tokens, states):
         return self.head.gru(self.embed(tokens).to(self.dtype), states.to(self.dtype))
+
+
+class ChainStage(HeadStage):
+    """Domino's own chain: the corrected argmax over the full vocabulary at every depth (batch 1)."""
+
+    def __init__(self, head, embed, prefix_len: int, depth: int):
+        super().__init__(head, embed)
+        self.prefix_len, self.depth = prefix_len, depth
+
+    def forward(self, ph, base, root):
+        return domino_chain(Round(ph[None], base[None], root), self.head, self.embed, self.prefix_len)[0]
 
 
 class FrontierStage(HeadStage):
@@ -122,6 +134,11 @@ def _advance_example(stage, n, p, gen):
     }
 
 
+def _chain_example(stage, n, p, gen):
+    ph, base = _rows(stage.module.head, (), stage.module.depth, gen)
+    return {"ph": ph, "base": base, "root": torch.randint(0, stage.module.head.vocab, (1,), generator=gen)}
+
+
 def _frontier_example(stage, n, p, gen):
     """n requests."""
     ph, base = _rows(stage.module.head, (n,), stage.module.depth, gen)
@@ -164,6 +181,14 @@ def scorer_stages(target: Target, drafter: Drafter, budget: int, topm: int, node
             {"tokens": nodes, "states": nodes},
             _advance_example,
         ),
+        Stage(
+            "chain",
+            ChainStage(head, embed, cfg.pure_draft_prefix_len, D),
+            ["ph", "base", "root"],
+            ["tokens"],
+            {},
+            _chain_example,
+        ),  # fmt: skip
         Stage(
             "frontier",
             FrontierStage(head, embed, budget, node_topk, topm, cfg.pure_draft_prefix_len, D, cfg.mask_token_id),

@@ -2,7 +2,7 @@
 
 ar          no draft; the tree is the root alone
 dflash      chain of the drafter's marginal argmax (one child per node)
-domino      chain of Domino's corrected argmax
+domino      chain of Domino's corrected argmax over the full vocabulary
 ddtree      best-first over the marginals (lazy sibling/child heap), fixed budget
 caddtree    ddtree with the cost-aware stopping rule on this backend's measured verify-cost curve
 dominotree  best-first over corrected scores, per realized path (`--arm` condstatic / marg for ablations)
@@ -59,6 +59,14 @@ class Chain(Method):
 
     def build(self, backend, rnd):
         return build_heap(backend.scorer(self.arm, rnd, 1, self.cfg.topm), self.max_depth, self.max_depth)
+
+
+class DominoChain(Method):
+    """Domino's own draft: the corrected argmax over the full vocabulary at every depth (--topm does not apply)."""
+
+    def build(self, backend, rnd):
+        tokens = backend.domino_chain(rnd)[: self.max_depth]
+        return Tree.chain(tokens.tolist(), root=int(rnd.root[0]))
 
 
 class DDTree(Method):
@@ -122,7 +130,7 @@ def make_method(cfg: RunSpec) -> Method:
     return {
         "ar": lambda: AR(cfg),
         "dflash": lambda: Chain(cfg, "marg"),
-        "domino": lambda: Chain(cfg, "dominotree"),
+        "domino": lambda: DominoChain(cfg),
         "ddtree": lambda: DDTree(cfg),
         "caddtree": lambda: CaDDTree(cfg),
         "dominotree": lambda: DominoTree(cfg),

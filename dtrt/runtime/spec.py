@@ -53,7 +53,8 @@ class RunSpec:
     arm: Arm = "dominotree"
     """DominoTree's scoring: per realized path, once per depth on the greedy chain, or no correction."""
     topm: int = 64
-    """Domino candidates per depth, M (0: the whole vocabulary)."""
+    """Domino candidates per depth of the tree builders, M (0: the whole vocabulary); the domino chain always
+    takes the whole vocabulary, as Domino does."""
     node_topk: int = 8
     """Children per tree node, k."""
     cuda_graph: bool = False

@@ -85,6 +85,13 @@ def greedy_chain_tables(domino):
     return torch.stack(tokens, 1), torch.stack(logprobs, 1)
 
 
+@torch.no_grad()
+def domino_chain(rnd: Round, head, embed, prefix_len: int) -> torch.Tensor:
+    """Long[bs, D]: Domino's own draft, the corrected argmax at every depth over the full vocabulary (the depths
+    below prefix_len take the base marginal's), each advancing the GRU (Domino's chain verification)."""
+    return greedy_chain_tables(DominoScorer(rnd, head, embed, 1, 0, prefix_len))[0][..., 0]
+
+
 class CondStaticScorer(TableScorer):
     """The `condstatic` arm: Domino's correction evaluated once per depth along the greedy chain
     (each depth's argmax advances the GRU), and that table is shared by every node at the depth."""

@@ -83,6 +83,11 @@ class Backend(ABC):
         """A scorer (dtrt.tree.scorer's protocol) over one round's drafter rows, for the host heap builders."""
 
     @abstractmethod
+    def domino_chain(self, rnd: Round) -> torch.Tensor:
+        """Domino's own draft of one round (batch 1): the corrected argmax over the full vocabulary at every depth,
+        Long[D] on the device."""
+
+    @abstractmethod
     def frontier(self, rnd: Round, budget: int, arm: str, k: int, topm: int, max_depth: int) -> FrontierTrees:
         """The whole DominoTree frontier build of one round (batch 1) as FrontierTrees on the device."""
 

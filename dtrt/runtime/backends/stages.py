@@ -22,6 +22,7 @@ from dtrt.tree import FrontierTrees, MarginalScorer, Round, TableScorer, build_f
 
 SCORER_STAGES = ("domino.scorer_root", "domino.scorer_setup", "domino.scorer_children", "domino.scorer_advance")
 FRONTIER_STAGE = "domino.frontier"
+CHAIN_STAGE = "domino.chain"
 
 
 def as_input(x, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -208,7 +209,9 @@ class ExportedBackend(Backend):
 
     # the scorers and the frontier
     def prepare(self, spec):
-        if spec.needs_head:
+        if spec.method == "domino":
+            self._prepare_chain()
+        elif spec.needs_head:
             self._prepare_scorer(spec.topm)
         if spec.method == "dominotree" and spec.builder == "frontier" and spec.arm == "dominotree":
             self._prepare_frontier(spec)
@@ -234,6 +237,15 @@ class ExportedBackend(Backend):
         for name in SCORER_STAGES:
             self.runner.open(name)
 
+    def _prepare_chain(self):
+        exp = self.export
+        if self.kind != "domino" or not self.runner.has(CHAIN_STAGE):
+            raise DtrtError(
+                f"--method domino: {exp.path} has no {CHAIN_STAGE} stage (Domino's full-vocabulary chain; exports "
+                f"before it scored the chain over the top --topm candidates); re-export with `{exp.fix_hint()}`"
+            )
+        self.runner.open(CHAIN_STAGE)
+
     def _prepare_frontier(self, spec):
         """The exported frontier stage builds trees of the export's budget, node_topk and topm: check them."""
         exp, m = self.export, self.export.manifest
@@ -256,6 +268,9 @@ class ExportedBackend(Backend):
             return MarginalScorer(rnd, k)
         domino = StageDominoScorer(self.runner, rnd, k, self.drafter.cfg.pure_draft_prefix_len)
         return domino if arm == "dominotree" else TableScorer(domino.round, *greedy_chain_tables(domino))
+
+    def domino_chain(self, rnd: Round) -> torch.Tensor:
+        return self.runner(CHAIN_STAGE, ph=rnd.ph[0], base=rnd.base[0], root=rnd.root[:1])["tokens"]
 
     def frontier(self, rnd: Round, budget: int, arm: str, k: int, topm: int, max_depth: int) -> FrontierTrees:
         """One call of the exported frontier stage (the dominotree arm); the ablation arms, which the stage does not

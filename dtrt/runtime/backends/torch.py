@@ -7,7 +7,7 @@ import torch
 from dtrt.models.drafter import DraftCache, Drafter
 from dtrt.models.target import KVCache, Target
 from dtrt.runtime.backends.base import Backend
-from dtrt.scoring import CondStaticScorer, DominoScorer
+from dtrt.scoring import CondStaticScorer, DominoScorer, domino_chain
 from dtrt.tree import FrontierTrees, MarginalScorer, Round, build_frontier
 
 
@@ -104,6 +104,10 @@ class TorchBackend(Backend):
         return cls(
             rnd, self.drafter.head, self.target.model.embed_tokens, k, topm, self.drafter.cfg.pure_draft_prefix_len
         )
+
+    def domino_chain(self, rnd: Round) -> torch.Tensor:
+        head, embed = self.drafter.head, self.target.model.embed_tokens
+        return domino_chain(rnd, head, embed, self.drafter.cfg.pure_draft_prefix_len)[0]
 
     def frontier(self, rnd: Round, budget: int, arm: str, k: int, topm: int, max_depth: int) -> FrontierTrees:
         return build_frontier(self.scorer(arm, rnd, k, topm), budget, max_depth, self.drafter.cfg.mask_token_id)
