@@ -350,6 +350,11 @@ def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
     logs = []
     assert cache.cached_export(Pair(other, tiny.dflash, tiny.domino), "tiny", logs.append) == "new"
     assert made and any("out of date" in m for m in logs)
+    made.clear()
+    edit_manifest(cached, lambda m: m.pop("layout"))  # an export of an earlier layout: made again
+    logs = []
+    assert cache.cached_export(tiny, "tiny", logs.append) == "new" and made
+    assert any("made by an earlier dtrt (layout 1)" in m for m in logs)
 
 
 # the exported frontier stage

@@ -21,6 +21,9 @@ from dtrt.models.config import HybridConfig
 
 EXPORT_DTYPES = ("fp32", "fp16", "bf16")  # bf16: for TensorRT (ONNX Runtime's CPU provider has no bf16 kernels)
 DRAFTER_KINDS = ("dflash", "domino")
+# what this dtrt's exports hold beyond what the manifest's other fields say: 2 = one shared weights file and the
+# domino.chain stage. The export made on first use is made again when it is older.
+LAYOUT = 2
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -148,6 +151,7 @@ def export_pair(
         cfg = target.cfg
         manifest = {
             "format": FORMAT,
+            "layout": LAYOUT,
             "dtrt_version": __version__,
             "opset": OPSET,
             "op_flavour": "dtrt-functions",

@@ -9,7 +9,7 @@ from dtrt import __version__
 from dtrt.artifacts.export import Export, check_source, load_export
 from dtrt.artifacts.files import MANIFEST, cache_dir
 from dtrt.errors import DtrtError
-from dtrt.exporter.export import export_pair
+from dtrt.exporter.export import LAYOUT, export_pair
 from dtrt.launch.memory import check_first_use
 from dtrt.models.checkpoint import Pair
 
@@ -26,6 +26,8 @@ def cached_export(pair: Pair, model: str, log=None) -> Export:
             check_source(exp, pair.target, model, drafters)
             if exp.manifest.get("drafter_quant", "none") != DRAFTER_QUANT:
                 raise DtrtError(f"{path / MANIFEST}: drafter_quant is not {DRAFTER_QUANT}")
+            if exp.manifest.get("layout") != LAYOUT:
+                raise DtrtError(f"{path / MANIFEST}: made by an earlier dtrt (layout {exp.manifest.get('layout', 1)})")
             return exp
         except DtrtError as e:
             log(f"{path}: out of date ({e}); exporting again")
