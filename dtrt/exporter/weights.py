@@ -13,7 +13,7 @@ from pathlib import Path
 import onnx
 
 WEIGHTS = "weights.data"
-ALIGN = 64  # bytes: every tensor starts aligned, as numpy views and SIMD loads prefer
+ALIGN = 4096  # bytes: a page, as the ONNX external-data convention asks, so a runtime can map a tensor from the file
 
 
 def external(init: onnx.TensorProto) -> dict | None:
