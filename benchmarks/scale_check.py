@@ -91,47 +91,38 @@ def drafter_config(c: dict, domino: bool) -> dict:
     return cfg
 
 
+def layer_tensors(prefix: str, h: int, i: int, heads: int, kv: int):
+    """A Qwen3 decoder layer's tensors (the target's and the drafters' are the same layout)."""
+    q, k = heads * HEAD_DIM, kv * HEAD_DIM
+    yield from (
+        (prefix + "input_layernorm.weight", (h,)),
+        (prefix + "post_attention_layernorm.weight", (h,)),
+        (prefix + "self_attn.q_proj.weight", (q, h)),
+        (prefix + "self_attn.k_proj.weight", (k, h)),
+        (prefix + "self_attn.v_proj.weight", (k, h)),
+        (prefix + "self_attn.o_proj.weight", (h, q)),
+        (prefix + "self_attn.q_norm.weight", (HEAD_DIM,)),
+        (prefix + "self_attn.k_norm.weight", (HEAD_DIM,)),
+        (prefix + "mlp.gate_proj.weight", (i, h)),
+        (prefix + "mlp.up_proj.weight", (i, h)),
+        (prefix + "mlp.down_proj.weight", (h, i)),
+    )
+
+
 def target_tensors(c: dict):
-    h, i, q, kv = c["hidden_size"], c["intermediate_size"], c["heads"] * HEAD_DIM, c["kv"] * HEAD_DIM
+    h, i = c["hidden_size"], c["intermediate_size"]
     yield "model.embed_tokens.weight", (VOCAB, h)
     for n in range(c["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        yield from (
-            (p + "input_layernorm.weight", (h,)),
-            (p + "post_attention_layernorm.weight", (h,)),
-            (p + "self_attn.q_proj.weight", (q, h)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-            (p + "self_attn.o_proj.weight", (h, q)),
-            (p + "self_attn.q_norm.weight", (HEAD_DIM,)),
-            (p + "self_attn.k_norm.weight", (HEAD_DIM,)),
-            (p + "mlp.gate_proj.weight", (i, h)),
-            (p + "mlp.up_proj.weight", (i, h)),
-            (p + "mlp.down_proj.weight", (h, i)),
-        )
+        yield from layer_tensors(f"model.layers.{n}.", h, i, c["heads"], c["kv"])
     yield "model.norm.weight", (h,)
 
 
 def drafter_tensors(c: dict, domino: bool):
     h, i = c["hidden_size"], c["intermediate_size"]
-    q, kv = 32 * HEAD_DIM, 8 * HEAD_DIM
     yield "fc.weight", (h, DRAFT_LAYERS * h)
     yield "hidden_norm.weight", (h,)
     for n in range(DRAFT_LAYERS):
-        p = f"layers.{n}."
-        yield from (
-            (p + "input_layernorm.weight", (h,)),
-            (p + "post_attention_layernorm.weight", (h,)),
-            (p + "self_attn.q_proj.weight", (q, h)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-            (p + "self_attn.o_proj.weight", (h, q)),
-            (p + "self_attn.q_norm.weight", (HEAD_DIM,)),
-            (p + "self_attn.k_norm.weight", (HEAD_DIM,)),
-            (p + "mlp.gate_proj.weight", (i, h)),
-            (p + "mlp.up_proj.weight", (i, h)),
-            (p + "mlp.down_proj.weight", (h, i)),
-        )
+        yield from layer_tensors(f"layers.{n}.", h, i, 32, 8)
     yield "norm.weight", (h,)
     if domino:
         yield "prefix_gru.weight_ih_l0", (3 * GRU, h)
