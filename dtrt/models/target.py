@@ -101,9 +101,10 @@ class Target(nn.Module):
         """An empty cache for one generation of at most `capacity` positions."""
         return KVCache(self.cfg, capacity, self.dtype, self.lm_head.weight.device)
 
-    def forward(self, ids, positions, mask, cache: KVCache | None = None, taps: tuple[int, ...] = ()):
+    def forward(self, ids, positions, mask, cache: KVCache | None = None, taps: tuple[int, ...] = (), last: int = 0):
         """ids/positions [..., N], mask bool [..., N, N]; a cache prepends its past to the keys; `taps`: the decoder
-        layers whose outputs come back as the hidden states (what the drafter reads)."""
+        layers whose outputs come back as the hidden states (what the drafter reads); `last` > 0: logits of the last
+        `last` positions only (a batched prefill needs one row, not N x vocab)."""
         x = self.model.embed_tokens(ids)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         if cache is not None:  # every new token sees the whole past
@@ -113,6 +114,6 @@ class Target(nn.Module):
             x = layer(x, cos, sin, mask, cache, i)
             if i in taps:
                 tapped[i] = x
-        logits = self.lm_head(self.model.norm(x)).float()
+        logits = self.lm_head(self.model.norm(x[..., -last:, :] if last else x)).float()
         hidden = torch.cat([tapped[i] for i in taps], dim=-1) if taps else x[..., :0]
         return logits, hidden

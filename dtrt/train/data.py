@@ -87,14 +87,31 @@ class PaddedKV(KVCache):
     def past_mask(self, mask):
         return self.valid[:, None, : self.past].expand(*mask.shape[:-1], self.past)
 
+    def keep(self, rows):
+        """Only `rows` (indices into the batch) from now on: finished rows stop costing compute."""
+        self.k, self.v, self.valid = self.k[:, rows], self.v[:, rows], self.valid[rows]
+
 
 @torch.no_grad()
-def batched_greedy(
-    target, prompts: list[list[int]], new_tokens: int, stop: tuple = (), device="cpu"
+def batched_decode(
+    target,
+    prompts: list[list[int]],
+    new_tokens: int,
+    stop: tuple = (),
+    device="cpu",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generators: list | None = None,
 ) -> list[list[int]]:
-    """The target's greedy continuation of each prompt, all rows decoded together (left padding), until every
-    row has produced a stop token or new_tokens."""
+    """The target's continuation of each prompt, all rows decoded together (left padding): greedy for a row whose
+    generator is None (or at temperature 0), else sampled with temperature and top-p from that row's own
+    generator, so a sampled row is reproduced by its seed (with the same batch: rows share matrix products, which
+    round alike only for the same shapes). A row ends at its first stop token (included) or after new_tokens;
+    finished rows leave the batch."""
+    from dtrt.runtime.sampling import target_probs
+
     b, L = len(prompts), max(map(len, prompts))
+    generators = [None] * b if generators is None or temperature == 0 else list(generators)
     pad = torch.tensor([L - len(p) for p in prompts], device=device)
     ids = torch.zeros(b, L, dtype=torch.long, device=device)
     valid = torch.ones(b, L + new_tokens, dtype=torch.bool, device=device)
@@ -105,19 +122,41 @@ def batched_greedy(
     positions = (torch.arange(L, device=device) - pad[:, None]).clamp(min=0)
     causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
     mask = (causal & valid[:, None, :L]) | torch.eye(L, dtype=torch.bool, device=device)  # pads see themselves
-    out, done = [], torch.zeros(b, dtype=torch.bool, device=device)
     stop = torch.tensor(stop, dtype=torch.long, device=device)
-    for _ in range(new_tokens):
-        logits, _ = target(ids, positions, mask, cache)
+    out = [[] for _ in range(b)]
+    rows = list(range(b))  # the prompts still in the batch, in batch order
+    live = torch.ones(b, dtype=torch.bool, device=device)  # rows without a stop token yet
+    for step in range(new_tokens):
+        logits, _ = target(ids, positions, mask, cache, last=1)
         cache.past += ids.shape[1]
-        ids = logits[:, -1:].argmax(-1)
-        out.append(ids)
-        done |= torch.isin(ids[:, 0], stop)
-        if done.all():
+        ids = logits[:, -1].argmax(-1)
+        alive = live.tolist()
+        sampled = [j for j, r in enumerate(rows) if generators[r] is not None and alive[j]]
+        if sampled:
+            probs = target_probs(logits[sampled, -1], temperature, top_p).cpu()
+            for k, j in enumerate(sampled):
+                ids[j] = torch.multinomial(probs[k], 1, generator=generators[rows[j]]).item()
+        for r, t, a in zip(rows, ids.tolist(), alive):
+            if a:
+                out[r].append(t)
+        live &= ~torch.isin(ids, stop)
+        if not live.any() or step == new_tokens - 1:
             break
-        positions = positions[:, -1:] + 1
-        mask = torch.ones(b, 1, 1, dtype=torch.bool, device=device)
-    return torch.cat(out, dim=1).tolist()
+        ids, positions = ids[:, None], positions[:, -1:] + 1
+        if (~live).sum() * 8 >= len(rows):  # drop finished rows once they are an eighth of the batch
+            keep = live.nonzero()[:, 0]
+            cache.keep(keep)
+            ids, positions, live = ids[keep], positions[keep], live[keep]
+            rows = [rows[j] for j in keep.tolist()]
+        mask = torch.ones(len(rows), 1, 1, dtype=torch.bool, device=device)
+    return out
+
+
+def batched_greedy(
+    target, prompts: list[list[int]], new_tokens: int, stop: tuple = (), device="cpu"
+) -> list[list[int]]:
+    """The target's greedy continuation of each prompt (batched_decode at temperature 0)."""
+    return batched_decode(target, prompts, new_tokens, stop, device)
 
 
 def continuations(
