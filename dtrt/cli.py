@@ -18,6 +18,7 @@ from dtrt.launch.sources import load_pair
 from dtrt.runtime.requests import FLAGS, check_thinking, has_chat_template, make_request, read_requests
 from dtrt.runtime.spec import ARMS, BACKENDS, BUILDERS, DTYPES, METHODS
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
+from dtrt.train.datagen import DataGenConfig
 from dtrt.train.trainer import TrainConfig
 from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, names
 
@@ -433,6 +434,76 @@ def train_drafter_cmd(model, target, model_dir, out, corpus, prompts_file, chat,
     click.echo(f"{out}: best held-out tau {state['best']:.2f} after {state['step']} steps")
 
 
+@cli.command("drafter-data")
+@click.option("--model", help=f"registry name of the target: {', '.join(names())}")
+@click.option("--target", type=click.Path(), help="target checkpoint directory")
+@click.option("--model-dir", type=click.Path(), help=MODEL_DIR_HELP)
+@click.option("--out", required=True, type=click.Path(), help="directory of shards and progress.json")
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(),
+    help="JSONL ({'prompt': ...}, {'turns': [...]} or {'messages': [...]}) or text lines: the target answers them",
+)
+@click.option("--corpus", multiple=True, type=click.Path(), help="text file or directory to teacher-force (repeat)")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="wrap prompts in the chat template")
+@click.option("--samples", type=int, default=DataGenConfig.samples, show_default=True, help="responses per prompt")
+@click.option(
+    "--temperature",
+    type=float,
+    default=DataGenConfig.temperature,
+    show_default=True,
+    help="of the sampled responses (sample 0 is greedy)",
+)
+@click.option("--top-p", type=float, default=DataGenConfig.top_p, show_default=True)
+@click.option("--seed", type=int, default=DataGenConfig.seed, show_default=True, help="the sampled responses' seeds")
+@click.option("--max-new-tokens", type=int, default=DataGenConfig.max_new_tokens, show_default=True)
+@click.option(
+    "--max-prompt-tokens",
+    type=int,
+    default=DataGenConfig.max_prompt_tokens,
+    show_default=True,
+    help="longer prompts (or later turns) are skipped",
+)
+@click.option("--batch", type=int, default=DataGenConfig.batch, show_default=True, help="prompts decoded together")
+@click.option(
+    "--shard-rows",
+    type=int,
+    default=DataGenConfig.shard_rows,
+    show_default=True,
+    help="(prompt, sample) pairs per shard (each turn of a conversation is a row); corpus rows per corpus shard",
+)
+@click.option("--corpus-chars", type=int, default=DataGenConfig.corpus_chars, show_default=True)
+@click.option("--corpus-row-tokens", type=int, default=DataGenConfig.corpus_row_tokens, show_default=True)
+@click.option("--resume", is_flag=True, help="continue the run in --out after its last finished shard")
+@click.option("--max-shards", type=int, help="stop after writing this many shards (--resume continues)")
+@click.option("--threads", type=int, help="intra-op threads of torch (default: torch's)")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
+def drafter_data_cmd(model, target, model_dir, out, prompts_file, corpus, resume, max_shards, threads, **opts):
+    """Write a drafter's training data as resumable shards: the target's own responses to prompts, and corpus rows."""
+    import torch
+
+    from dtrt.train.datagen import drafter_data
+
+    if threads is not None:
+        if threads < 1:
+            raise DtrtError(f"--threads {threads}: must be >= 1")
+        torch.set_num_threads(threads)
+    cfg = DataGenConfig(**opts)
+    check_cuda(cfg.device)
+    spec = resolve_spec(model=model, target=target, model_dir=model_dir, backend="torch")
+    pair = load_pair(spec, log=_log)
+    progress = drafter_data(
+        pair.target, Path(out), cfg, prompts_file, corpus, resume, spec.model or target, _log, max_shards
+    )
+    r, c = progress["responses"], progress["corpus"]
+    rate = f" ({r['response_tokens'] / r['seconds']:.1f} tok/s)" if r["seconds"] else ""
+    click.echo(
+        f"{out}: {r['rows']} response rows from {r['done_units']}/{r['units']} (prompt, sample) pairs, "
+        f"{r['response_tokens']:,} response tokens{rate}; {c['rows']} corpus rows, {c['tokens']:,} tokens"
+    )
+
+
 def _progress(what):
     from tqdm import tqdm
 
@@ -570,3 +641,7 @@ def main():
             raise
         _log(f"fault: {e} (a backend failed on valid input; DTRT_TRACEBACK=1 shows the traceback)")
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
