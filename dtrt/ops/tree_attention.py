@@ -16,6 +16,10 @@ from dtrt.ops.kernels import kernel
 
 def tree_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     groups = q.shape[-3] // k.shape[-3]
+    if q.dim() == 4 and not torch.onnx.is_in_onnx_export():  # batched (training, data): K/V heads read in place
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if mask is None else mask.unsqueeze(-3), enable_gqa=groups > 1
+        )
     if groups > 1:
         k = k.repeat_interleave(groups, dim=-3)
         v = v.repeat_interleave(groups, dim=-3)
