@@ -4,6 +4,7 @@ token for every position (labels), and the target's tapped features, all from ba
 Two sources: text (corpus files, teacher-forced: labels are the target's greedy predictions given the real
 prefix) and the target's own greedy continuations of prompts (labels are the tokens themselves)."""
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,24 @@ def text_rows(tokenizer, text: str, T: int, max_rows: int) -> torch.Tensor:
     return torch.tensor(ids[: n * T], dtype=torch.long).reshape(n, T)
 
 
+def windows(rows: list[list[int]], starts: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed-length rows [S, T] (padded with their last token) and valid lengths [S] from variable-length rows: each
+    row's windows begin T // 2 tokens before its response (`starts`; 0 for text) and follow every T // 2 tokens
+    until one reaches the row's end, so every response token has at least T // 2 tokens of context in one of
+    them."""
+    out, lengths = [], []
+    for row, start in zip(rows, starts):
+        s = max(0, start - T // 2)
+        while True:
+            w = row[s : s + T]
+            out.append(w + [w[-1]] * (T - len(w)))
+            lengths.append(len(w))
+            if s + T >= len(row):
+                break
+            s += T // 2
+    return torch.tensor(out, dtype=torch.long).reshape(-1, T), torch.tensor(lengths, dtype=torch.long)
+
+
 @torch.no_grad()
 def greedy_labels_and_features(target, rows, batch: int, device, taps, log=None):
     """One batched causal forward per chunk of rows: (labels, features fp16 of the layers `taps`)."""
@@ -75,6 +94,28 @@ def greedy_labels_and_features(target, rows, batch: int, device, taps, log=None)
         if log:
             log(min(i + batch, S), S)
     return labels, feats
+
+
+def sample_rows(logits, temperature: float, top_p: float, generators) -> torch.Tensor:
+    """Long[n]: one token per row of logits [n, V], sampled with temperature and top-p (the nucleus of
+    dtrt.runtime.sampling.target_probs) from each row's own generator. The nucleus is found among the top 64
+    tokens when they hold top_p of the mass (else the top 4x as many, up to the whole vocabulary), so the common case
+    never sorts the vocabulary."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
+    out = torch.empty(probs.shape[0], dtype=torch.long)
+    for i, (p, gen) in enumerate(zip(probs, generators)):
+        if top_p >= 1.0:
+            out[i] = torch.multinomial(p, 1, generator=gen)[0]
+            continue
+        k = 64
+        while True:
+            top, idx = p.topk(min(k, p.numel()))
+            if top.sum() >= top_p or k >= p.numel():
+                break
+            k *= 4
+        top = top.masked_fill(top.cumsum(0) - top >= top_p, 0.0)  # mass strictly before a token reaches top_p
+        out[i] = idx[torch.multinomial(top, 1, generator=gen)[0]]
+    return out.to(logits.device)
 
 
 class PaddedKV(KVCache):
@@ -108,8 +149,6 @@ def batched_decode(
     generator, so a sampled row is reproduced by its seed (with the same batch: rows share matrix products, which
     round alike only for the same shapes). A row ends at its first stop token (included) or after new_tokens;
     finished rows leave the batch."""
-    from dtrt.runtime.sampling import target_probs
-
     b, L = len(prompts), max(map(len, prompts))
     generators = [None] * b if generators is None or temperature == 0 else list(generators)
     pad = torch.tensor([L - len(p) for p in prompts], device=device)
@@ -133,9 +172,7 @@ def batched_decode(
         alive = live.tolist()
         sampled = [j for j, r in enumerate(rows) if generators[r] is not None and alive[j]]
         if sampled:
-            probs = target_probs(logits[sampled, -1], temperature, top_p).cpu()
-            for k, j in enumerate(sampled):
-                ids[j] = torch.multinomial(probs[k], 1, generator=generators[rows[j]]).item()
+            ids[sampled] = sample_rows(logits[sampled, -1], temperature, top_p, [generators[rows[j]] for j in sampled])
         for r, t, a in zip(rows, ids.tolist(), alive):
             if a:
                 out[r].append(t)
@@ -150,6 +187,128 @@ def batched_decode(
             rows = [rows[j] for j in keep.tolist()]
         mask = torch.ones(len(rows), 1, 1, dtype=torch.bool, device=device)
     return out
+
+
+class SlotKV(KVCache):
+    """A cache of rows that each hold their own sequence: row r's K/V in columns [0, length[r]). A decode step writes
+    each row's new token at its own column, so a row can start (a new prompt in a finished row's slot) while the
+    others continue."""
+
+    def __init__(self, cfg, rows: int, capacity: int, dtype, device):
+        super().__init__(cfg, capacity, dtype, device, batch=(rows,))
+        self.length = torch.zeros(rows, dtype=torch.long, device=device)
+        self.width = 0  # the past columns a step reads: the longest row's length
+
+    def update(self, layer: int, k, v):
+        rows = torch.arange(k.shape[0], device=k.device)
+        self.k[layer, rows, :, self.length, :] = k[:, :, 0, :]
+        self.v[layer, rows, :, self.length, :] = v[:, :, 0, :]
+        return self.k[layer, ..., : self.width + 1, :], self.v[layer, ..., : self.width + 1, :]
+
+    def past_mask(self, mask):
+        """Columns [0, width) a row sees: its own past and, for a row shorter than the longest, its new token (the
+        step's mask column, index width, is then the row's stale column)."""
+        cols = torch.arange(self.width, device=self.length.device)
+        return (cols <= self.length[:, None])[:, None, :]
+
+    def keep(self, rows):
+        self.k, self.v, self.length = self.k[:, rows], self.v[:, rows], self.length[rows]
+
+
+@torch.no_grad()
+def decode_pool(
+    target,
+    queue,
+    batch: int,
+    new_tokens: int,
+    capacity: int,
+    done,
+    stop: tuple = (),
+    device="cpu",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+):
+    """Continuous batching: up to `batch` rows decode together and a finished row's slot takes the next prompt at
+    once, so the batch stays full while there is work. `queue` (a deque) holds (key, prompt ids, generator or
+    None: greedy); `done(key, tokens)` gets each row's tokens (cut after its first stop token, or new_tokens
+    long) as it finishes, and may append work to the queue. Prompts must be shorter than capacity - new_tokens."""
+    cache = SlotKV(target.cfg, batch, capacity, target.dtype, device)
+    keys, gens, outs = [None] * batch, [None] * batch, [[] for _ in range(batch)]
+    last = torch.zeros(batch, dtype=torch.long, device=device)  # each row's newest token
+
+    def choose(logits, rows):
+        """Each row's next token from logits [len(rows), V]: argmax, or a sample from the row's generator."""
+        ids = logits.argmax(-1)
+        sampled = [j for j, r in enumerate(rows) if gens[r] is not None and temperature > 0]
+        if sampled:
+            ids[sampled] = sample_rows(logits[sampled], temperature, top_p, [gens[rows[j]] for j in sampled])
+        return ids
+
+    def take(rows, ids):
+        """Append each row's new token; finish rows at a stop token or the token limit."""
+        for r, t in zip(rows, ids.tolist()):
+            outs[r].append(t)
+            last[r] = t
+            if t in stop or len(outs[r]) >= new_tokens:
+                done(keys[r], outs[r])
+                keys[r] = None
+
+    shared = OrderedDict()  # prompt -> (K, V, logits) of the latest prefills: a prompt's other samples reuse them
+
+    def refill(rows):
+        """The next prompts into free rows: one batched, left-padded prefill of the prompts not prefilled lately, its
+        K/V moved to columns [0, len)."""
+        work = [queue.popleft() for _ in rows[: len(queue)]]
+        rows = rows[: len(work)]
+        prompts = list({tuple(ids): ids for _, ids, _ in work if tuple(ids) not in shared}.values())
+        if prompts:
+            L = max(map(len, prompts))
+            pad = [L - len(p) for p in prompts]
+            ids = torch.zeros(len(prompts), L, dtype=torch.long, device=device)
+            valid = torch.ones(len(prompts), L, dtype=torch.bool, device=device)
+            for j, p in enumerate(prompts):
+                ids[j, pad[j] :] = torch.tensor(p)
+                valid[j, : pad[j]] = False
+            tmp = PaddedKV(target.cfg, L, valid, target.dtype, device)
+            positions = (torch.arange(L, device=device) - torch.tensor(pad, device=device)[:, None]).clamp(min=0)
+            causal = torch.ones(L, L, dtype=torch.bool, device=device).tril()
+            mask = (causal & valid[:, None, :]) | torch.eye(L, dtype=torch.bool, device=device)
+            logits, _ = target(ids, positions, mask, tmp, last=1)
+            for j, p in enumerate(prompts):
+                shared[tuple(p)] = (tmp.k[:, j, :, pad[j] :].clone(), tmp.v[:, j, :, pad[j] :].clone(), logits[j, -1])
+        for r, (key, p, gen) in zip(rows, work):
+            k, v, _ = shared[tuple(p)]
+            cache.k[:, r, :, : len(p)] = k
+            cache.v[:, r, :, : len(p)] = v
+            cache.length[r] = len(p)
+            keys[r], gens[r], outs[r] = key, gen, []
+        first = torch.stack([shared[tuple(p)][2] for _, p, _ in work])
+        while len(shared) > 8:
+            shared.popitem(last=False)
+        take(rows, choose(first, rows))
+
+    rows_n = batch
+    while True:
+        free = [r for r in range(rows_n) if keys[r] is None]
+        if queue and free:
+            refill(free)
+            continue
+        live = [r for r in range(rows_n) if keys[r] is not None]
+        if not live:
+            return
+        if len(live) < rows_n and (rows_n - len(live)) * 8 >= rows_n:  # no more work: drop the finished rows
+            keep = torch.tensor(live, device=device)
+            cache.keep(keep)
+            last = last[keep]
+            keys, gens, outs = [keys[r] for r in live], [gens[r] for r in live], [outs[r] for r in live]
+            rows_n = len(live)
+            continue
+        cache.width = int(cache.length.max())
+        mask = (cache.length == cache.width)[:, None, None]
+        logits, _ = target(last[:, None], cache.length[:, None], mask, cache, last=1)
+        cache.length += 1
+        cache.length[[r for r in range(rows_n) if keys[r] is None]] = 0  # empty rows write column 0 until refilled
+        take(live, choose(logits[live, -1], live))
 
 
 def batched_greedy(

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import load_target
 from dtrt.models.hybrid import HybridTarget
 from dtrt.models.tokenizer import load_tokenizer
-from dtrt.train.data import batched_decode, read_corpus, text_rows
+from dtrt.train.data import decode_pool, read_corpus, text_rows
 from dtrt.train.prompts import prompt_text, read_conversations
 
 FORMAT = "dtrt-drafter-data/1"
@@ -101,6 +102,7 @@ def write_shard(path: Path, rows: list[Row], meta: dict):
     }
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(tensors, tmp, metadata={"format": FORMAT, "meta": json.dumps(meta)})
+    tmp.chmod(0o644)
     os.replace(tmp, path)
 
 
@@ -139,10 +141,10 @@ def read_progress(path: Path) -> dict | None:
     return progress
 
 
-def load_rows(path, target_path) -> tuple[list[Row], dict]:
-    """Every finished shard's rows of a drafter-data directory made with this target, and its progress record."""
+def check_data(path, target_path) -> dict:
+    """The progress record of a drafter-data directory made with this target."""
     path = Path(path)
-    progress = read_progress(path)
+    progress = read_progress(path) if path.is_dir() else None
     if progress is None:
         raise DtrtError(f"--data {path}: no {PROGRESS}; write the data with `dtrt drafter-data --out {path}`")
     if progress["target"]["fingerprint"] != target_fingerprint(target_path):
@@ -150,6 +152,13 @@ def load_rows(path, target_path) -> tuple[list[Row], dict]:
             f"--data {path}: made with the target {progress['target']['name']}, not {target_path}; its token ids "
             "mean nothing to this target"
         )
+    return progress
+
+
+def load_rows(path, target_path) -> tuple[list[Row], dict]:
+    """Every finished shard's rows of a drafter-data directory made with this target, and its progress record."""
+    path = Path(path)
+    progress = check_data(path, target_path)
     rows = []
     for kind in ("corpus", "responses"):
         for shard in progress[kind]["shards"]:
@@ -183,7 +192,11 @@ def _check_resume(progress: dict, fresh: dict, out: Path):
             f"{fresh['target']['name']}; choose another --out"
         )
     for kind, flag in (("prompts", "--prompts"), ("corpus", "--corpus")):
-        if progress["sources"][kind] != fresh["sources"][kind]:
+        was, now = (
+            {k: v for k, v in (src or {}).items() if k != "name"}
+            for src in (progress["sources"][kind], fresh["sources"][kind])
+        )
+        if was != now:  # the same content, wherever it lies now
             raise DtrtError(
                 f"--resume {out}: {flag} differs from the run being resumed "
                 f"({(progress['sources'][kind] or {}).get('name', 'none')}); give the same files or another --out"
@@ -197,41 +210,34 @@ def _check_resume(progress: dict, fresh: dict, out: Path):
 
 
 def generate_rows(target, tokenizer, convs, units, cfg: DataGenConfig, stop) -> tuple[list[Row], int]:
-    """The rows of (prompt, sample) units: turn by turn, each turn's prompts sorted by length and decoded in
-    batches; a conversation's later turn continues from the target's own earlier answers. Returns the rows (in
-    unit order, then turn) and how many turns were skipped for a prompt over max_prompt_tokens."""
+    """The rows of (prompt, sample) units, decoded with continuous batching in unit order; when a conversation's
+    turn ends, its next turn (continuing from the target's own answers) joins the queue. Returns the rows (in unit
+    order, then turn) and how many turns were skipped for a prompt over max_prompt_tokens."""
     gens = {u: torch.Generator().manual_seed(unit_seed(cfg.seed, *u)) if u[1] > 0 else None for u in units}
     answers = {u: [] for u in units}
-    rows, skipped, live = [], 0, list(units)
-    for turn in range(max((len(convs[i].turns) for i, _ in units), default=0)):
-        work = []
-        for u in live:
-            conv = convs[u[0]]
-            if turn >= len(conv.turns):
-                continue
-            ids = tokenizer.encode(prompt_text(tokenizer, conv, answers[u], cfg.chat), add_special_tokens=False)
-            if len(ids) > cfg.max_prompt_tokens:
-                skipped += 1
-                continue
-            work.append((u, ids))
-        work.sort(key=lambda w: len(w[1]))
-        for s in range(0, len(work), cfg.batch):
-            chunk = work[s : s + cfg.batch]
-            outs = batched_decode(
-                target,
-                [ids for _, ids in chunk],
-                cfg.max_new_tokens,
-                stop,
-                cfg.device,
-                cfg.temperature,
-                cfg.top_p,
-                [gens[u] for u, _ in chunk],
-            )
-            for (u, ids), gen in zip(chunk, outs):
-                rows.append(Row(ids + gen, len(ids), u[0], u[1], turn))
-                answer = gen[:-1] if gen and gen[-1] in stop else gen
-                answers[u].append(tokenizer.decode(answer, skip_special_tokens=True))
-        live = [u for u, _ in work]
+    rows, skipped, queue = [], 0, deque()
+
+    def ask(u):
+        nonlocal skipped
+        ids = tokenizer.encode(prompt_text(tokenizer, convs[u[0]], answers[u], cfg.chat), add_special_tokens=False)
+        if len(ids) > cfg.max_prompt_tokens:
+            skipped += 1
+        else:
+            queue.append(((u, ids), ids, gens[u]))
+
+    def done(key, gen):
+        u, ids = key
+        rows.append(Row(ids + gen, len(ids), u[0], u[1], len(answers[u])))
+        answers[u].append(tokenizer.decode(gen[:-1] if gen[-1] in stop else gen, skip_special_tokens=True))
+        if len(answers[u]) < len(convs[u[0]].turns):
+            ask(u)
+
+    for u in units:
+        ask(u)
+    capacity = cfg.max_prompt_tokens + cfg.max_new_tokens
+    decode_pool(
+        target, queue, cfg.batch, cfg.max_new_tokens, capacity, done, stop, cfg.device, cfg.temperature, cfg.top_p
+    )
     rows.sort(key=lambda r: (r.prompt, r.sample, r.turn))
     return rows, skipped
 
@@ -260,10 +266,9 @@ def drafter_data(
 
     convs = read_conversations(prompts_file) if prompts_file else []
     tokenizer = load_tokenizer(target_path)
-    chat = cfg.chat and bool(getattr(tokenizer, "chat_template", None))
-    if chat != cfg.chat:
-        log(f"{target_path}: no chat template; prompts are used as plain text")
-        cfg = DataGenConfig(**{**asdict(cfg), "chat": chat})
+    no_template = cfg.chat and not getattr(tokenizer, "chat_template", None)
+    if no_template:
+        cfg = DataGenConfig(**{**asdict(cfg), "chat": False})
     text = read_corpus(corpus, cfg.corpus_chars) if corpus else None
     fresh = {
         "format": FORMAT,
@@ -302,6 +307,8 @@ def drafter_data(
         _check_resume(progress, fresh, out)
     else:
         progress = fresh
+    if no_template:
+        log(f"{target_path}: no chat template; prompts are used as plain text")
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)
     try:
