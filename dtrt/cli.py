@@ -398,6 +398,13 @@ def parity(export_dir, as_json, random_only, prompts, quick):
     type=click.Path(),
     help="JSONL ({'prompt': ...}) or text lines the target continues; the last --eval-prompts are held out",
 )
+@click.option(
+    "--data",
+    "data_dirs",
+    multiple=True,
+    type=click.Path(),
+    help="a `dtrt drafter-data` directory (repeat): windows of its rows, labelled and featurized by the target",
+)
 @click.option("--chat/--no-chat", default=True, show_default=True, help="wrap prompts in the chat template")
 @click.option("--resume", is_flag=True, help="continue the run in --out")
 @click.option("--layers", type=int, default=TrainConfig.layers, show_default=True)
@@ -408,6 +415,13 @@ def parity(export_dir, as_json, random_only, prompts, quick):
 @click.option("--corpus-chars", type=int, default=TrainConfig.corpus_chars, show_default=True)
 @click.option("--corpus-rows", type=int, default=TrainConfig.corpus_rows, show_default=True)
 @click.option("--gen-tokens", type=int, default=TrainConfig.gen_tokens, show_default=True)
+@click.option(
+    "--data-rows",
+    type=int,
+    default=TrainConfig.data_rows,
+    show_default=True,
+    help="--data windows kept (a seeded subset; each holds seq-len x taps x hidden fp16 features in memory)",
+)
 @click.option(
     "--gen-batch", type=int, default=TrainConfig.gen_batch, show_default=True, help="prompts continued together"
 )
@@ -422,7 +436,7 @@ def parity(export_dir, as_json, random_only, prompts, quick):
 @click.option("--save-dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
-def train_drafter_cmd(model, target, model_dir, out, corpus, prompts_file, chat, resume, **opts):
+def train_drafter_cmd(model, target, model_dir, out, corpus, prompts_file, data_dirs, chat, resume, **opts):
     """Distil a DFlash drafter and a Domino head from a target into OUT/dflash and OUT/domino."""
     from dtrt.train.trainer import read_prompts, train_drafter
 
@@ -430,7 +444,9 @@ def train_drafter_cmd(model, target, model_dir, out, corpus, prompts_file, chat,
     check_cuda(cfg.device)
     pair = load_pair(resolve_spec(model=model, target=target, model_dir=model_dir, backend="torch"), log=_log)
     prompts = read_prompts(prompts_file, pair.target, chat) if prompts_file else []
-    state = train_drafter(pair.target, Path(out), cfg, corpus, prompts, resume, log=_log, progress=_progress)
+    state = train_drafter(
+        pair.target, Path(out), cfg, corpus, prompts, resume, log=_log, progress=_progress, data_dirs=data_dirs
+    )
     click.echo(f"{out}: best held-out tau {state['best']:.2f} after {state['step']} steps")
 
 

@@ -25,7 +25,8 @@ from dtrt.models.drafter import Drafter
 from dtrt.models.hybrid import HybridTarget
 from dtrt.models.target import Target
 from dtrt.models.tokenizer import load_tokenizer
-from dtrt.train.data import DrafterData, continuations, greedy_labels_and_features, read_corpus, text_rows
+from dtrt.train.data import DrafterData, continuations, greedy_labels_and_features, read_corpus, text_rows, windows
+from dtrt.train.datagen import check_data, load_rows
 from dtrt.train.distill import block_loss, sample_anchors
 
 
@@ -40,6 +41,7 @@ class TrainConfig:
     corpus_rows: int = 400
     gen_tokens: int = 96
     gen_batch: int = 32
+    data_rows: int = 1000  # windows of --data rows kept (a seeded subset); their features are held in memory
     steps: int = 1500
     batch: int = 8
     anchors: int = 8
@@ -113,13 +115,29 @@ def pick_mask_token(tokenizer, vocab: int) -> int:
 
 
 def build_data(
-    target: Target, tokenizer, eos: tuple[int, ...], cfg: TrainConfig, corpus, prompts: list[str], progress
+    target: Target,
+    tokenizer,
+    eos: tuple[int, ...],
+    cfg: TrainConfig,
+    corpus,
+    prompts: list[str],
+    progress,
+    data=(),
+    target_path=None,
 ) -> DrafterData:
-    """Corpus rows and the target's continuations of the training prompts (each ending at one of `eos`), labelled
-    and featurized."""
+    """Corpus rows, the target's continuations of the training prompts (each ending at one of `eos`) and windows of
+    `dtrt drafter-data` rows, labelled and featurized."""
     T = cfg.seq_len
     rows = [text_rows(tokenizer, read_corpus(corpus, cfg.corpus_chars), T, cfg.corpus_rows)] if corpus else []
     lengths = [torch.full((rows[0].shape[0],), T)] if rows else []
+    if data:
+        shard_rows = [row for d in data for row in load_rows(d, target_path)[0]]
+        tokens, valid = windows([r.tokens for r in shard_rows], [r.response_start for r in shard_rows], T)
+        if tokens.shape[0] > cfg.data_rows:
+            keep = torch.randperm(tokens.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[: cfg.data_rows]
+            tokens, valid = tokens[keep], valid[keep]
+        rows.append(tokens)
+        lengths.append(valid)
     if prompts:
         ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         gen, gen_lengths = continuations(
@@ -134,7 +152,7 @@ def build_data(
         rows.append(gen)
         lengths.append(gen_lengths)
     if not rows:
-        raise DtrtError("no training data: give --corpus PATH and/or --prompts FILE")
+        raise DtrtError("no training data: give --data DIR, --corpus PATH and/or --prompts FILE")
     tokens = torch.cat(rows)
     taps = taps_for(target.cfg.num_layers)
     labels, feats = greedy_labels_and_features(target, tokens, 8, cfg.device, taps, log=progress("features"))
@@ -188,11 +206,14 @@ def train_drafter(
     resume: bool = False,
     log=print,
     progress=None,
+    data_dirs=(),
 ) -> dict:
     out = Path(out)
     work = out / ".train"
     if out.exists() and not resume and any(out.iterdir()):
         raise DtrtError(f"--out {out}: already holds a run; pass --resume to continue it or choose another --out")
+    for d in data_dirs:  # before anything is written: data of this target, where it says
+        check_data(d, target_path)
     target = load_target(target_path).to(cfg.device).requires_grad_(False)
     if isinstance(target, HybridTarget):  # the draft layers start from the target's, and data rows are left-padded
         raise DtrtError(
@@ -216,7 +237,7 @@ def train_drafter(
         from dtrt.runtime.pipeline import stop_ids
 
         eos = stop_ids(target.cfg.eos_token_id, tokenizer, target_path)
-        data = build_data(target, tokenizer, eos, cfg, corpus, train_prompts, progress)
+        data = build_data(target, tokenizer, eos, cfg, corpus, train_prompts, progress, data_dirs, target_path)
         data.save(work / "data.pt")
         log(f"data: {len(data)} rows x {cfg.seq_len} tokens in {time.perf_counter() - t0:.0f}s")
     if held_out:
