@@ -3,6 +3,7 @@ an uninterrupted run, none twice), sampled rows reproduced by their seed, multi-
 decoder against AR, `dtrt train-drafter --data`, and the bad inputs (one line each)."""
 
 import collections
+import fcntl
 import json
 import shutil
 
@@ -151,6 +152,25 @@ def test_resume_after_interruption(tiny, full, inputs, tmp_path, monkeypatch, ca
     assert progress["responses"]["rows"] == read_progress(full)["responses"]["rows"]
 
 
+def test_resume_after_a_kill_in_the_first_shard(tiny, full, inputs, tmp_path, monkeypatch, capsys):
+    """A run killed before its first progress file leaves only its lock and a temporary file: --resume starts it
+    over."""
+    out = tmp_path / "data"
+
+    def dies(tensors, path, metadata=None):
+        path.write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(datagen, "save_file", dies)
+    args = ("--model", "tiny", "--out", str(out), *SMALL, "--prompts", str(inputs / "prompts.jsonl"))
+    assert run_cli(monkeypatch, capsys, "drafter-data", *args)[0] == 130
+    assert read_progress(out) is None and list(out.glob(".*.tmp-*"))
+    monkeypatch.undo()
+    assert "holds no drafter data" in run_cli(monkeypatch, capsys, "drafter-data", *args)[2]
+    make(monkeypatch, capsys, out, "--prompts", str(inputs / "prompts.jsonl"), "--resume")
+    assert rows_of(out, tiny) == [x for x in rows_of(full, tiny) if x[0] >= 0]
+
+
 def test_sampled_rows_reproducible_by_seed(tiny, inputs, tmp_path, monkeypatch, capsys):
     args = ("--prompts", str(inputs / "prompts.jsonl"))
     runs = {}
@@ -250,6 +270,11 @@ def test_bad_inputs(tiny, full, inputs, tmp_path, monkeypatch, capsys):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "x").write_text("")
     fails("--model", "tiny", "--out", str(tmp_path / "other"), *prompts, fragments=["not empty and holds no drafter"])
+    fails("--model", "tiny", "--out", str(tmp_path / "other"), *prompts, "--resume", fragments=["holds no drafter"])
+    # a run still writing --out
+    with open(full / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        fails("--model", "tiny", "--out", str(full), *args, "--resume", fragments=["another dtrt drafter-data run"])
     # --resume with another target, other prompts or other row options
     other = tmp_path / "other-target"
     shutil.copytree(tiny.target, other)

@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, fields
@@ -169,6 +170,11 @@ def load_rows(path, target_path) -> tuple[list[Row], dict]:
 # ---- the run ---------------------------------------------------------------------------------------------------
 
 
+def _ours(name: str, resume: bool) -> bool:
+    """A file a run writes: with --resume, a first run killed before its first progress file left only these."""
+    return name == ".lock" or resume and (".tmp-" in name or re.fullmatch(r"(responses|corpus)-\d+\.safetensors", name))
+
+
 def _write_progress(out: Path, progress: dict):
     tmp = out / f".{PROGRESS}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(progress, indent=1) + "\n")
@@ -261,7 +267,7 @@ def drafter_data(
     progress = read_progress(out) if out.is_dir() else None
     if progress is not None and not resume:
         raise DtrtError(f"--out {out}: already holds drafter data; pass --resume to continue it, or another --out")
-    if progress is None and out.is_dir() and any(p.name != ".lock" for p in out.iterdir()):
+    if progress is None and out.is_dir() and any(not _ours(p.name, resume) for p in out.iterdir()):
         raise DtrtError(f"--out {out}: not empty and holds no drafter data ({PROGRESS}); choose another --out")
 
     convs = read_conversations(prompts_file) if prompts_file else []
@@ -307,10 +313,10 @@ def drafter_data(
         _check_resume(progress, fresh, out)
     else:
         progress = fresh
-    if no_template:
-        log(f"{target_path}: no chat template; prompts are used as plain text")
     out.mkdir(parents=True, exist_ok=True)
     lock = _lock(out)
+    if no_template:
+        log(f"{target_path}: no chat template; prompts are used as plain text")
     try:
         for f in out.glob(".*.tmp-*"):  # a killed run's unfinished shard or progress file
             f.unlink()
