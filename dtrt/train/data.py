@@ -2,7 +2,9 @@
 token for every position (labels), and the target's tapped features, all from batched forwards.
 
 Two sources: text (corpus files, teacher-forced: labels are the target's greedy predictions given the real
-prefix) and the target's own greedy continuations of prompts (labels are the tokens themselves)."""
+prefix) and the target's own greedy continuations of prompts (labels are the tokens themselves). The decoders here
+(batched with left padding; continuous batching over per-row cache slots, for `dtrt drafter-data`) are how the
+target makes its own text fastest on a CPU."""
 
 from collections import OrderedDict
 from dataclasses import dataclass
