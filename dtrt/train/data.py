@@ -136,23 +136,12 @@ class PaddedKV(KVCache):
 
 
 @torch.no_grad()
-def batched_decode(
-    target,
-    prompts: list[list[int]],
-    new_tokens: int,
-    stop: tuple = (),
-    device="cpu",
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    generators: list | None = None,
+def batched_greedy(
+    target, prompts: list[list[int]], new_tokens: int, stop: tuple = (), device="cpu"
 ) -> list[list[int]]:
-    """The target's continuation of each prompt, all rows decoded together (left padding): greedy for a row whose
-    generator is None (or at temperature 0), else sampled with temperature and top-p from that row's own
-    generator, so a sampled row is reproduced by its seed (with the same batch: rows share matrix products, which
-    round alike only for the same shapes). A row ends at its first stop token (included) or after new_tokens;
-    finished rows leave the batch."""
+    """The target's greedy continuation of each prompt, all rows decoded together (left padding). A row ends at its
+    first stop token (included) or after new_tokens; finished rows leave the batch."""
     b, L = len(prompts), max(map(len, prompts))
-    generators = [None] * b if generators is None or temperature == 0 else list(generators)
     pad = torch.tensor([L - len(p) for p in prompts], device=device)
     ids = torch.zeros(b, L, dtype=torch.long, device=device)
     valid = torch.ones(b, L + new_tokens, dtype=torch.bool, device=device)
@@ -171,11 +160,7 @@ def batched_decode(
         logits, _ = target(ids, positions, mask, cache, last=1)
         cache.past += ids.shape[1]
         ids = logits[:, -1].argmax(-1)
-        alive = live.tolist()
-        sampled = [j for j, r in enumerate(rows) if generators[r] is not None and alive[j]]
-        if sampled:
-            ids[sampled] = sample_rows(logits[sampled, -1], temperature, top_p, [generators[rows[j]] for j in sampled])
-        for r, t, a in zip(rows, ids.tolist(), alive):
+        for r, t, a in zip(rows, ids.tolist(), live.tolist()):
             if a:
                 out[r].append(t)
         live &= ~torch.isin(ids, stop)
@@ -311,13 +296,6 @@ def decode_pool(
         cache.length += 1
         cache.length[[r for r in range(rows_n) if keys[r] is None]] = 0  # empty rows write column 0 until refilled
         take(live, choose(logits[live, -1], live))
-
-
-def batched_greedy(
-    target, prompts: list[list[int]], new_tokens: int, stop: tuple = (), device="cpu"
-) -> list[list[int]]:
-    """The target's greedy continuation of each prompt (batched_decode at temperature 0)."""
-    return batched_decode(target, prompts, new_tokens, stop, device)
 
 
 def continuations(
