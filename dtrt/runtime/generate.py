@@ -1,6 +1,8 @@
 """The one decode loop: draft -> build -> verify -> accept -> commit, for every method and backend, as a stream of
 rounds. `generate` yields a Step per round (the prefill's first token, then each verify round's committed tokens);
-whoever iterates it decides when to stop early (stop strings, Ctrl-C, a cancelled request): it stops iterating."""
+whoever iterates it decides when to stop early (stop strings, Ctrl-C, a cancelled request): it stops iterating.
+Asked for (`logprobs`), a Step also carries the target's log-probabilities of its tokens, taken from the logits the
+target computed anyway (the prefill's last row, the verify rows of the accepted path)."""
 
 import time
 from collections.abc import Iterator
@@ -24,6 +26,28 @@ class RoundStats:
     commit_s: float
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token at most, as OpenAI's top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of a committed token: log_softmax of the target's own logits in fp32, before
+    temperature and top-p (the model's distribution, whatever the sampling), and the `k` most likely tokens there."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+def token_logprobs(logits, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """The log-probability of tokens[i] under row i of `logits` [len(tokens), V], and each row's top `k`."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if k == 0:
+        return [TokenLogprob(c) for c in chosen]
+    values, ids = lp.topk(k, dim=-1)
+    return [TokenLogprob(c, tuple(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
+
 @dataclass
 class Step:
     """What one round committed."""
@@ -32,6 +56,7 @@ class Step:
     stats: RoundStats | None = None  # None: the token chosen at prefill
     prefill_s: float = 0.0  # on the prefill step: prompt forward, first choice, drafter context
     end: str | None = None  # "eos" or "length" when the generation ends with this step
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked
 
 
 @dataclass
@@ -41,12 +66,15 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stop_reason: str = "length"  # "eos" | "length" | "stop" | "cancelled" (the last two: set by the consumer)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the stream carries them
     _decode_t0: float = field(default=0.0, repr=False)
 
     def add(self, step: Step):
         """Take one step of the stream; decode time runs from the prefill step to the last step taken."""
         now = time.perf_counter()
         self.tokens += step.tokens
+        if step.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + step.logprobs
         if step.stats is None:
             self.prefill_s, self._decode_t0 = step.prefill_s, now
         else:
@@ -54,6 +82,12 @@ class Generation:
             self.decode_s = now - self._decode_t0
         if step.end is not None:
             self.stop_reason = step.end
+
+    def keep(self, n: int):
+        """Keep the first `n` tokens (and their logprobs): what a stop string leaves."""
+        self.tokens = self.tokens[:n]
+        if self.logprobs is not None:
+            self.logprobs = self.logprobs[:n]
 
     @property
     def tau(self) -> float:
@@ -87,8 +121,12 @@ def generate(
     sampling: SamplingConfig,
     eos: tuple[int, ...] = (),
     budget: int = 16,
+    logprobs: int | None = None,
 ) -> Iterator[Step]:
-    """Up to `max_new_tokens` tokens after `prompt`, one Step per round."""
+    """Up to `max_new_tokens` tokens after `prompt`, one Step per round; with `logprobs` k (0..MAX_TOP_LOGPROBS)
+    each Step carries its tokens' TokenLogprobs with the top k alternatives (None: none, nothing computed)."""
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs {logprobs}: must be in [0, {MAX_TOP_LOGPROBS}]")
     drafter = backend.drafter if method.uses_drafter else None
     block = drafter.cfg.block_size if drafter is not None else 1
     backend.reset(capacity_for(len(prompt), max_new_tokens, budget, block))
@@ -112,7 +150,8 @@ def generate(
         method.prepare(backend, drafter.cfg.k_draft)
     tokens, end = cut([root])
     produced += len(tokens)
-    yield Step(tokens, prefill_s=time.perf_counter() - t0, end=end)
+    lps = token_logprobs(logits[-1:], tokens, logprobs) if logprobs is not None else None
+    yield Step(tokens, prefill_s=time.perf_counter() - t0, end=end, logprobs=lps)
     while end is None:
         t0 = time.perf_counter()
         start = backend.past
@@ -132,5 +171,8 @@ def generate(
         stats = RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
         tokens, end = cut(tree.tokens[accepted[1:]].tolist() + [bonus])
         produced += len(tokens)
-        yield Step(tokens, stats, end=end)
+        lps = None
+        if logprobs is not None:  # each committed token is chosen at its parent: the accepted nodes' rows, in order
+            lps = token_logprobs(logits[torch.tensor(accepted[: len(tokens)], device=logits.device)], tokens, logprobs)
+        yield Step(tokens, stats, end=end, logprobs=lps)
         root = bonus

@@ -66,12 +66,17 @@ class Pipeline:
             f"positions, but {self.backend.context_source} is {limit}; {ways}"
         )
 
-    def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig) -> Iterator[Step]:
-        """The generation as a stream of rounds (dtrt.runtime.generate)."""
+    def stream(
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, logprobs: int | None = None
+    ) -> Iterator[Step]:
+        """The generation as a stream of rounds (dtrt.runtime.generate); `logprobs` k: each round's tokens carry
+        the target's log-probabilities and top k alternatives."""
         if not prompt_ids:
             raise DtrtError("the prompt is empty: give some text")
         self.check_context(len(prompt_ids), max_new_tokens)
-        return generate(self.backend, self.method, prompt_ids, max_new_tokens, sampling, self.eos, self.spec.budget)
+        return generate(
+            self.backend, self.method, prompt_ids, max_new_tokens, sampling, self.eos, self.spec.budget, logprobs
+        )
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig) -> Generation:
         return collect(self.stream(prompt_ids, max_new_tokens, sampling))
@@ -84,6 +89,11 @@ def stop_ids(config_eos, tokenizer, folder: Path) -> tuple[int, ...]:
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     return tuple(sorted(eos))
+
+
+def tokenizer_dir(spec: RunSpec, sources: Sources) -> Path:
+    """Where the spec's tokenizer is read from: the target checkpoint (torch), else the export's tokenizer/."""
+    return Path(sources.pair.target) if spec.backend == "torch" else sources.export.path / "tokenizer"
 
 
 def open_pipeline(spec: RunSpec, sources: Sources) -> Pipeline:
@@ -113,8 +123,8 @@ def open_pipeline(spec: RunSpec, sources: Sources) -> Pipeline:
             from dtrt.runtime.backends.tensorrt import TrtBackend
 
             backend = TrtBackend(sources.engine, exp, kind)
-        tokenizer = load_tokenizer(exp.path / "tokenizer")
-        eos = stop_ids(exp.manifest["target"]["eos_token_id"], tokenizer, exp.path / "tokenizer")
+        tokenizer = load_tokenizer(tokenizer_dir(spec, sources))
+        eos = stop_ids(exp.manifest["target"]["eos_token_id"], tokenizer, tokenizer_dir(spec, sources))
     backend.prepare(spec)
     if spec.threads:
         import torch

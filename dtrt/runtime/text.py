@@ -4,7 +4,7 @@ caller cancels (Ctrl-C, a client gone)."""
 
 from dataclasses import dataclass
 
-from dtrt.runtime.generate import Generation
+from dtrt.runtime.generate import Generation, TokenLogprob
 from dtrt.runtime.sampling import SamplingConfig
 
 STAGES = ("draft", "build", "verify", "commit")
@@ -87,6 +87,53 @@ class TextStream:
         return self._take(len(self.text))
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the character a byte-level BPE piece shows for each byte."""
+    shown = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars, extra = list(shown), 0
+    for b in range(256):
+        if b not in shown:
+            shown.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(shown, chars)}
+
+
+BYTE_DECODER = _byte_decoder()
+
+
+class TokenPieces:
+    """Each token as OpenAI's logprobs show it: its text alone and its bytes (a byte-level BPE token that is part of
+    a character has bytes but no text of its own: its text shows U+FFFD). Cached per token id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        self._cache: dict[int, tuple[str, list[int] | None]] = {}
+
+    def __call__(self, token: int) -> tuple[str, list[int] | None]:
+        if token not in self._cache:
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            piece = self.tokenizer.convert_ids_to_tokens(token) if self.byte_level else None
+            if piece is not None and all(c in BYTE_DECODER for c in piece):
+                raw = list(bytes(BYTE_DECODER[c] for c in piece))
+            else:
+                raw = None if "\ufffd" in text else list(text.encode())
+            self._cache[token] = (text, raw)
+        return self._cache[token]
+
+    def entries(self, tokens: list[int], logprobs: list[TokenLogprob]) -> list[dict]:
+        """OpenAI's chat logprobs entries: {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+        "bytes"}]} per token."""
+        out = []
+        for token, lp in zip(tokens, logprobs):
+            text, raw = self(token)
+            top = [{"token": t, "logprob": v, "bytes": b} for t, b, v in ((*self(i), v) for i, v in lp.top)]
+            out.append({"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top})
+        return out
+
+
 @dataclass
 class Completion:
     text: str
@@ -130,22 +177,27 @@ def complete(
     stop: tuple[str, ...] = (),
     on_text=None,
     cancelled=None,
+    logprobs: int | None = None,
+    into: Generation | None = None,
 ) -> Completion:
     """Generate after `ids`: `on_text(str)` receives the text as it becomes final, the output ends before the first
     stop string (stop_reason "stop"), and `cancelled()` turning true ends it after the round in flight
-    ("cancelled")."""
+    ("cancelled"). `logprobs` k: the tokens' log-probabilities with k alternatives (Generation.logprobs). `into`:
+    the Generation to fill, which `on_text` may read (the tokens so far, a stop string's already cut)."""
     stream = TextStream(pipe.tokenizer, stop)
-    gen = Generation()
-    rounds = pipe.stream(ids, max_new_tokens, sampling)
+    gen = into if into is not None else Generation()
+    rounds = pipe.stream(ids, max_new_tokens, sampling, logprobs)
     try:
         for step in rounds:
             gen.add(step)
             if on_text is not None or stop:
                 delta = stream.push(step.tokens)
+                if stream.stopped:
+                    gen.stop_reason = "stop"
+                    gen.keep(len(stream.tokens))
                 if delta and on_text is not None:
                     on_text(delta)
                 if stream.stopped:
-                    gen.stop_reason = "stop"
                     break
             else:
                 stream.tokens += step.tokens
