@@ -12,9 +12,10 @@ import click
 from dtrt import __version__
 from dtrt.errors import BackendFault, DtrtError
 from dtrt.exporter.quantize import DRAFTER_QUANTS
-from dtrt.launch import pipeline, resolve_spec
+from dtrt.launch import open_sources, pipeline, resolve_spec, served_model_name
 from dtrt.launch.resolve import check_cuda
 from dtrt.launch.sources import load_pair
+from dtrt.runtime.pipeline import open_pipeline
 from dtrt.runtime.requests import FLAGS, check_thinking, has_chat_template, make_request, read_requests
 from dtrt.runtime.spec import ARMS, BACKENDS, BUILDERS, DTYPES, METHODS
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
@@ -238,15 +239,18 @@ def _run_jsonl(pipe, requests, chat, truncate, source):
     help="TCP port (0: any free one, printed at start)",
 )
 @click.option(
+    "--served-model-name",
     "--name",
-    help="the model id clients send and /v1/models lists (default: --model, or the --target / --export directory name)",
+    "name",
+    help="the model id clients send and /v1/models lists (default: the --model name, or the name of the checkpoint "
+    "directory the target, or the --export, comes from)",
 )
 @click.option(
     "--queue-limit",
     type=int,
     default=64,
     show_default=True,
-    help="requests waiting behind the one generating; more are answered 429",
+    help="requests waiting behind the one generating (per replica); more are answered 429",
 )
 @click.option(
     "--request-timeout",
@@ -260,7 +264,26 @@ def _run_jsonl(pipe, requests, chat, truncate, source):
     type=float,
     default=30.0,
     show_default=True,
-    help="seconds the generation in flight may finish after SIGINT/SIGTERM before it is cancelled",
+    help="seconds the generations in flight may finish after SIGINT/SIGTERM before they are cancelled",
+)
+@click.option(
+    "--api-key",
+    envvar="DTRT_API_KEY",
+    show_envvar=True,
+    help="requests must send 'Authorization: Bearer KEY' (else 401); /health stays open",
+)
+@click.option(
+    "--max-request-bytes",
+    type=int,
+    default=32 * 2**20,
+    show_default=True,
+    help="largest request body; a larger one is answered 413",
+)
+@click.option(
+    "--max-prompt-tokens",
+    type=int,
+    help="longest prompt in tokens, chat template included; a longer one is answered 400 (default: what fits the "
+    "context)",
 )
 @thinking_option
 def serve(
@@ -276,27 +299,37 @@ def serve(
     queue_limit,
     request_timeout,
     shutdown_grace,
+    api_key,
+    max_request_bytes,
+    max_prompt_tokens,
     **flags,
 ):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
-    from dtrt.serve.server import ServeConfig, bind, serve_forever
+    from dtrt.serve.server import ServeConfig, bind, exposure_warning, serve_forever
 
     spec = resolve_spec(**flags)
     defaults = make_request(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, thinking=thinking
     )
     cfg = ServeConfig(
-        name or spec.model or Path(spec.target or spec.export or "default").name,
+        "",
         defaults,
         queue_limit,
         request_timeout,
         shutdown_grace,
         truncate,
+        api_key,
+        max_request_bytes,
+        max_prompt_tokens,
     )
     sock = bind(host, port)  # a taken port fails before the model loads
     try:
-        pipe = pipeline(spec, _log)
+        sources = open_sources(spec, _log)
+        cfg = replace(cfg, model_name=served_model_name(spec, sources, name))
+        pipe = open_pipeline(spec, sources)
         check_thinking(pipe.tokenizer, thinking)
+        if (warning := exposure_warning(host, cfg)) is not None:
+            _log(warning)
     except BaseException:
         sock.close()
         raise

@@ -354,6 +354,9 @@ def test_thinking_without_a_thinking_switch(tiny, tiny_chat, server, tmp_path, m
         (("serve", "--port", "70000"), "Invalid value for '--port': 70000 is not in the range"),
         (("serve", "--queue-limit", "-1"), "--queue-limit -1: must be >= 0"),
         (("serve", "--request-timeout", "0"), "--request-timeout 0.0: must be > 0"),
+        (("serve", "--max-request-bytes", "100"), "--max-request-bytes 100: must be >= 1024"),
+        (("serve", "--max-prompt-tokens", "0"), "--max-prompt-tokens 0: must be >= 1"),
+        (("serve", "--api-key", " "), "--api-key: empty; give a key, or leave it out"),
     ],
 )
 def test_invalid_flag_values(args, fragment, monkeypatch, capsys):
@@ -461,13 +464,22 @@ def test_malformed_http_body(tiny, server, monkeypatch):
     expect_http_error(url, 400, data=b"{prompt: 1", fragments=("not valid JSON",))
     expect_http_error(url, 400, data=b"\xff\xfe", fragments=("not valid JSON",))
     expect_http_error(url, 400, ["a prompt"], fragments=("must be a JSON object, not list",))
-    import dtrt.serve.server as server_module
-
-    monkeypatch.setattr(server_module, "MAX_BODY", 1024)
-    with BackgroundServer(server.server.pipe, ServeConfig("tiny")) as small:
+    with BackgroundServer(server.server.pipe, ServeConfig("tiny", max_body=1024, max_prompt_tokens=8)) as small:
         expect_http_error(
-            f"{small.url}/v1/completions", 413, {"prompt": "x" * 4096}, fragments=("larger than 1024 bytes",)
+            f"{small.url}/v1/completions",
+            413,
+            {"prompt": "x" * 4096},
+            fragments=("larger than 1024 bytes (the server's --max-request-bytes)",),
         )
+        err = expect_http_error(
+            f"{small.url}/v1/completions",
+            400,
+            {"prompt": "The cat sees the dog and the moon"},
+            param="prompt",
+            fragments=("more than this server's --max-prompt-tokens 8; shorten it",),
+        )
+        assert err["code"] == "prompt_too_long"
+        assert http(f"{small.url}/v1/completions", {"prompt": "The cat", "max_tokens": 2})[0] == 200
 
 
 @pytest.mark.parametrize(
@@ -484,9 +496,15 @@ def test_malformed_http_body(tiny, server, monkeypatch):
         ({"prompt": "x", "stop": ["a", 3]}, "stop", "stop: must be a string or a list of strings"),
         ({"prompt": "x", "stream": "yes"}, "stream", "stream 'yes': must be true or false"),
         ({"prompt": "x", "messages": []}, "messages", "/v1/chat/completions takes 'messages'"),
-        ({"prompt": "x", "n": 2}, "n", "n 2: not supported"),
-        ({"prompt": "x", "logprobs": 5}, "logprobs", "logprobs 5: not supported"),
+        ({"prompt": "x", "n": 0}, "n", "n 0: must be an integer from 1 to 16"),
+        ({"prompt": "x", "n": 17}, "n", "n 17: must be an integer from 1 to 16"),
+        ({"prompt": "x", "n": 2, "best_of": 3}, "best_of", "best_of 3: not supported"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "logprobs 21: must be an integer from 0 to 20"),
+        ({"prompt": "x", "logprobs": True}, "logprobs", "logprobs True: must be an integer from 0 to 20"),
+        ({"prompt": "x", "top_logprobs": 2}, "top_logprobs", "top_logprobs is a chat parameter"),
         ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
+        ({"prompt": "x", "tools": [{"type": "function"}]}, "tools", "tools [{'type': 'function'}]: not supported"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "not supported"),
         ({"prompt": "x", "foo": 1}, "foo", "unknown parameter 'foo'"),
         (
             {"prompt": "x", "chat_template_kwargs": {"enable_thinking": True}},
@@ -512,6 +530,20 @@ def test_bad_chat_messages(server, messages, fragment):
     expect_http_error(
         f"{server.url}/v1/chat/completions", 400, {"messages": messages}, param="messages", fragments=(fragment,)
     )
+
+
+@pytest.mark.parametrize(
+    "fields, param, fragment",
+    [
+        ({"logprobs": 3}, "logprobs", "logprobs 3: must be true or false (top_logprobs sets the alternatives)"),
+        ({"top_logprobs": 3}, "top_logprobs", "top_logprobs needs logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs 21: must be an integer from 0 to 20"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens 0: must be >= 1"),
+    ],
+)
+def test_bad_chat_parameters(server, fields, param, fragment):
+    body = {"messages": [{"role": "user", "content": "hi"}]} | fields
+    expect_http_error(f"{server.url}/v1/chat/completions", 400, body, param=param, fragments=(fragment,))
 
 
 @pytest.mark.parametrize(

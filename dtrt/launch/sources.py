@@ -2,6 +2,8 @@
 conversion made on first use), exports and engines read and checked, and the first-use export of a registry model
 made into the cache. This is the front end's decision, never the runtime's."""
 
+from pathlib import Path
+
 from dtrt.artifacts.export import check_source, load_export
 from dtrt.errors import DtrtError
 from dtrt.launch.first_use import cached_export
@@ -54,3 +56,21 @@ def open_sources(spec: RunSpec, log=None, pair: Pair | None = None) -> Sources:
 def pipeline(spec: RunSpec, log=None) -> Pipeline:
     """open_pipeline over the spec's opened sources: what every front end runs."""
     return open_pipeline(spec, open_sources(spec, log))
+
+
+def served_model_name(spec: RunSpec, sources: Sources, override: str | None = None) -> str:
+    """The model id `dtrt serve` answers to (what clients send as `model` and /v1/models lists): `override`
+    (--served-model-name), else the registry name, else the target checkpoint directory's name (for an export, the
+    model or checkpoint it was exported from, as its manifest records)."""
+    if override:
+        return override
+    if spec.model is not None:
+        return spec.model
+    if spec.target is not None:
+        return Path(spec.target).resolve().name
+    src = sources.export.manifest.get("source", {}) if sources.export is not None else {}
+    if src.get("model"):
+        return src["model"]
+    if src.get("target"):
+        return Path(src["target"]).name
+    return Path(spec.export).resolve().name

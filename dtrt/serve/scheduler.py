@@ -1,6 +1,6 @@
-"""Batch 1 behind a FIFO queue: one worker thread runs one generation at a time, the HTTP side (asyncio) submits jobs
-and reads their events. A job can be cancelled while it waits (it leaves the queue) or while it runs (the decode
-loop ends at its next round)."""
+"""Batch 1 behind a FIFO queue: one worker thread runs one generation at a time, the asyncio side submits jobs and
+reads their events. A job can be cancelled while it waits (it leaves the queue) or while it runs (the decode loop
+ends at its next round)."""
 
 import asyncio
 import threading
@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dtrt.errors import DtrtError
+from dtrt.runtime.generate import Generation
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.text import complete
 from dtrt.serve.metrics import Metrics
@@ -31,10 +32,14 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("text", str) ... then ("done", Completion)
-    cancel: threading.Event = field(default_factory=threading.Event)  # or ("error", exception)
+    logprobs: int | None = None  # the top alternatives per token's logprob; None: no logprobs
+    # ("text", (str, [(token, TokenLogprob)] since the last text or None)) ... then ("done", Completion),
+    # or ("error", exception)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
     why: str = "cancelled"  # the outcome a cancellation is counted as: cancelled (client gone), timeout
     submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # when its generation began
 
     def post(self, kind: str, value):
         try:
@@ -58,6 +63,9 @@ class Scheduler:
 
     def start(self):
         self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def submit(self, job: Job):
         with self._cond:
@@ -109,7 +117,17 @@ class Scheduler:
             job.post(*event)  # after the bookkeeping, so a client that has its answer sees the server idle
 
     def _run(self, job: Job) -> tuple[str, object]:
-        started = time.perf_counter()
+        started = job.started = time.perf_counter()
+        gen, sent = Generation(), 0
+
+        def on_text(text: str):
+            nonlocal sent
+            lps = None
+            if job.logprobs is not None:
+                lps = list(zip(gen.tokens[sent:], gen.logprobs[sent:]))
+                sent = len(gen.tokens)
+            job.post("text", (text, lps))
+
         try:
             c = complete(
                 self.pipe,
@@ -117,8 +135,10 @@ class Scheduler:
                 job.max_new_tokens,
                 job.sampling,
                 job.stop,
-                (lambda text: job.post("text", text)) if job.stream else None,
+                on_text if job.stream else None,
                 job.cancel.is_set,
+                job.logprobs,
+                gen,
             )
         except DtrtError as e:  # the request's own fault (400)
             self.metrics.finished("error")

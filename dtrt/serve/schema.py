@@ -4,17 +4,16 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from dtrt.runtime.generate import MAX_TOP_LOGPROBS
 from dtrt.runtime.requests import Request, RequestError, parse_request
 from dtrt.runtime.text import Completion
 
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}
+# OpenAI's finish reasons for the ends dtrt has; a generation cut short (shutdown, timeout) is an error, not a finish
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+MAX_N = 16  # choices per request at most
 # OpenAI parameters dtrt takes only at their neutral value: anything else would change the output silently
 NEUTRAL = {
-    "n": (1,),
-    "best_of": (1,),
     "echo": (False,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
     "logit_bias": ({},),
@@ -33,6 +32,33 @@ class OpenAIRequest:
     model: str | None
     stream: bool
     include_usage: bool
+    n: int = 1  # choices; choice i samples with seed + i (at T=0 they are equal)
+    logprobs: int | None = None  # None: no logprobs; k: each token's logprob and its top k alternatives
+
+
+def _int_field(body: dict, key: str, low: int, high: int, what: str) -> int | None:
+    value = body.pop(key, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise RequestError(f"{key} {value!r}: must be an integer from {low} to {high} ({what})", key)
+    return value
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: `logprobs` true|false and `top_logprobs` 0..20; completions: `logprobs` 0..20 (the alternatives)."""
+    if not chat:
+        if body.get("top_logprobs") is not None:
+            why = "top_logprobs is a chat parameter; /v1/completions takes logprobs: 0..20"
+            raise RequestError(why, "top_logprobs")
+        return _int_field(body, "logprobs", 0, MAX_TOP_LOGPROBS, "the alternatives shown per token")
+    want = body.pop("logprobs", None)
+    if want is not None and not isinstance(want, bool):
+        raise RequestError(f"logprobs {want!r}: must be true or false (top_logprobs sets the alternatives)", "logprobs")
+    top = _int_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, "the alternatives shown per token")
+    if top is not None and not want:
+        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if want else None
 
 
 def parse_openai(body, defaults: Request, chat: bool) -> OpenAIRequest:
@@ -54,17 +80,24 @@ def parse_openai(body, defaults: Request, chat: bool) -> OpenAIRequest:
                 "prompt",
             )
         body["prompt"] = body["prompt"][0]
+    n = _int_field(body, "n", 1, MAX_N, "the choices generated") or 1
+    best_of = body.pop("best_of", None)
+    if best_of is not None and best_of != n:
+        raise RequestError(
+            f"best_of {best_of!r}: not supported (dtrt returns every choice it generates); use n", "best_of"
+        )
+    logprobs = _logprobs(body, chat)
     for key, ok in NEUTRAL.items():
         value = body.pop(key, None)
         if value is not None and value not in ok:
-            raise RequestError(
-                f"{key} {value!r}: not supported (dtrt serves one exact sequence per request); omit it", key
-            )
+            raise RequestError(f"{key} {value!r}: not supported (dtrt serves the target's exact output); omit it", key)
     for key in IGNORED:
         body.pop(key, None)
     model, stream, options = body.pop("model", None), body.pop("stream", False), body.pop("stream_options", None)
     if model is not None and not isinstance(model, str):
         raise RequestError("model: must be a string", "model")
+    if stream is None:
+        stream = False
     if not isinstance(stream, bool):
         raise RequestError(f"stream {stream!r}: must be true or false", "stream")
     if options is not None and (
@@ -81,7 +114,7 @@ def parse_openai(body, defaults: Request, chat: bool) -> OpenAIRequest:
             "chat_template_kwargs",
         )
     req = parse_request(body, defaults)
-    return OpenAIRequest(req, model, stream, bool((options or {}).get("include_usage")))
+    return OpenAIRequest(req, model, stream, bool((options or {}).get("include_usage")), n, logprobs)
 
 
 def error_body(
@@ -94,12 +127,24 @@ def new_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(c: Completion) -> dict:
-    return {
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": len(c.tokens),
-        "total_tokens": c.prompt_tokens + len(c.tokens),
-    }
+@dataclass
+class Choice:
+    """One choice as it crosses from the worker (or a replica) to the HTTP side: the completion and its logprobs
+    entries (TokenPieces.entries; those not streamed yet when streaming)."""
+
+    completion: Completion
+    logprobs: list[dict] | None = None
+    ttft_s: float | None = None  # time to first token: queue wait + prefill
+
+    @property
+    def finish(self) -> str:
+        return FINISH[self.completion.stop_reason]
+
+
+def usage(choices: list[Completion]) -> dict:
+    """Prompt tokens once, completion tokens over every choice."""
+    prompt, completion = choices[0].prompt_tokens, sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def stats(c: Completion, method: str) -> dict:
@@ -115,25 +160,43 @@ def stats(c: Completion, method: str) -> dict:
     }
 
 
-def completion_body(rid: str, model: str, chat: bool, c: Completion, method: str) -> dict:
-    finish = FINISH[c.stop_reason]
+def logprobs_body(entries: list[dict] | None, chat: bool, offset: int = 0) -> dict | None:
+    """OpenAI's logprobs object from chat-style entries: chat {"content": [...]}, completions the legacy lists
+    (`text_offset` counts characters from the start of the completion, `offset` where these entries start)."""
+    if entries is None:
+        return None
     if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-    else:
-        choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": finish}
+        return {"content": entries}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def completion_body(rid: str, model: str, chat: bool, choices: list[Choice], method: str) -> dict:
+    out = []
+    for i, ch in enumerate(choices):
+        lps = logprobs_body(ch.logprobs, chat)
+        if chat:
+            message = {"role": "assistant", "content": ch.completion.text}
+            out.append({"index": i, "message": message, "logprobs": lps, "finish_reason": ch.finish})
+        else:
+            out.append({"index": i, "text": ch.completion.text, "logprobs": lps, "finish_reason": ch.finish})
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
-        "usage": usage(c),
-        "dtrt": stats(c, method),
+        "choices": out,
+        "usage": usage([ch.completion for ch in choices]),
+        "dtrt": stats(choices[0].completion, method)
+        | ({"choices": [stats(ch.completion, method) for ch in choices]} if len(choices) > 1 else {}),
     }
 
 
@@ -145,15 +208,18 @@ def chunk_body(
     finish: str | None = None,
     role: bool = False,
     usage_: dict | None = None,
+    index: int = 0,
+    logprobs: dict | None = None,
 ) -> dict:
-    """One server-sent event: a text delta, the opening role (chat), the finish reason, or the usage (no choices)."""
+    """One server-sent event of choice `index`: a text delta, the opening role (chat), the finish reason, or the
+    usage (no choices)."""
     if usage_ is not None:
         choices = []
     elif chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     else:
-        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]
     body = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",

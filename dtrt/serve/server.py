@@ -1,11 +1,15 @@
-"""`dtrt serve`: an OpenAI-compatible HTTP server (aiohttp) in front of one pipeline, loaded once.
+"""`dtrt serve`: an OpenAI-compatible HTTP server (aiohttp) in front of one pipeline loaded once (a Worker in this
+process), or in front of Ray Serve replicas of it (dtrt.serve.replicas): the same routes, checks and bodies.
 
-The HTTP side is asyncio; generations run one at a time in the scheduler's worker thread. Every error is a JSON
+The HTTP side is asyncio; generations run one at a time in a worker thread per pipeline. Every error is a JSON
 body {"error": {"message", "type", "param", "code"}}; a client that disconnects cancels its request (aiohttp's
-handler cancellation), SIGINT/SIGTERM stop taking requests, answer the waiting ones 503, let the one generating
+handler cancellation), SIGINT/SIGTERM stop taking requests, answer the waiting ones 503, let the ones generating
 finish within the shutdown grace, and exit 0."""
 
 import asyncio
+import hashlib
+import hmac
+import ipaddress
 import json
 import os
 import signal
@@ -13,47 +17,23 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 
-from dtrt.errors import BackendFault, DtrtError
+from dtrt.errors import DtrtError
 
 try:
     from aiohttp import web
 except ImportError:
     raise DtrtError('dtrt serve needs aiohttp: pip install "dtrt[serve]"') from None
 
-from dtrt.runtime.requests import Request, RequestError, encode, fit_prompt, has_chat_template
-from dtrt.serve.metrics import Metrics, prometheus
-from dtrt.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown
-from dtrt.serve.schema import FINISH, chunk_body, completion_body, error_body, new_id, parse_openai, usage
+from dtrt.runtime.requests import RequestError
+from dtrt.serve.metrics import prometheus
+from dtrt.serve.schema import chunk_body, completion_body, error_body, logprobs_body, new_id, parse_openai, usage
+from dtrt.serve.worker import ServeConfig, ServeError, Worker, shutting_down
 
-MAX_BODY = 32 * 2**20
 ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics"
+OPEN = ("/health",)  # routes that need no API key
 
-
-@dataclass
-class ServeConfig:
-    model_name: str
-    defaults: Request = field(default_factory=Request)  # what a request leaves out
-    queue_limit: int = 64  # requests waiting behind the one generating; more get 429
-    request_timeout: float = 600.0  # seconds, waiting included; then the request is cancelled (504)
-    shutdown_grace: float = 30.0  # seconds the generation in flight may run on after a shutdown signal
-    truncate: bool = False  # keep the prompt's tail when it does not fit, instead of a 400
-
-    def __post_init__(self):
-        for flag, value, ok in (
-            ("--queue-limit", self.queue_limit, self.queue_limit >= 0),
-            ("--request-timeout", self.request_timeout, self.request_timeout > 0),
-            ("--shutdown-grace", self.shutdown_grace, self.shutdown_grace >= 0),
-        ):
-            if not ok:
-                raise DtrtError(f"{flag} {value}: must be {'>= 0' if flag != '--request-timeout' else '> 0'}")
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.body = status, error_body(message, kind, param, code)
+__all__ = ["BackgroundServer", "ServeConfig", "ServeError", "Server", "bind", "serve_forever"]
 
 
 def json_error(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
@@ -64,16 +44,68 @@ def sse(body) -> bytes:
     return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n".encode()
 
 
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class Choices:
+    """The n choices of one request, each an engine stream run in its own task, merged into one sequence of
+    (index, kind, value) in the order they come. The first error of any choice raises (the others are cancelled
+    on close)."""
+
+    def __init__(self, streams):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._left = len(streams)
+        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, index: int, stream):
+        try:
+            async for kind, value in stream:
+                self._queue.put_nowait((index, kind, value))
+            self._queue.put_nowait((index, "end", None))
+        except Exception as e:  # ServeError, or a bug: the request's answer either way
+            self._queue.put_nowait((index, "error", e))
+        finally:
+            await stream.aclose()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        while self._left:
+            index, kind, value = await self._queue.get()
+            if kind == "end":
+                self._left -= 1
+                continue
+            if kind == "error":
+                raise value
+            return index, kind, value
+        raise StopAsyncIteration
+
+    async def aclose(self):
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
 class Server:
-    def __init__(self, pipe, cfg: ServeConfig, log=None):
+    """The HTTP side over an engine: a Worker of `pipe` in this process (the default), or `engine` (Ray Serve
+    replicas). An engine has `method`, `start()`, `close()`, `cancel_running()`, `join()`, `stream(o, chat, index,
+    timeout)`, `metrics_snapshot()` and `health()`."""
+
+    def __init__(self, pipe, cfg: ServeConfig, log=None, engine=None):
         self.pipe, self.cfg, self.log = pipe, cfg, log or (lambda msg: None)
-        self.metrics = Metrics()
-        self.scheduler = Scheduler(pipe, cfg.queue_limit, self.metrics, self.log)
+        self.engine = engine if engine is not None else Worker(pipe, cfg, self.log)
         self.closing = False
         self.created = int(time.time())
+        self._key = _digest(cfg.api_key) if cfg.api_key is not None else None
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY)
+        app = web.Application(middlewares=[self._errors], client_max_size=self.cfg.max_body)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
@@ -81,17 +113,32 @@ class Server:
         app.router.add_get("/metrics", self._metrics)
         return app
 
+    def _authorize(self, request):
+        """401 unless the request carries `Authorization: Bearer <the key>` (compared in constant time)."""
+        if self._key is None or request.path in OPEN:
+            return
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise ServeError(
+                401,
+                "this server needs an API key: send the header 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+        if not hmac.compare_digest(_digest(given.strip()), self._key):
+            raise ServeError(401, "the API key is not this server's (--api-key)", code="invalid_api_key")
+
     @web.middleware
     async def _errors(self, request, handler):
         try:
+            self._authorize(request)
             return await handler(request)
-        except HttpError as e:
+        except ServeError as e:
             return web.json_response(e.body, status=e.status)
         except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
             if e.status == 404:
                 msg = f"no route {request.path}; dtrt serves {ROUTES}"
             elif e.status == 413:
-                msg = f"the request body is larger than {MAX_BODY} bytes"
+                msg = f"the request body is larger than {self.cfg.max_body} bytes (the server's --max-request-bytes)"
             elif e.status == 405:
                 msg = f"{request.method} {request.path}: method not allowed"
             else:
@@ -113,15 +160,17 @@ class Server:
     async def _health(self, request):
         if self.closing:
             return web.json_response({"status": "shutting down"}, status=503)
-        return web.json_response({"status": "ok", "model": self.cfg.model_name})
+        status, body = await self.engine.health()
+        return web.json_response(body, status=status)
 
-    def snapshot(self) -> dict:
-        return self.metrics.snapshot(len(self.scheduler.waiting), int(self.scheduler.running is not None))
+    async def snapshot(self) -> dict:
+        return await self.engine.metrics_snapshot()
 
     async def _metrics(self, request):
+        snap = await self.snapshot()
         if request.query.get("format") == "json":
-            return web.json_response(self.snapshot())
-        return web.Response(text=prometheus(self.snapshot()), content_type="text/plain")
+            return web.json_response(snap)
+        return web.Response(text=prometheus(snap), content_type="text/plain")
 
     # generation
     async def _completions(self, request):
@@ -135,110 +184,84 @@ class Server:
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HttpError(
+            raise ServeError(
                 400, f"the request body is not valid JSON ({getattr(e, 'msg', e.__class__.__name__)})"
             ) from None
 
-    def _job(self, body, chat: bool, loop) -> tuple[Job, object]:
+    def _parse(self, body, chat: bool):
         try:
             o = parse_openai(body, self.cfg.defaults, chat)
-            if o.model is not None and o.model != self.cfg.model_name:
-                raise HttpError(
-                    404,
-                    f"model {o.model!r} not found; this server serves {self.cfg.model_name!r} (see /v1/models)",
-                    param="model",
-                    code="model_not_found",
-                )
-            if chat and not has_chat_template(self.pipe.tokenizer):
-                raise HttpError(
-                    400,
-                    f"model {self.cfg.model_name!r} has no chat template; send raw text to /v1/completions",
-                    param="messages",
-                )
-            req = o.request
-            ids = fit_prompt(
-                self.pipe,
-                encode(self.pipe.tokenizer, req, chat=False),
-                req.max_new_tokens,
-                self.cfg.truncate,
-                "max_tokens",
-                "`dtrt serve --truncate`",
-            )
         except RequestError as e:
-            raise HttpError(400, str(e), param=e.param) from None
-        return Job(ids, req.max_new_tokens, req.sampling, req.stop, o.stream, loop), o
+            raise ServeError(400, str(e), param=e.param) from None
+        if o.model is not None and o.model != self.cfg.model_name:
+            raise ServeError(
+                404,
+                f"model {o.model!r} not found; this server serves {self.cfg.model_name!r} (see /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+        return o
 
     async def _generate(self, request, chat: bool):
         if self.closing:
-            raise HttpError(503, "the server is shutting down", "unavailable")
-        job, o = self._job(await self._body(request), chat, asyncio.get_running_loop())
-        try:
-            self.scheduler.submit(job)
-        except QueueFull:
-            self.metrics.finished("rejected")
-            raise HttpError(
-                429, f"the queue is full ({self.cfg.queue_limit} requests waiting); retry later", "rate_limit_exceeded"
-            ) from None
-        except ShuttingDown:
-            raise HttpError(503, "the server is shutting down", "unavailable") from None
-        deadline = job.loop.time() + self.cfg.request_timeout
+            raise shutting_down()
+        o = self._parse(await self._body(request), chat)
+        timeout = self.cfg.request_timeout
+        choices = Choices([self.engine.stream(o, chat, i, timeout) for i in range(o.n)])
         rid = new_id(chat)
         try:
             if o.stream:
-                return await self._stream(request, job, rid, chat, o.include_usage, deadline)
-            kind, value = await self._next(job, deadline, wait_for=("done", "error"))
-            return web.json_response(completion_body(rid, self.cfg.model_name, chat, value, self.pipe.spec.method))
-        except asyncio.CancelledError:  # the client disconnected
-            self.scheduler.withdraw(job, "cancelled")
-            raise
+                return await self._stream(request, choices, rid, chat, o)
+            done = [None] * o.n
+            async for index, kind, value in choices:
+                if kind == "done":
+                    done[index] = value
+            return web.json_response(completion_body(rid, self.cfg.model_name, chat, done, self.engine.method))
+        finally:  # an error, the client gone, or done: nothing of this request runs on
+            await choices.aclose()
 
-    async def _next(self, job: Job, deadline: float, wait_for=("text", "done", "error")):
-        """The job's next event of the kinds in `wait_for`; an error event raises as HttpError; past the deadline
-        the job is withdrawn and HttpError 504 raised."""
-        while True:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    kind, value = await job.events.get()
-            except TimeoutError:
-                self.scheduler.withdraw(job, "timeout")
-                raise HttpError(
-                    504,
-                    f"the request took longer than {self.cfg.request_timeout:g} s (the server's "
-                    "--request-timeout) and was cancelled",
-                    "timeout",
-                ) from None
-            if kind == "error":
-                if isinstance(value, ShuttingDown):
-                    raise HttpError(503, "the server is shutting down", "unavailable")
-                if isinstance(value, DtrtError):
-                    raise HttpError(400, str(value), param=getattr(value, "param", None))
-                why = str(value) if isinstance(value, BackendFault) else value.__class__.__name__
-                raise HttpError(500, f"the generation failed ({why})", "server_error")
-            if kind in wait_for:
-                return kind, value
-
-    async def _stream(self, request, job: Job, rid: str, chat: bool, include_usage: bool, deadline: float):
+    async def _stream(self, request, choices: Choices, rid: str, chat: bool, o):
         # the first event comes before the headers, so an error that ends the request early is still a status
-        kind, value = await self._next(job, deadline)
+        event = await choices.__anext__()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         name = self.cfg.model_name
+        offsets = [0] * o.n  # completions' text_offset per choice
+        finished = []
+
+        def logprobs(index, entries):
+            if entries is None:
+                return None
+            body = logprobs_body(entries, chat, offsets[index])
+            offsets[index] += sum(len(e["token"]) for e in entries)
+            return body
+
         try:
             try:
                 if chat:
-                    await resp.write(sse(chunk_body(rid, name, chat, role=True)))
-                while kind == "text":
-                    await resp.write(sse(chunk_body(rid, name, chat, value)))
-                    kind, value = await self._next(job, deadline)
-                await resp.write(sse(chunk_body(rid, name, chat, finish=FINISH[value.stop_reason])))
-                if include_usage:
-                    await resp.write(sse(chunk_body(rid, name, chat, usage_=usage(value))))
+                    for i in range(o.n):
+                        await resp.write(sse(chunk_body(rid, name, chat, role=True, index=i)))
+                while event is not None:
+                    index, kind, value = event
+                    if kind == "text":
+                        text, entries = value
+                        lps = logprobs(index, entries)
+                        await resp.write(sse(chunk_body(rid, name, chat, text, index=index, logprobs=lps)))
+                    else:  # done: the rest of its logprobs (tokens without text of their own) and the finish
+                        finished.append(value)
+                        lps = logprobs(index, value.logprobs) if value.logprobs else None
+                        body = chunk_body(rid, name, chat, finish=value.finish, index=index, logprobs=lps)
+                        await resp.write(sse(body))
+                    event = await anext(choices, None)
+                if o.include_usage:
+                    usage_ = usage([ch.completion for ch in finished])
+                    await resp.write(sse(chunk_body(rid, name, chat, usage_=usage_)))
                 await resp.write(sse("[DONE]"))
-            except HttpError as e:  # timed out (or failed) after the headers went out: the error is the last event
+            except ServeError as e:  # timed out (or failed) after the headers went out: the error is the last event
                 await resp.write(sse(e.body))
             await resp.write_eof()
-        except ConnectionError:  # the client went away mid-write
-            self.scheduler.withdraw(job, "cancelled")
+        except ConnectionError:  # the client went away mid-write: closing the choices cancels them
+            pass
         return resp
 
     async def run(self, sock: socket.socket, stop: asyncio.Event, on_ready=None):
@@ -248,20 +271,20 @@ class Server:
         )
         await runner.setup()
         await web.SockSite(runner, sock).start()
-        self.scheduler.start()
+        self.engine.start()
         if on_ready is not None:
             on_ready()
         try:
             await stop.wait()
         finally:
             self.closing = True
-            self.scheduler.close()
+            self.engine.close()
             loop = asyncio.get_running_loop()
-            late = loop.call_later(self.cfg.shutdown_grace, self.scheduler.cancel_running)
+            late = loop.call_later(self.cfg.shutdown_grace, self.engine.cancel_running)
             await runner.cleanup()  # stops listening, then waits for the handlers still answering
             late.cancel()
-            self.scheduler.cancel_running()
-            await loop.run_in_executor(None, self.scheduler.join)
+            self.engine.cancel_running()
+            await loop.run_in_executor(None, self.engine.join)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -281,26 +304,46 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
-def serve_forever(pipe, cfg: ServeConfig, sock: socket.socket, log):
-    """`dtrt serve` on the bound `sock` until SIGINT/SIGTERM (a second one cancels the generation in flight)."""
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, cfg: ServeConfig) -> str | None:
+    """The warning for a server reachable beyond this machine without an API key (None when there is none)."""
+    if cfg.api_key is not None or is_loopback(host):
+        return None
+    return (
+        f"warning: --host {host} listens beyond this machine and no --api-key is set: anyone who reaches it can "
+        "use it (set --api-key or DTRT_API_KEY)"
+    )
+
+
+def serve_forever(pipe, cfg: ServeConfig, sock: socket.socket, log, engine=None, what: str | None = None):
+    """`dtrt serve` on the bound `sock` until SIGINT/SIGTERM (a second one cancels the generations in flight)."""
     url = url_of(sock)
 
     async def main():
         stop = asyncio.Event()
-        server = Server(pipe, cfg, log)
+        server = Server(pipe, cfg, log, engine)
         loop = asyncio.get_running_loop()
 
         def on_signal(name):
             if stop.is_set():
-                log(f"{name} again: cancelling the generation in flight")
-                server.scheduler.cancel_running()
+                log(f"{name} again: cancelling the generations in flight")
+                server.engine.cancel_running()
                 return
-            log(f"{name}: shutting down (no new requests; the one generating has {cfg.shutdown_grace:g} s)")
+            log(f"{name}: shutting down (no new requests; the ones generating have {cfg.shutdown_grace:g} s)")
             stop.set()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig.name)
-        await server.run(sock, stop, lambda: log(f"dtrt serve: {cfg.model_name} ({pipe.spec.method}) on {url}"))
+        label = what or f"{cfg.model_name} ({server.engine.method})"
+        await server.run(sock, stop, lambda: log(f"dtrt serve: {label} on {url}"))
         log("dtrt serve: stopped")
 
     asyncio.run(main())
@@ -310,8 +353,8 @@ class BackgroundServer:
     """The server in a thread of this process on a loopback port (tests, benchmarks, embedding in an application):
     `with BackgroundServer(pipe, cfg) as s: s.url ...`; leaving the block shuts it down gracefully."""
 
-    def __init__(self, pipe, cfg: ServeConfig, host: str = "127.0.0.1", port: int = 0, log=None):
-        self.server = Server(pipe, cfg, log)
+    def __init__(self, pipe, cfg: ServeConfig, host: str = "127.0.0.1", port: int = 0, log=None, engine=None):
+        self.server = Server(pipe, cfg, log, engine)
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
         self._ready = threading.Event()
@@ -323,8 +366,8 @@ class BackgroundServer:
 
     def __enter__(self):
         self._thread.start()
-        if not self._ready.wait(60):
-            raise RuntimeError("the server did not start within 60 s")
+        if not self._ready.wait(120):
+            raise RuntimeError("the server did not start within 120 s")
         return self
 
     def stop(self, timeout: float = 60):
