@@ -15,7 +15,7 @@ from dtrt.exporter.quantize import DRAFTER_QUANTS
 from dtrt.launch import open_sources, pipeline, resolve_spec, served_model_name
 from dtrt.launch.resolve import check_cuda
 from dtrt.launch.sources import load_pair
-from dtrt.runtime.pipeline import open_pipeline
+from dtrt.runtime.pipeline import open_pipeline, tokenizer_dir
 from dtrt.runtime.requests import FLAGS, check_thinking, has_chat_template, make_request, read_requests
 from dtrt.runtime.spec import ARMS, BACKENDS, BUILDERS, DTYPES, METHODS
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
@@ -285,6 +285,22 @@ def _run_jsonl(pipe, requests, chat, truncate, source):
     help="longest prompt in tokens, chat template included; a longer one is answered 400 (default: what fits the "
     "context)",
 )
+@click.option(
+    "--replicas",
+    type=int,
+    help='run N replicas of the pipeline on Ray Serve behind this server (pip install "dtrt[ray]"); without it, '
+    "one pipeline in this process",
+)
+@click.option(
+    "--max-replicas",
+    type=int,
+    help="autoscale between --replicas and this many replicas from their queue lengths",
+)
+@click.option(
+    "--ray-address",
+    help="join the Ray cluster this machine is a node of (auto, or HEAD:6379) instead of starting Ray here; dtrt "
+    "must be installed on every node",
+)
 @thinking_option
 def serve(
     max_new_tokens,
@@ -302,6 +318,9 @@ def serve(
     api_key,
     max_request_bytes,
     max_prompt_tokens,
+    replicas,
+    max_replicas,
+    ray_address,
     **flags,
 ):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
@@ -322,18 +341,36 @@ def serve(
         max_request_bytes,
         max_prompt_tokens,
     )
+    plan = None
+    if replicas is not None or max_replicas is not None or ray_address is not None:
+        from dtrt.serve.replicas import ReplicaPlan, import_ray
+
+        plan = ReplicaPlan(1 if replicas is None else replicas, max_replicas, ray_address, spec.threads)
+        given = (("--replicas", replicas), ("--max-replicas", max_replicas), ("--ray-address", ray_address))
+        import_ray(next(f"{k} {v}" for k, v in given if v is not None))  # before anything loads, in one line
     sock = bind(host, port)  # a taken port fails before the model loads
     try:
         sources = open_sources(spec, _log)
         cfg = replace(cfg, model_name=served_model_name(spec, sources, name))
-        pipe = open_pipeline(spec, sources)
-        check_thinking(pipe.tokenizer, thinking)
+        if plan is None:
+            pipe = open_pipeline(spec, sources)
+            check_thinking(pipe.tokenizer, thinking)
+            engine, what = None, None
+        else:
+            from dtrt.models.tokenizer import load_tokenizer
+            from dtrt.serve.replicas import RayEngine
+
+            check_thinking(load_tokenizer(tokenizer_dir(spec, sources)), thinking)
+            pipe, engine = None, RayEngine(spec, cfg, plan, _log)
+            engine.deploy()
+            count = f"{plan.replicas}-{plan.max_replicas}" if plan.max_replicas else str(plan.replicas)
+            what = f"{cfg.model_name} ({spec.method}, {count} replicas x {engine.threads} threads on Ray Serve)"
         if (warning := exposure_warning(host, cfg)) is not None:
             _log(warning)
     except BaseException:
         sock.close()
         raise
-    serve_forever(pipe, cfg, sock, log=_log)
+    serve_forever(pipe, cfg, sock, log=_log, engine=engine, what=what)
 
 
 @cli.command()

@@ -357,6 +357,8 @@ def test_thinking_without_a_thinking_switch(tiny, tiny_chat, server, tmp_path, m
         (("serve", "--max-request-bytes", "100"), "--max-request-bytes 100: must be >= 1024"),
         (("serve", "--max-prompt-tokens", "0"), "--max-prompt-tokens 0: must be >= 1"),
         (("serve", "--api-key", " "), "--api-key: empty; give a key, or leave it out"),
+        (("serve", "--replicas", "0"), "--replicas 0: must be >= 1"),
+        (("serve", "--replicas", "2", "--max-replicas", "1"), "--max-replicas 1: must be >= --replicas 2"),
     ],
 )
 def test_invalid_flag_values(args, fragment, monkeypatch, capsys):
@@ -454,6 +456,22 @@ def test_serve_without_aiohttp(monkeypatch, capsys):
     for name in [m for m in sys.modules if m.startswith("dtrt.serve")]:
         monkeypatch.delitem(sys.modules, name)
     expect_error(monkeypatch, capsys, "serve", "--port", "0", fragments=('pip install "dtrt[serve]"',))
+
+
+def test_replicas_without_ray(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails
+    for args in (("--replicas", "2"), ("--ray-address", "auto")):
+        expect_error(
+            monkeypatch,
+            capsys,
+            "serve",
+            "--port",
+            "0",
+            *args,
+            fragments=(
+                f'{" ".join(args)}: serving replicas needs Ray Serve, which is not installed: pip install "dtrt[ray]"',
+            ),
+        )
 
 
 # HTTP requests
