@@ -93,18 +93,18 @@ class DtrtServe:
 
 @pytest.fixture(scope="module", params=["process", "replicas"])
 def endpoint(request, tiny, tiny_chat, local_pipe):  # noqa: F811
-    """(kind, base URL) of `dtrt serve` in this process, or of `dtrt serve --replicas 2` (Ray Serve) in a subprocess,
-    which must stop cleanly on SIGTERM afterwards."""
+    """(kind, base URL, DtrtServe or None) of `dtrt serve` in this process, or of `dtrt serve --replicas 2` (Ray
+    Serve) in a subprocess, which must stop cleanly on SIGTERM afterwards."""
     if request.param == "process":
         with BackgroundServer(local_pipe, ServeConfig(NAME, api_key=KEY)) as s:
-            yield "process", s.url
+            yield "process", s.url, None
         return
     pytest.importorskip("ray.serve", reason='the replica cases need Ray Serve: pip install "dtrt[ray]"')
     pair = ("--target", str(tiny_chat.target), "--drafter", str(tiny.domino))
     server = DtrtServe(*pair, "--threads", "1", "--replicas", "2", "--api-key", KEY, "--served-model-name", NAME)
     try:
         assert "2 replicas x 1 threads on Ray Serve" in server.log
-        yield "replicas", server.url
+        yield "replicas", server.url, server
     finally:
         code = server.stop()
     assert code == 0 and "dtrt serve: stopped" in server.log, server.log
@@ -133,7 +133,7 @@ def reference(pipe, prompt=None, messages=None, max_tokens=32, stop=(), temperat
 
 
 def test_completions_and_chat_equal_dtrt_run(endpoint, local_pipe):
-    kind, url = endpoint
+    kind, url, _ = endpoint
     c = client(url)
     assert [m.id for m in c.models.list().data] == [NAME]
     plain = reference(local_pipe, PROMPT, max_tokens=40)
@@ -165,7 +165,7 @@ def test_completions_and_chat_equal_dtrt_run(endpoint, local_pipe):
 
 
 def test_seeded_sampling_and_n(endpoint, local_pipe):
-    kind, url = endpoint
+    kind, url, _ = endpoint
     c = client(url)
     ids = encode(local_pipe.tokenizer, Request(PROMPT), False)
     refs = {s: complete(local_pipe, ids, 24, SamplingConfig(0.9, 0.95, s)) for s in (7, 8)}
@@ -187,7 +187,7 @@ def test_seeded_sampling_and_n(endpoint, local_pipe):
 
 
 def test_logprobs_are_the_targets(endpoint, tiny_chat, local_pipe):  # noqa: F811
-    kind, url = endpoint
+    kind, url, _ = endpoint
     c = client(url)
     target = load_target(tiny_chat.target)
     ids = encode(local_pipe.tokenizer, Request(PROMPT), False)
@@ -258,7 +258,7 @@ async def ask(ac, i, prompt, max_tokens, stream):
 
 
 def test_32_concurrent_clients_on_2_replicas(endpoint, local_pipe):
-    kind, url = endpoint
+    kind, url, _ = endpoint
     if kind != "replicas":
         pytest.skip("tests/test_serve.py runs 32 clients against the single-process server")
     sizes = (8, 16)
@@ -285,8 +285,32 @@ def test_32_concurrent_clients_on_2_replicas(endpoint, local_pipe):
     assert snap["requests"]["ok"] >= 64 and snap["live_replicas"] == 2
 
 
+def test_disconnect_cancels_on_the_replica(endpoint):
+    kind, url, _ = endpoint
+    if kind != "replicas":
+        pytest.skip("tests/test_serve.py checks disconnects on the single-process server")
+    before = settled_snapshot(url)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 3000, "stream": True}).encode()
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = urllib.request.urlopen(urllib.request.Request(f"{url}/v1/completions", body, headers), timeout=60)
+    assert r.readline().startswith(b"data: ")
+    r.close()  # hang up mid-stream: the replica stops generating at its next round
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        snap = replica_snapshot(url)
+        on_replicas = sum(r["requests"]["cancelled"] for r in snap["replicas"])
+        done = snap["requests"]["cancelled"] == before["requests"]["cancelled"] + 1
+        if done and on_replicas == sum(r["requests"]["cancelled"] for r in before["replicas"]) + 1:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the disconnect did not cancel the generation: {snap}")
+    assert snap["in_flight"] == 0 and all(r["in_flight"] == 0 for r in snap["replicas"])
+    assert snap["generated_tokens"] - before["generated_tokens"] < 3000
+
+
 def test_a_replica_killed_under_load(endpoint, local_pipe):
-    kind, url = endpoint
+    kind, url, _ = endpoint
     if kind != "replicas":
         pytest.skip("a single process has no replica to lose")
     expected = {p: reference(local_pipe, p, max_tokens=200).text for p in PROMPTS}
@@ -329,9 +353,54 @@ def test_a_replica_killed_under_load(endpoint, local_pipe):
         time.sleep(0.5)
     else:
         raise AssertionError(f"not 2 live replicas again within 120 s: {health}")
-    c = client(url)
-    for p in PROMPTS[:4]:
-        assert c.completions.create(model=NAME, prompt=p, max_tokens=200, temperature=0).choices[0].text == expected[p]
+    before = {r["replica"]: r["requests"]["ok"] for r in settled_snapshot(url)["replicas"] if r["alive"]}
+
+    async def again():
+        ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        return await asyncio.gather(*(ask(ac, i, PROMPTS[i % len(PROMPTS)], 200, i % 2 == 0) for i in range(8)))
+
+    for i, text, err in asyncio.run(again()):
+        assert err is None and text == expected[PROMPTS[i % len(PROMPTS)]], (i, text, err)
+    snap = settled_snapshot(url)
+    served = {r["replica"]: r["requests"]["ok"] - before.get(r["replica"], 0) for r in snap["replicas"] if r["alive"]}
+    assert len(served) == 2 and all(served.values()), served  # the replacement serves too
+
+
+def test_sigterm_with_requests_on_the_replicas(endpoint, local_pipe):
+    """SIGTERM as in one process: the generating requests finish (exactly), the waiting ones are answered 503, and
+    `dtrt serve` exits 0 (the fixture checks its log)."""
+    kind, url, server = endpoint
+    if kind != "replicas":
+        pytest.skip("tests/test_serve.py checks SIGTERM on the single-process server")
+    expected = reference(local_pipe, PROMPT, max_tokens=600).text
+    results = []
+
+    def ask_one():
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 600}).encode()
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/completions", body, headers)) as r:
+                results.append((r.status, json.loads(r.read())))
+        except urllib.error.HTTPError as e:
+            results.append((e.code, json.loads(e.read())))
+
+    threads = [threading.Thread(target=ask_one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 60
+    while time.monotonic() < end:  # each replica generating one, with more waiting behind it
+        live = [r for r in replica_snapshot(url)["replicas"] if r["alive"]]
+        if sum(r["in_flight"] for r in live) == 2 and sum(r["queue_length"] for r in live) >= 2:
+            break
+        time.sleep(0.05)
+    assert server.stop() == 0
+    for t in threads:
+        t.join(60)
+    done = [b for status, b in results if status == 200]
+    refused = [b for status, b in results if status == 503]
+    assert len(done) + len(refused) == 8 and len(done) >= 2 and refused, results
+    assert all(b["choices"][0]["text"] == expected for b in done)
+    assert all(b["error"]["message"] == "the server is shutting down" for b in refused)
 
 
 # the HTTP front: the API key, the limits, the warning, the name
@@ -389,8 +458,42 @@ def test_exposure_warning_and_served_name(tiny, tiny_export, monkeypatch):
 
 def test_replica_plan():
     """What Ray Serve is asked for: a fixed count, or autoscaling between --replicas and --max-replicas; each
-    replica's queue bounded by --queue-limit; the CPUs and GPUs it reserves."""
-    from dtrt.serve.replicas import ReplicaPlan
+    replica's queue bounded by --queue-limit; the CPUs and GPUs it reserves, refused in one line when the cluster
+    cannot hold the replicas."""
+    from dtrt.errors import DtrtError
+    from dtrt.serve.replicas import RayEngine, ReplicaPlan
+
+    class Cluster:  # what RayEngine reads of ray: its nodes' resources
+        def __init__(self, *nodes):
+            self._nodes = [{"Alive": True, "Resources": n} for n in nodes]
+
+        def nodes(self):
+            return self._nodes
+
+    def resources(plan, *nodes, device="cpu"):
+        return RayEngine(spec("dominotree", device=device), ServeConfig(NAME), plan)._resources(Cluster(*nodes))
+
+    assert resources(ReplicaPlan(2), {"CPU": 16}) == (8, 0.0)  # cores // replicas
+    assert resources(ReplicaPlan(2, 4), {"CPU": 16}) == (4, 0.0)  # room for the most replicas
+    assert resources(ReplicaPlan(6), {"CPU": 8}, {"CPU": 8}, {"CPU": 8}) == (4, 0.0)  # the cluster's, per node
+    with pytest.raises(DtrtError, match=r"--replicas 4 x 2 threads need 8 CPUs \(2 on one node\), and the Ray "):
+        resources(ReplicaPlan(4, threads=2), {"CPU": 2})
+    with pytest.raises(DtrtError, match="lower --replicas or --threads"):
+        resources(ReplicaPlan(1, threads=4), {"CPU": 2}, {"CPU": 2})  # 4 CPUs, but not on one node
+    assert resources(ReplicaPlan(2), {"CPU": 4, "GPU": 1}, device="cuda") == (2, 0.5)  # two replicas share the GPU
+    assert resources(ReplicaPlan(2), {"CPU": 4, "GPU": 4}, device="cuda:1") == (2, 1.0)
+    with pytest.raises(DtrtError, match="--device cuda: the Ray cluster has no GPU"):
+        resources(ReplicaPlan(2), {"CPU": 4}, device="cuda")
+
+    from dtrt.serve.schema import parse_openai
+    from dtrt.serve.worker import ServeError
+
+    engine = RayEngine(spec("dominotree"), ServeConfig(NAME, queue_limit=1), ReplicaPlan(2))
+    engine.outstanding = 4  # every replica has one generating and one waiting
+    with pytest.raises(ServeError) as e:
+        asyncio.run(anext(engine.stream(parse_openai({"prompt": "x"}, Request(), False), False)))
+    assert e.value.status == 429 and "every replica's queue is full (2 replicas, 1 requests waiting" in e.value.message
+    assert engine.metrics.snapshot(0, 0)["requests"]["rejected"] == 1 and engine.outstanding == 4
 
     cfg = ServeConfig(NAME, queue_limit=8, shutdown_grace=10)
     fixed = ReplicaPlan(2).deployment_options(cfg, threads=3, gpus=0.0)

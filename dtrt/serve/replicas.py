@@ -40,7 +40,14 @@ OUTCOMES = {400: None, 404: None, 429: "rejected", 504: "timeout"}  # what /metr
 
 
 def import_ray(flag: str):
-    """(ray, ray.serve), or the one-line error naming the install command."""
+    """(ray, ray.serve), or the one-line error naming the install command.
+
+    Ray Serve's router caches each replica's queue length for 10 s and, while one replica's entry is fresh, sends
+    to it without asking the other (counting each request it sends): a burst then piles onto the replica it last
+    heard from until that one's queue is full. Batch-1 replicas want every choice on the shorter queue of two, so
+    the router here asks them each time (RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S=0, unless set otherwise); the
+    asking costs a round trip of about a millisecond per request."""
+    os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S", "0")
     try:
         import ray
         from ray import serve
@@ -202,7 +209,7 @@ class RayEngine:
         if not ray.is_initialized():
             try:
                 ray.init(
-                    address=self.plan.ray_address,
+                    address=self.plan.ray_address or "local",  # a Ray of its own, even beside another one
                     include_dashboard=False,
                     logging_level=logging.WARNING,
                     log_to_driver=True,
@@ -366,9 +373,16 @@ class RayEngine:
         snap = self.metrics.snapshot(max(0, self.outstanding - running), running)
         return snap | {"replicas": replicas, "live_replicas": len(live), "retried": self.retried}
 
+    def _running(self) -> int:
+        """Replicas Ray Serve routes to (a replacement reports before it is routed to)."""
+        app = self._serve.status().applications.get(self.app_name)
+        return app.deployments[DEPLOYMENT].replica_states.get("RUNNING", 0) if app is not None else 0
+
     async def health(self) -> tuple[int, dict]:
         live = [r for r in await self.replicas() if r["alive"]]
-        body = {"model": self.cfg.model_name, "replicas": len(live), "min_replicas": self.plan.replicas}
-        if not live:
+        running = await asyncio.get_running_loop().run_in_executor(None, self._running)
+        serving = min(len(live), running)
+        body = {"model": self.cfg.model_name, "replicas": serving, "min_replicas": self.plan.replicas}
+        if not serving:
             return 503, {"status": "no replica is serving"} | body
         return 200, {"status": "ok"} | body
