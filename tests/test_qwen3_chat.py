@@ -94,9 +94,9 @@ def prompts(monkeypatch):
     seen = []
     stream = Pipeline.stream
 
-    def spy(self, prompt_ids, max_new_tokens, sampling):
+    def spy(self, prompt_ids, max_new_tokens, sampling, logprobs=None):
         seen.append(list(prompt_ids))
-        return stream(self, prompt_ids, max_new_tokens, sampling)
+        return stream(self, prompt_ids, max_new_tokens, sampling, logprobs)
 
     monkeypatch.setattr(Pipeline, "stream", spy)
     return seen
