@@ -218,7 +218,12 @@ class RayEngine:
                 where = f"--ray-address {self.plan.ray_address}" if self.plan.ray_address else "Ray"
                 raise DtrtError(f"{where}: cannot start or reach Ray ({str(e).splitlines()[0]})") from None
             self._started_ray = self.plan.ray_address is None
-        threads, gpus = self._resources(ray)
+        try:
+            threads, gpus = self._resources(ray)
+        except DtrtError:
+            if self._started_ray:
+                ray.shutdown()
+            raise
         self.threads = threads
         spec = replace(self.spec, threads=threads, device="cuda" if device_kind(self.spec.device) == "cuda" else "cpu")
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING", "enable_access_log": False})

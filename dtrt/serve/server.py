@@ -100,10 +100,6 @@ class Server:
         self.created = int(time.time())
         self._key = _digest(cfg.api_key) if cfg.api_key is not None else None
 
-    @property
-    def scheduler(self):
-        return self.engine.scheduler
-
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=self.cfg.max_body)
         app.router.add_post("/v1/completions", self._completions)
