@@ -353,7 +353,7 @@ def _run(target_path, out, cfg, convs, text, tokenizer, progress, log, max_shard
     target = load_target(target_path).to(cfg.device)
     if isinstance(target, HybridTarget):
         raise DtrtError(f"{target_path}: dtrt drafter-data decodes dense targets (Qwen3, Llama) only, not hybrids")
-    stop = stop_ids(target.cfg.eos_token_id, tokenizer)
+    stop = stop_ids(target.cfg.eos_token_id, tokenizer, target_path)
     for k in range(len(r["shards"]), n_shards):
         if max_shards is not None and written >= max_shards:
             break

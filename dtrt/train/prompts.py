@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtrt.errors import DtrtError
+from dtrt.runtime.requests import render_chat
 
 FORMATS = (
     '{"prompt": "..."}, {"turns": ["...", "..."]} or '
@@ -92,8 +93,6 @@ def prompt_text(tokenizer, conv: Conversation, answers: list[str], chat: bool) -
         messages += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
     messages.append({"role": "user", "content": conv.turns[t]})
     try:
-        return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, enable_thinking=False
-        )
-    except Exception as e:  # the template's own checks raise jinja exceptions
+        return render_chat(tokenizer, messages)  # thinking off, as `dtrt run` renders it
+    except DtrtError as e:
         raise DtrtError(f"the chat template rejects a conversation ({e}); pass --no-chat to use plain text") from None
