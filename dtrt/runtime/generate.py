@@ -15,6 +15,8 @@ from dtrt.runtime.methods import Method
 from dtrt.runtime.sampling import SamplingConfig, choose
 from dtrt.tree import Tree, accept
 
+STAGES = ("draft", "build", "verify", "commit")
+
 
 @dataclass
 class RoundStats:
@@ -88,6 +90,22 @@ class Generation:
         self.tokens = self.tokens[:n]
         if self.logprobs is not None:
             self.logprobs = self.logprobs[:n]
+
+    def stats(self) -> dict:
+        """What `dtrt run --json` and `dtrt bench` report of a generation: tokens, tau, rates, times, stop reason,
+        per-stage totals and per-round acceptance."""
+        return {
+            "tokens": self.tokens,
+            "tau": self.tau,
+            "tokens_per_s": self.tokens_per_s,
+            "rounds": len(self.rounds),
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "stop_reason": self.stop_reason,
+            "stage_s": {k: sum(getattr(r, f"{k}_s") for r in self.rounds) for k in STAGES},
+            "accepted": [r.accepted for r in self.rounds],
+            "tree_sizes": [r.tree_size for r in self.rounds],
+        }
 
     @property
     def tau(self) -> float:

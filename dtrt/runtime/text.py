@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from dtrt.runtime.generate import Generation, TokenLogprob
 from dtrt.runtime.sampling import SamplingConfig
 
-STAGES = ("draft", "build", "verify", "commit")
-
 
 class TextStream:
     """Committed tokens in, text out: what may be shown so far, cut before the first stop string.
@@ -150,22 +148,11 @@ class Completion:
 
     def to_json(self, spec) -> dict:
         """The result object of `dtrt run --json` (and its JSONL lines), with `spec`'s method and budget."""
-        out = self.generation
-        return {
-            "tokens": out.tokens,
+        return self.generation.stats() | {
             "text": self.text,
-            "tau": out.tau,
-            "tokens_per_s": out.tokens_per_s,
-            "rounds": len(out.rounds),
             "method": spec.method,
             "budget": spec.budget,
             "prompt_tokens": self.prompt_tokens,
-            "prefill_s": out.prefill_s,
-            "decode_s": out.decode_s,
-            "stop_reason": out.stop_reason,
-            "stage_s": {k: sum(getattr(r, f"{k}_s") for r in out.rounds) for k in STAGES},
-            "accepted": [r.accepted for r in out.rounds],
-            "tree_sizes": [r.tree_size for r in out.rounds],
         }
 
 
