@@ -616,7 +616,15 @@ def _progress(what):
     "dataset_names",
     default="mt-bench,humaneval,math500,aime",
     show_default=True,
-    help="comma list of mt-bench, humaneval, math500, aime, aime24",
+    help="comma list of mt-bench, humaneval, math500, aime, aime24, and the long-context summarisation datasets "
+    "lexsum (Multi-LexSum) and essays (windows of Paul Graham's essays), run per --context-bins",
+)
+@click.option(
+    "--context-bins",
+    help="prompt lengths in tokens for lexsum and essays, e.g. 2048,4096,7168: prompts are cut by the target's "
+    "tokenizer to fill each bin, chat template included (never padded: lexsum runs only the documents that fill a "
+    "bin), one row per bin (essays/4k); default: 2K, 4K, 8K, ... that fit the context with --max-new-tokens, and "
+    "the largest multiple of 1K that fits (smollm2-135m: 2048,4096,7168)",
 )
 @click.option("--temperatures", default="0,1", show_default=True, help="comma list")
 @click.option("--prompts", type=int, default=20, show_default=True, help="prompts per dataset (seeded subset)")

@@ -20,7 +20,7 @@ QUICK = ("bench", "--model", "tiny", "--quick", "--threads", "1", "--methods", "
 def with_peer(monkeypatch, code: str):
     """The bench's peer row is a stand-in child process running `code`."""
 
-    def peer(gguf, tokenizer, threads, max_new_tokens, timeout, out, log):
+    def peer(gguf, tokenizer, threads, max_new_tokens, timeout, out, log, longest=0):
         return PeerEngine("llama.cpp", [sys.executable, "-c", code], tokenizer, timeout, out / "llama.cpp.log")
 
     monkeypatch.setattr(engines, "llamacpp_engine", peer)

@@ -79,15 +79,18 @@ def find_gguf(gguf: str | None, model: str | None) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def llamacpp_engine(gguf: Path | None, tokenizer, threads, max_new_tokens: int, timeout: float, out: Path, log):
+def llamacpp_engine(
+    gguf: Path | None, tokenizer, threads, max_new_tokens: int, timeout: float, out: Path, log, longest: int = 0
+):
     """The llama.cpp peer row, run in its own process (dtrt.bench.peer), or None with a one-line note saying why
-    it is skipped."""
+    it is skipped; `longest`: the tokens of the longest prompt when it may exceed 4096 (the long-context bins)."""
     if importlib.util.find_spec("llama_cpp") is None:
         log('llama.cpp row skipped: llama-cpp-python is not installed (pip install -e ".[llamacpp]")')
         return None
     if gguf is None:
         log("llama.cpp row skipped: pass --gguf PATH (the GGUF of the same target)")
         return None
-    # the context holds the longest prompt plus, on MT-Bench's second turn, the first answer
-    command = llamacpp_command(gguf, threads, 4096 + 2 * max_new_tokens)
+    # the context holds the longest prompt plus, on MT-Bench's second turn, the first answer; a long-context bin's
+    # prompt gets a margin for llama.cpp's own encoding of the text
+    command = llamacpp_command(gguf, threads, max(4096, longest + 64) + 2 * max_new_tokens)
     return PeerEngine("llama.cpp", command, tokenizer, timeout, out / "llama.cpp.log")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from dtrt import __version__
-from dtrt.bench import datasets, engines, machine, records, report, runner
+from dtrt.bench import datasets, engines, longctx, machine, records, report, runner
 from dtrt.errors import DtrtError
 from dtrt.launch import open_sources
 from dtrt.runtime.requests import FLAGS, check_thinking, make_request
@@ -45,6 +45,7 @@ class BenchOptions:
     thinking: bool = False  # the chat template's thinking mode (Qwen3's enable_thinking), as `dtrt run --thinking`
     peer_timeout: float = 900.0  # seconds a peer (llama.cpp) may take per generation before its row is failed
     resume: str | None = None  # an interrupted run's --out to continue
+    context_bins: str | None = None  # prompt lengths in tokens for the long datasets; None: those that fit
 
     @property
     def sources(self) -> dict:
@@ -85,6 +86,12 @@ def bench(o: BenchOptions, log) -> Path:
     names = _split("--datasets", o.dataset_names, str, datasets.DATASETS)
     temps = _split("--temperatures", o.temperatures, float)
     budgets = _split("--budget", o.budget, int) if o.budget is not None else [None]
+    long_names = [d for d in names if d in datasets.LONG]
+    bins = _split("--context-bins", o.context_bins, int) if o.context_bins is not None else None
+    if bins is not None and not long_names:
+        raise DtrtError(
+            f"--context-bins applies to the long-context datasets; add {' or '.join(datasets.LONG)} to --datasets"
+        )
     n, max_new = (QUICK_PROMPTS, QUICK_TOKENS) if o.quick else (o.prompts, o.max_new_tokens)
     if o.quick:
         temps = temps[:1]
@@ -98,16 +105,36 @@ def bench(o: BenchOptions, log) -> Path:
         for t in temps
     ]
     grid = engines.grid(o.sources, methods, budgets, o.cuda_graph)  # every spec checked before anything loads
-    prompts = {d: datasets.load(d, n, o.seed) for d in names}  # missing packages fail before any model loads
+    # missing packages fail before any model loads
+    prompts = {d: datasets.load(d, n, o.seed) for d in names if d not in datasets.LONG}
+    docs = {d: datasets.documents(d) for d in long_names}
     base = grid[0]
     gguf = engines.find_gguf(o.gguf, base.model)
     out = Path(o.out)
+    if o.resume is None:
+        records.check_new(out)
+
+    # the engines load before the grid is written: the long-context prompts are cut by the target's tokenizer to
+    # bins that fit every engine's context
+    engs = engines.dtrt_engines(grid, open_sources(base, log), explicit=o.methods is not None, log=log)
+    check_thinking(engs[0].tokenizer, o.thinking)
+    if long_names:
+        tight = min((e.pipe for e in engs), key=lambda p: _room(p, max_new))
+        bins = longctx.resolve_bins(bins, tight, max_new, long_names)
+        cut = longctx.prompts(docs, bins, engs[0].tokenizer, n, o.seed, o.thinking, log)
+        if not cut and not prompts:
+            raise DtrtError(
+                f"--datasets {','.join(long_names)}: no document fills any of the bins "
+                f"{','.join(map(str, bins))}; give smaller ones with --context-bins"
+            )
+        prompts = _in_order(names, prompts, cut)
     plan = {
         "options": {k: v for k, v in asdict(o).items() if k not in ("out", "resume")},
         "grid": {
             "rows": [s.label for s in grid],
             "sources": {k: str(v) if v is not None else None for k, v in asdict(base).items() if k in SOURCE_KEYS},
             "prompts": {d: [p.id for p in ps] for d, ps in prompts.items()},
+            "context_bins": bins if long_names else None,
             "temperatures": temps,
             "max_new_tokens": max_new,
             "seed": o.seed,
@@ -120,9 +147,8 @@ def bench(o: BenchOptions, log) -> Path:
     if done:
         log(f"resuming {out}: {len(done)} records done")
 
-    engs = engines.dtrt_engines(grid, open_sources(base, log), explicit=o.methods is not None, log=log)
-    check_thinking(engs[0].tokenizer, o.thinking)
-    peer = engines.llamacpp_engine(gguf, engs[0].tokenizer, o.threads, max_new, o.peer_timeout, out, log)
+    longest = max(bins) if long_names else 0
+    peer = engines.llamacpp_engine(gguf, engs[0].tokenizer, o.threads, max_new, o.peer_timeout, out, log, longest)
     engs += [peer] if peer else []
     threads = {
         "torch": torch.get_num_threads(),
@@ -157,6 +183,21 @@ def bench(o: BenchOptions, log) -> Path:
             peer.close()
     _write(out, got, failed, plan, title, o, h_machine, threads, load_before, t0, log)
     return out
+
+
+def _in_order(names: list[str], prompts: dict, cut: dict) -> dict:
+    """The prompts in --datasets' order, a long dataset's bins (NAME/LABEL) where its name was, ascending."""
+    ordered = {}
+    for d in names:
+        if d in prompts:
+            ordered[d] = prompts[d]
+        ordered |= {k: v for k, v in cut.items() if k.startswith(f"{d}/")}
+    return ordered
+
+
+def _room(pipe, max_new: int) -> float:
+    room = pipe.prompt_room(max_new)
+    return float("inf") if room is None else room
 
 
 SOURCE_KEYS = ("model", "target", "drafter", "export", "backend", "device", "dtype")

@@ -36,17 +36,22 @@ class RecordLog:
             os.fsync(f.fileno())
 
 
+def check_new(out: Path):
+    """A new run must not write into the --out of another run's records."""
+    if (Path(out) / RECORDS).is_file():
+        raise DtrtError(
+            f"--out {out}: holds the records of an earlier run; continue it with `dtrt bench --resume {out}` or "
+            "pick another --out"
+        )
+
+
 def start(out: Path, grid: dict, resume: bool) -> list[dict]:
     """Write run.json ({"options", "grid"}) for a new run, or check its grid against `grid`'s on --resume: the
     records already done."""
     out = Path(out)
     run = out / RUN
     if not resume:
-        if (out / RECORDS).is_file():
-            raise DtrtError(
-                f"--out {out}: holds the records of an earlier run; continue it with `dtrt bench --resume {out}` or "
-                "pick another --out"
-            )
+        check_new(out)
         out.mkdir(parents=True, exist_ok=True)
         run.write_text(json.dumps(grid, indent=1))
         return []
