@@ -624,7 +624,8 @@ def _progress(what):
     help="prompt lengths in tokens for lexsum and essays, e.g. 2048,4096,7168: prompts are cut by the target's "
     "tokenizer to fill each bin, chat template included (never padded: lexsum runs only the documents that fill a "
     "bin), one row per bin (essays/4k); default: 2K, 4K, 8K, ... that fit the context with --max-new-tokens, and "
-    "the largest multiple of 1K that fits (smollm2-135m: 2048,4096,7168)",
+    "the largest multiple of 1K that fits (smollm2-135m with --backend torch, 8192 positions: 2048,4096,7168; on "
+    "its first-use ONNX Runtime export, 4096: 2048,3072)",
 )
 @click.option("--temperatures", default="0,1", show_default=True, help="comma list")
 @click.option("--prompts", type=int, default=20, show_default=True, help="prompts per dataset (seeded subset)")

@@ -134,7 +134,7 @@ def test_bins_are_checked_against_the_context(pipe):
     assert str(e.value).startswith(
         "--context-bins 4096: a prompt of 4096 tokens + --max-new-tokens 32 + one tree need 4146 positions, but "
         "max_position_embeddings in "
-    ) and str(e.value).endswith("is 4096; give bins of at most 4046 tokens, or lower --max-new-tokens")
+    ) and str(e.value).endswith("is 4096; give bins of at most 4046 tokens, lower --max-new-tokens")
     with pytest.raises(longctx.DtrtError, match=r"^--datasets essays: with --max-new-tokens 3500, .* leaves room for"):
         longctx.resolve_bins(None, pipe, 3500, ["essays"])
 

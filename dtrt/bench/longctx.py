@@ -16,7 +16,7 @@ records, in --resume's grid and in the report: `NAME/LABEL`, e.g. `essays/4k`.
 
 The default bins are 2K, 4K, 8K, ... that fit the context with the generation (Pipeline.prompt_room of every
 engine), and the largest multiple of 1K that fits when it is larger than those (SmolLM2-135M, 8192 positions,
-128 new tokens: 2K, 4K, 7K)."""
+128 new tokens: 2K, 4K, 7K; from its first-use ONNX Runtime export, 4096 positions: 2K, 3K)."""
 
 import re
 
@@ -67,10 +67,12 @@ def resolve_bins(given: list[int] | None, pipe, max_new_tokens: int, names: list
         return bins
     for b in given:
         if room is not None and b > room:
+            need = b + limit - room
+            fix = pipe.backend.context_fix(need)
             raise DtrtError(
                 f"--context-bins {b}: a prompt of {b} tokens + --max-new-tokens {max_new_tokens} + one tree need "
-                f"{b + limit - room} positions, but {source} is {limit}; give bins of at most {room} tokens, or "
-                "lower --max-new-tokens"
+                f"{need} positions, but {source} is {limit}; give bins of at most {room} tokens, lower "
+                f"--max-new-tokens{f', or raise the limit with `{fix}`' if fix else ''}"
             )
     return sorted(given)
 
