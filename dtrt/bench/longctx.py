@@ -143,7 +143,7 @@ def _lexsum(docs: list[Document], bins, cut: Cutter, n: int, seed: int, log) -> 
                 ids[i] = cut.encode(doc.text)
             if len(ids[i]) >= need and (fit := cut.fill(ids[i], b)) is not None:
                 got.append(Prompt(doc.id, (fit[0],)))
-        _keep(out, f"lexsum/{label(b)}", got, n, log, f"Multi-LexSum documents fill {b} tokens", why=(
+        _keep(out, f"lexsum/{label(b)}", got, n, log, f"no other Multi-LexSum document fills {b} tokens", why=(
             f"no Multi-LexSum document fills {b} tokens (the longest has {max(len(d.text) for d in docs)} "
             "characters); documents are not padded or joined"
         ))  # fmt: skip
@@ -166,16 +166,18 @@ def _essays(docs: list[Document], bins, cut: Cutter, n: int, seed: int, log) -> 
             start = word.start() + 1 if word else a
             if (fit := cut.fill(cut.encode(text[start : a + size]), b)) is not None:
                 got.append(Prompt(str(start), (fit[0],)))
-        _keep(out, f"essays/{label(b)}", got, n, log, f"windows of {b} tokens fit in the essays", why=(
+        _keep(out, f"essays/{label(b)}", got, n, log, f"the essays hold no more windows of {b} tokens", why=(
             f"the essays hold no window of {b} tokens"
         ))  # fmt: skip
     return out
 
 
-def _keep(out: dict, name: str, got: list[Prompt], n: int, log, what: str, why: str):
+def _keep(out: dict, name: str, got: list[Prompt], n: int, log, short: str, why: str):
+    """`got` as the dataset `name`, with a note when it holds fewer than `n` prompts (`short` says why), or none
+    (`why`)."""
     if not got:
         log(f"{name} skipped: {why}")
         return
     if len(got) < n:
-        log(f"{name}: {len(got)} {what}, fewer than the {n} prompts asked for")
+        log(f"{name}: {len(got)} of the {n} prompts asked for; {short}")
     out[name] = got
