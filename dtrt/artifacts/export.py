@@ -8,6 +8,7 @@ from dtrt import __version__
 from dtrt.artifacts.files import MANIFEST, checkpoint_hashes
 from dtrt.artifacts.verify import check_files
 from dtrt.errors import DtrtError
+from dtrt.models.quant import QuantSpec
 
 FORMAT = "dtrt-export"
 
@@ -29,6 +30,16 @@ class Export:
         return self.manifest["dtype"]
 
     @property
+    def quant(self) -> QuantSpec | None:
+        """The target's weight-only quantization (None: its weights are in the export's dtype)."""
+        q = self.manifest.get("quant")
+        return QuantSpec.from_json(q) if q else None
+
+    @property
+    def quant_name(self) -> str:
+        return self.quant.name if self.quant else "none"
+
+    @property
     def max_context(self) -> int:
         return int(self.manifest["max_context"])
 
@@ -45,9 +56,20 @@ class Export:
             "node_topk": m.get("node_topk"),
             "drafter_quant": None if m.get("drafter_quant", "none") == "none" else m["drafter_quant"],
             "drafters": ",".join(m["drafters_asked"]) if m.get("drafters_asked") else None,
+            **quant_flags(m.get("quant")),
         } | changes
+        if flags.get("quant") in (None, "none"):  # the default: no quantization flags
+            flags.update(quant=None, quant_block=None, quant_method=None)
         opts = "".join(f" --{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None)
         return f"dtrt export {how}{opts} --out {self.path} --force"
+
+
+def quant_flags(q: dict | None) -> dict:
+    """`dtrt export`'s flags for a manifest's `quant` entry."""
+    if not q:
+        return {"quant": None}
+    flags = {"quant": f"int{q['bits']}", "quant_block": q.get("block")}
+    return flags | ({"quant_method": q["method"]} if q.get("method", "mse") != "mse" else {})
 
 
 def read_manifest(path: Path, fmt: str, what: str, how: str) -> dict:

@@ -15,9 +15,11 @@ from dtrt.exporter.precision import fp16_warning, stored_dtype
 from dtrt.exporter.quantize import check_drafter_quant, quantize_drafters
 from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.exporter.stages import drafter_stages, target_stage
+from dtrt.exporter.target_quant import ordered_attention, quantize_target
 from dtrt.exporter.weights import WEIGHTS, share_weights
 from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import HybridConfig
+from dtrt.models.quant import QuantSpec, weight_names
 
 EXPORT_DTYPES = ("fp32", "fp16", "bf16")  # bf16: for TensorRT (ONNX Runtime's CPU provider has no bf16 kernels)
 DRAFTER_KINDS = ("dflash", "domino")
@@ -99,10 +101,12 @@ def export_pair(
     force: bool = False,
     drafter_quant: str = "none",
     drafter_kinds: tuple[str, ...] | None = None,
+    quant: QuantSpec | None = None,
     log=None,
 ) -> Export:
     """`drafter_kinds`: the drafters to export (dflash, domino; None: every one the pair has). A Domino drafter
-    serves every method (its body is a DFlash drafter), so `("domino",)` is the smallest export that runs them all."""
+    serves every method (its body is a DFlash drafter), so `("domino",)` is the smallest export that runs them all.
+    `quant`: the target's linear layers weight-only quantized (dtrt.exporter.target_quant; None: as `dtype`)."""
     log = log or (lambda msg: None)
     out = Path(out)
     if dtype not in EXPORT_DTYPES:
@@ -117,6 +121,11 @@ def export_pair(
             raise DtrtError(f"--drafters {kind!r}: use some of {', '.join(DRAFTER_KINDS)}")
     drafter_paths = {"dflash": pair.dflash, "domino": pair.domino}
     target, drafters, taps = load_models(pair.target, drafter_paths, parse_dtype(dtype))
+    if quant is not None and isinstance(target.cfg, HybridConfig):
+        raise DtrtError(
+            f"--quant {quant.name}: {pair.target} is a hybrid target (Gated DeltaNet layers), whose tree verify "
+            "does not reproduce plain decoding bit for bit as a quantized target needs; export it with --quant none"
+        )
     if dtype == "fp16" and stored_dtype(pair.target) == "bf16":
         from dtrt.models.tokenizer import load_tokenizer
 
@@ -142,6 +151,12 @@ def export_pair(
             export_stage(stage, tmp / f"{stage.name}.onnx", max_context, max_context)
             stage_meta[stage.name] = {"file": f"{stage.name}.onnx", "inputs": stage.inputs, "outputs": stage.outputs}
             log(f"[{i}/{len(stages)}] {stage.name} done in {time.perf_counter() - t0:.1f}s")
+        if quant is not None:
+            t0 = time.perf_counter()
+            log(f"quantizing the target's linear layers to {quant.name} ({quant.method})")
+            names = [tuple(f"target.{n}" for n in group) for group in weight_names(target)]  # TargetStage.target
+            quantized_weights = quantize_target(tmp / "target.onnx", quant, names)
+            log(f"{len(quantized_weights)} weights quantized in {time.perf_counter() - t0:.1f}s")
         quantized = quantize_drafters(tmp, stage_meta, drafter_quant, log)
         weights = share_weights(tmp, [m["file"] for m in stage_meta.values()], log)
         (tmp / "tokenizer").mkdir()
@@ -162,6 +177,8 @@ def export_pair(
             "node_topk": node_topk,
             "drafter_quant": drafter_quant,
             "quantized_stages": quantized,
+            "quant": None if quant is None else {**quant.to_json(), "format": "qdq", "weights": len(names)},
+            "ordered_attention": None if quant is None else ordered_attention(),
             "drafters_asked": list(drafter_kinds) if drafter_kinds is not None else None,
             "weights": {"file": WEIGHTS, **weights},
             "source": {

@@ -1,0 +1,191 @@
+"""`dtrt export --quant int8|int4`: the target stage's linear layers (the lm_head included) as weight-only
+quantized matrix products, in the standard ONNX form both runtimes take:
+
+    DequantizeLinear(q, scale) -> MatMul(x, .)
+    int8  q int8 [in, out], scale [out], axis 1 (per output channel)
+    int4  q int4 [in, out], scale [ceil(in / block), out], axis 0, block_size = block
+
+No zero point (symmetric). ONNX Runtime fuses each pair into its MatMulNBits CPU kernel at session load (int8 and
+int4 alike), TensorRT reads it as weight-only INT8 / INT4 quantization. The integers and scales come from
+`dtrt.models.quant`, the same functions the PyTorch reference dequantizes with. The full-precision embedding stays
+for the lookup; a tied lm_head gets its own quantized copy.
+
+The weights are read one at a time from the stage's data file and the quantized ones written to their own data
+file, so a large target is never whole in memory.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper
+
+from dtrt.exporter.weights import external
+from dtrt.models.quant import QuantSpec, quantize
+from dtrt.ops import DOMAIN, onnx_functions
+from dtrt.ops.tree_attention import ORDER_ALIGN, ORDER_ROWS
+
+QUANT_OPSET = 21  # int4 tensors and blocked DequantizeLinear
+# what the runtime must do for a quantized target (manifest "ordered_attention"): pad every target call to at least
+# MIN_ROWS rows (one row takes other kernels than two or more, which agree with each other bit for bit) and keep a
+# tree inside its past's ALIGN-aligned block (dtrt.ops.tree_attention.TreeAttentionOrdered)
+MIN_ROWS = 2
+
+
+def ordered_attention() -> dict:
+    return {"align": ORDER_ALIGN, "max_rows": ORDER_ROWS, "min_rows": MIN_ROWS}
+
+
+DATA_SUFFIX = ".quant.data"
+FLOAT_TYPES = {
+    TensorProto.FLOAT: torch.float32,
+    TensorProto.FLOAT16: torch.float16,
+    TensorProto.BFLOAT16: torch.bfloat16,
+}
+
+
+def pack_int4(q: np.ndarray) -> bytes:
+    """int8 values in [-8, 7] -> ONNX INT4 raw data: two per byte, the first in the low nibble."""
+    flat = q.astype(np.int8).ravel()
+    if flat.size % 2:
+        flat = np.concatenate((flat, np.zeros(1, np.int8)))
+    u = flat.view(np.uint8) & 0x0F
+    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8).tobytes()
+
+
+def unpack_int4(raw: bytes, count: int) -> np.ndarray:
+    """The inverse of pack_int4: `count` int8 values."""
+    b = np.frombuffer(raw, np.uint8)
+    u = np.empty(b.size * 2, np.uint8)
+    u[0::2], u[1::2] = b & 0x0F, b >> 4
+    return ((u[:count].astype(np.int16) ^ 8) - 8).astype(np.int8)  # sign-extend the nibble
+
+
+def read_initializer(root: Path, init: onnx.TensorProto) -> torch.Tensor:
+    info = external(init)
+    if info is None:
+        arr = onnx.numpy_helper.to_array(init)
+        return torch.from_numpy(np.array(arr))
+    with open(root / info["location"], "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        raw = bytearray(f.read(int(info["length"])))
+    dtype = FLOAT_TYPES.get(init.data_type)
+    if dtype is None:
+        raise ValueError(f"initializer {init.name}: data type {init.data_type} is not a float type")
+    return torch.frombuffer(raw, dtype=dtype).reshape(tuple(init.dims))
+
+
+class DataWriter:
+    """Tensors appended to one external-data file, each initializer pointing at its bytes."""
+
+    def __init__(self, path: Path):
+        self.path, self.file = path, open(path, "wb")
+
+    def add(self, name: str, data_type: int, dims, raw: bytes) -> onnx.TensorProto:
+        t = TensorProto(name=name, data_type=data_type, dims=list(dims))
+        offset = self.file.tell()
+        self.file.write(raw)
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self.path.name), ("offset", str(offset)), ("length", str(len(raw)))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        return t
+
+    def close(self):
+        self.file.close()
+
+
+def _weight_input(node: onnx.NodeProto, inits: dict) -> tuple[str, bool] | None:
+    """(weight initializer, stored transposed) of a linear product: Gemm(x, W^T) as torch exports nn.Linear, or
+    MatMul(x, W) with a constant W [in, out]; None for any other node."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "Gemm" and node.input[1] in inits:
+        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+            return None
+        return node.input[1], bool(attrs.get("transB", 0))
+    if node.op_type == "MatMul" and node.input[1] in inits and len(inits[node.input[1]].dims) == 2:
+        return node.input[1], False
+    return None
+
+
+def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]], log=None) -> list[str]:
+    """Rewrite the stage graph at `path` so that every linear product whose weight initializer has a name in
+    `weights` (one tuple of names per weight: a tied one has several) runs on `spec`'s quantized weights; returns the
+    initializers quantized. Every weight must be found (the reference dequantizes exactly these), else ValueError."""
+    wanted = {name for group in weights for name in group}
+    path = Path(path)
+    root = path.parent
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    writer = DataWriter(root / (path.name + DATA_SUFFIX))
+    done: dict[str, tuple[str, str]] = {}  # weight -> (q name, scale name)
+    nodes = []
+    try:
+        for node in graph.node:
+            found = _weight_input(node, inits)
+            if found is None or found[0] not in wanted:
+                nodes.append(node)
+                continue
+            name, transposed = found
+            if name not in done:
+                w = read_initializer(root, inits[name])
+                w = w if transposed else w.T  # [out, in]
+                q, scale = quantize(w, spec)
+                qt = q.T.contiguous().numpy()  # [in, out]
+                st = scale.T.contiguous() if spec.block else scale[:, 0].contiguous()  # [groups, out] or [out]
+                qname, sname = f"{name}.q{spec.bits}", f"{name}.scale"
+                if spec.bits == 4:
+                    q_init = writer.add(qname, TensorProto.INT4, qt.shape, pack_int4(qt))
+                else:
+                    q_init = writer.add(qname, TensorProto.INT8, qt.shape, qt.tobytes())
+                s_type = inits[name].data_type
+                s_raw = st.view(torch.int16) if st.dtype == torch.bfloat16 else st  # numpy has no bfloat16
+                s_bytes = s_raw.numpy().tobytes()
+                s_init = writer.add(sname, s_type, st.shape, s_bytes)
+                graph.initializer.extend([q_init, s_init])
+                done[name] = (qname, sname)
+                if log:
+                    log(f"quantized {name} {list(w.shape)} to {spec.name}")
+            qname, sname = done[name]
+            deq = f"{node.name or node.output[0]}.dequantized"
+            kwargs = {"axis": 0, "block_size": spec.block} if spec.block else {"axis": 1}
+            nodes.append(helper.make_node("DequantizeLinear", [qname, sname], [deq], name=f"{deq}.dq", **kwargs))
+            bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
+            out = node.output[0]
+            mm_out = f"{out}.nobias" if bias else out
+            nodes.append(helper.make_node("MatMul", [node.input[0], deq], [mm_out], name=f"{node.name}.matmul"))
+            if bias:
+                nodes.append(helper.make_node("Add", [mm_out, bias], [out], name=f"{node.name}.bias"))
+    finally:
+        writer.close()
+    missing = [group[0] for group in weights if not set(group) & set(done)]
+    if missing:
+        (root / (path.name + DATA_SUFFIX)).unlink(missing_ok=True)
+        raise ValueError(f"{path.name}: no linear product reads {missing[0]} ({len(missing)} weights not found)")
+    for node in nodes:  # see TreeAttentionOrdered: tree rows equal plain decoding's rows bit for bit
+        if node.domain == DOMAIN and node.op_type == "TreeAttention":
+            node.op_type = "TreeAttentionOrdered"
+    del graph.node[:]
+    graph.node.extend(nodes)
+    used_ops = {n.op_type for n in graph.node if n.domain == DOMAIN}
+    functions = [f for f in model.functions if f.name in used_ops]
+    functions += [f for f in onnx_functions(used_ops) if f.name not in {g.name for g in functions}]
+    del model.functions[:]
+    model.functions.extend(functions)
+    used = {i for n in graph.node for i in n.input}
+    keep = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    _set_opset(model, QUANT_OPSET)
+    onnx.save_model(model, str(path))
+    onnx.checker.check_model(str(path))
+    return sorted(done)
+
+
+def _set_opset(model: onnx.ModelProto, version: int):
+    for imports in [model.opset_import, *(f.opset_import for f in model.functions)]:
+        for op in imports:
+            if op.domain in ("", "ai.onnx"):
+                op.version = max(op.version, version)
