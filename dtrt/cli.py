@@ -15,15 +15,30 @@ from dtrt.exporter.quantize import DRAFTER_QUANTS
 from dtrt.launch import open_sources, pipeline, resolve_spec, served_model_name
 from dtrt.launch.resolve import check_cuda
 from dtrt.launch.sources import load_pair
+from dtrt.models.quant import INT4_BLOCKS, QUANTS, quant_spec
+from dtrt.models.quant import METHODS as QUANT_METHODS
 from dtrt.runtime.pipeline import open_pipeline, tokenizer_dir
 from dtrt.runtime.requests import FLAGS, check_thinking, has_chat_template, make_request, read_requests
 from dtrt.runtime.spec import ARMS, BACKENDS, BUILDERS, DTYPES, METHODS
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
 from dtrt.train.datagen import DataGenConfig
 from dtrt.train.trainer import TrainConfig
-from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, names
+from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, names, quant_help
 
 MODEL_DIR_HELP = "where registry checkpoints are looked up before the Hugging Face cache"
+QUANT_HELP = (
+    "the target's linear layers, lm_head included, as weight-only int8 (per output channel) or int4 (per block); "
+    "the quantized model is the target every method reproduces"
+)
+
+
+def parse_quant(quant: str, block: int, method: str):
+    """`dtrt export`'s --quant, --quant-block and --quant-method as a QuantSpec (None for none)."""
+    try:
+        return quant_spec(quant, block, method)
+    except ValueError as e:
+        msg = str(e)
+        raise DtrtError(msg if msg.startswith("--") else f"--quant {quant!r}: {msg}") from None
 
 
 def _log(msg):
@@ -47,6 +62,12 @@ def source_options(f):
         click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)"),
         click.option("--model-dir", type=click.Path(), help=MODEL_DIR_HELP),
         click.option("--dtype", type=click.Choice(DTYPES), help="default fp32 (an export backend: the export's)"),
+        click.option(
+            "--quant",
+            type=click.Choice(QUANTS),
+            help=f"target weights: {QUANT_HELP} (an export backend: the export's; a registry model's first-use "
+            f"export: default {quant_help()}; torch: the dequantized weights)",
+        ),
         click.option(
             "--backend",
             type=click.Choice(BACKENDS),
@@ -396,13 +417,44 @@ def serve(
     help="comma list of the drafter kinds to export: dflash, domino (default: every one the pair has; a Domino "
     "drafter alone serves every method)",
 )
+@click.option("--quant", type=click.Choice(QUANTS), default="none", show_default=True, help=QUANT_HELP)
+@click.option(
+    "--quant-block",
+    type=int,
+    default=32,
+    show_default=True,
+    help=f"int4: input features per scale ({', '.join(map(str, INT4_BLOCKS))})",
+)
+@click.option(
+    "--quant-method",
+    type=click.Choice(QUANT_METHODS),
+    default="mse",
+    show_default=True,
+    help="rtn: scale = absmax / qmax; mse: the clip of absmax with the least squared error per channel or block",
+)
 @click.option("--force", is_flag=True, help="replace an existing export directory")
 def export(
-    model, target, drafter, model_dir, out, dtype, max_context, budget, topm, node_topk, drafter_quant, drafters, force
+    model,
+    target,
+    drafter,
+    model_dir,
+    out,
+    dtype,
+    max_context,
+    budget,
+    topm,
+    node_topk,
+    drafter_quant,
+    drafters,
+    quant,
+    quant_block,
+    quant_method,
+    force,
 ):
     """Export every stage to ONNX, with manifest.json, into OUT (complete or not at all)."""
     from dtrt.exporter.export import export_pair
 
+    qspec = parse_quant(quant, quant_block, quant_method)
     spec = resolve_spec(model=model, target=target, drafter=drafter, model_dir=model_dir, backend="torch")
     exp = export_pair(
         load_pair(spec, log=_log),
@@ -416,6 +468,7 @@ def export(
         force,
         drafter_quant,
         tuple(k.strip() for k in drafters.split(",") if k.strip()) if drafters else None,
+        quant=qspec,
         log=_log,
     )
     size = sum(m["size"] for m in exp.manifest["files"].values())

@@ -29,6 +29,7 @@ class BenchOptions:
     backend: str | None = None  # None: as `dtrt run` (dtrt.launch.resolve)
     export: str | None = None
     dtype: str | None = None
+    quant: str | None = None  # the target's quantization (as `dtrt run --quant`)
     threads: int | None = None
     device: str | None = None  # cpu or cuda[:N]
     methods: str | None = None  # comma list; None = every method the pair serves
@@ -50,7 +51,7 @@ class BenchOptions:
     @property
     def sources(self) -> dict:
         """The flags resolve_spec takes."""
-        keys = ("model", "target", "drafter", "model_dir", "backend", "export", "dtype", "threads", "device")
+        keys = ("model", "target", "drafter", "model_dir", "backend", "export", "dtype", "quant", "threads", "device")
         return {k: getattr(self, k) for k in keys}
 
 

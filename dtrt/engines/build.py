@@ -75,6 +75,11 @@ def build_engines(export_dir, out_root, cfg: BuildConfig = BuildConfig(), force:
             f"{exp.manifest['drafter_quant']}), which run on ONNX Runtime only; for TensorRT re-export "
             f"with `{exp.fix_hint(drafter_quant='none')}`"
         )
+    if exp.quant is not None:
+        raise DtrtError(
+            f"{exp.path}: its target has {exp.quant_name} weights (--quant {exp.quant_name}), which dtrt runs on ONNX "
+            f"Runtime only for now; for TensorRT re-export with `{exp.fix_hint(quant='none')}`"
+        )
     machine = probe_machine("dtrt build-engine")
     out = engine_dir(out_root, machine, model_name(exp))
     if out.exists() and not force:

@@ -12,13 +12,17 @@ from dtrt.errors import DtrtError
 from dtrt.exporter.export import LAYOUT, export_pair
 from dtrt.launch.memory import check_first_use
 from dtrt.models.checkpoint import Pair
+from dtrt.models.quant import quant_spec
 
 DRAFTER_QUANT = "int8"
 
 
-def cached_export(pair: Pair, model: str, log=None) -> Export:
+def cached_export(pair: Pair, model: str, log=None, quant: str = "none") -> Export:
+    """`quant`: the target's quantization (`dtrt export --quant`, its default block and method); each has its own
+    directory."""
     log = log or (lambda msg: None)
-    path = cache_dir() / "exports" / f"{model}-{__version__}"
+    path = cache_dir() / "exports" / (f"{model}-{__version__}" + ("" if quant == "none" else f"-{quant}"))
+    qspec = quant_spec(quant)
     drafters = {k: p for k, p in (("dflash", pair.dflash), ("domino", pair.domino)) if p is not None}
     if path.exists():
         try:
@@ -26,6 +30,8 @@ def cached_export(pair: Pair, model: str, log=None) -> Export:
             check_source(exp, pair.target, model, drafters)
             if exp.manifest.get("drafter_quant", "none") != DRAFTER_QUANT:
                 raise DtrtError(f"{path / MANIFEST}: drafter_quant is not {DRAFTER_QUANT}")
+            if exp.quant != qspec:
+                raise DtrtError(f"{path / MANIFEST}: its target is {exp.quant_name}, not {quant}")
             if exp.manifest.get("layout") != LAYOUT:
                 raise DtrtError(f"{path / MANIFEST}: made by an earlier dtrt (layout {exp.manifest.get('layout', 1)})")
             return exp
@@ -33,4 +39,4 @@ def cached_export(pair: Pair, model: str, log=None) -> Export:
             log(f"{path}: out of date ({e}); exporting again")
     check_first_use(pair, model)
     log(f"exporting {model} to ONNX in {path} (first use only)")
-    return export_pair(pair, Path(path), model, force=True, drafter_quant=DRAFTER_QUANT, log=log)
+    return export_pair(pair, Path(path), model, force=True, drafter_quant=DRAFTER_QUANT, quant=qspec, log=log)

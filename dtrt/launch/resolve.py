@@ -3,7 +3,10 @@
 no --model, --target or --export     the embedded default model (zoo.registry.DEFAULT_MODEL) on ONNX Runtime
 --export alone                       ONNX Runtime
 --model / --target, or --device cuda the torch backend, unless --backend says otherwise
---budget                             the model's entry in the registry table (16 where it says nothing)
+--quant                              the model's entry in the registry table for its first-use ONNX Runtime export
+                                     (none for the torch backend and for an --export, which carries its own)
+--budget                             the model's entry in the registry table for that quantization (16 where it
+                                     says nothing)
 --builder                            frontier on a CUDA torch backend or under --cuda-graph, else heap
                                      (cadominotree always grows its tree on the host heap)
 """
@@ -12,7 +15,7 @@ from pathlib import Path
 
 from dtrt.errors import DtrtError
 from dtrt.runtime.spec import RunSpec, device_kind
-from dtrt.zoo.registry import DEFAULT_MODEL, default_budget
+from dtrt.zoo.registry import DEFAULT_MODEL, default_budget, default_quant
 
 
 def default_backend(named: bool, export, device: str) -> str:
@@ -49,6 +52,7 @@ def resolve_spec(
     backend: str | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    quant: str | None = None,
     threads: int | None = None,
     method: str = "dominotree",
     budget: int | None = None,
@@ -68,6 +72,8 @@ def resolve_spec(
         backend = default_backend(named, export, device)
     if not named and export is None:
         model = DEFAULT_MODEL
+    if quant is None and backend == "onnxruntime" and export is None:
+        quant = default_quant(model)
     spec = RunSpec(
         model=model,
         target=Path(target) if target is not None else None,
@@ -77,9 +83,10 @@ def resolve_spec(
         backend=backend,
         device=device,
         dtype=dtype,
+        quant=quant,
         threads=threads,
         method=method,
-        budget=default_budget(model) if budget is None else budget,
+        budget=default_budget(model, quant) if budget is None else budget,
         builder=builder or default_builder(method, device, cuda_graph),
         arm=arm,
         topm=topm,

@@ -38,8 +38,10 @@ from dtrt.exporter.export import load_models, pair_stages
 from dtrt.exporter.stages import Stage
 from dtrt.models.checkpoint import parse_dtype
 from dtrt.models.hybrid import HybridCache, tree_parents
+from dtrt.models.quant import dequantized
 from dtrt.models.tokenizer import load_tokenizer
-from dtrt.runtime.backends.onnxruntime import cpu_session
+from dtrt.parity.quantized import order_check
+from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, cpu_session
 from dtrt.runtime.backends.torch import TorchBackend
 from dtrt.runtime.generate import collect, generate
 from dtrt.runtime.methods import make_method
@@ -62,6 +64,9 @@ TOLERANCES = {"fp32": Tolerance(0.99999, 5e-4, False), "fp16": Tolerance(0.9999,
 # tensor give cosine >= 0.9989 and rel <= 0.06 on the SmolLM2 drafter (tiny: 0.9998, 0.035); a wrong weight
 # matrix drops the cosine far below. They draft only: the target verifies every token, the output is unchanged.
 QUANT_TOLERANCE = Tolerance(0.995, 0.15, False)
+# a quantized target as the runtime runs it (int8 activations) against the PyTorch target on the same dequantized
+# weights: see dtrt.parity.quantized. Measured: cosine >= ?, rel <= ? (tiny: ?, ?).
+ACT_TOLERANCE = Tolerance(0.999, 0.1, False)
 LOGITS = ("logits", "base")
 NS, PS = (1, 9, 17, 33), (0, 7, 100)
 PROMPTS = (
@@ -89,6 +94,8 @@ def reference_stages(exp: Export) -> dict[str, Stage]:
     target, drafters, taps = load_models(Path(src["target"]), drafter_paths, parse_dtype(m["dtype"]))
     models = {k: d for k, (_, d) in drafters.items()}
     built = {s.name: s for s in pair_stages(target, taps, models, m["budget"], m["topm"], m["node_topk"])}
+    if exp.quant is not None:  # the quantized model: the same dequantized weights; the drafters keep the others
+        built["target"].module.target = dequantized(target, exp.quant)
     out = {}
     for name, meta in m["stages"].items():
         if name not in built:
@@ -388,14 +395,17 @@ def _check_signature(sess: ort.InferenceSession, stage: Stage, feed: dict, path:
             raise ValueError(f"{path.name} takes {i.name} as {dtype}, the stage gives {feed[i.name].dtype}")
 
 
-def compare_stage(stage: Stage, path: Path, cases: list[tuple[str, dict]], tol: Tolerance) -> list[Row]:
+def compare_stage(
+    stage: Stage, path: Path, cases: list[tuple[str, dict]], tol: Tolerance, accuracy: int = MATMUL_ACCURACY
+) -> list[Row]:
     """ONNX Runtime and the torch module on every case through polygraphy's Comparator, one row per case and
-    output; a graph that does not load or run is one failing row."""
+    output; a graph that does not load or run is one failing row. `accuracy`: the MatMulNBits accuracy level of a
+    quantized target (dtrt.parity.quantized)."""
     feeds = [OrderedDict((n, feed[n].numpy()) for n in stage.inputs) for _, feed in cases]
     rows = []
     try:
         with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
-            sess = cpu_session(path)
+            sess = cpu_session(path, accuracy=accuracy)
             _check_signature(sess, stage, feeds[0], path)
             results = Comparator.run(
                 [OnnxrtRunner(sess), TorchRunner(stage, feeds[0])], data_loader=feeds, streaming=True
@@ -423,6 +433,7 @@ class Report:
     tol: Tolerance
     rows: list[Row]
     quantized: tuple[str, ...] = ()  # stages judged by QUANT_TOLERANCE
+    target_quant: str = "none"  # a quantized target: its ", int8 activations" rows are judged by ACT_TOLERANCE
 
     @property
     def failed(self) -> list[str]:
@@ -441,6 +452,8 @@ class Report:
             "failed": self.failed,
             "tolerance": asdict(self.tol),
             "quantized": {s: asdict(QUANT_TOLERANCE) for s in self.quantized},
+            "target_quant": self.target_quant,
+            "activation_tolerance": asdict(ACT_TOLERANCE) if self.target_quant != "none" else None,
             "stages": {s: s not in self.failed for s in stages},
             "rows": [{k: _finite(v) for k, v in asdict(r).items()} for r in self.rows],
         }
@@ -466,6 +479,12 @@ class Report:
             summary += (
                 f"\nint8 drafter stages {', '.join(self.quantized)}: cosine >= {QUANT_TOLERANCE.cosine} "
                 f"and rel <= {QUANT_TOLERANCE.rel:g} (drafts only; the target verifies every token)"
+            )
+        if self.target_quant != "none":
+            summary += (
+                f"\n{self.target_quant} target: its weights (fp32 activations) at the bound above; as the runtime runs "
+                f"it (int8 activations): cosine >= {ACT_TOLERANCE.cosine} and rel <= {ACT_TOLERANCE.rel:g}; a tree's "
+                "verify rows equal plain decoding's bit for bit"
             )
         verdict = "all stages pass" if self.ok else f"FAILED: {', '.join(self.failed)}"
         return "\n".join([summary, fmt.format(*head), *(fmt.format(*x) for x in lines), verdict])
@@ -499,17 +518,30 @@ def run_parity(
     for name, stage in stages.items():
         t0 = time.perf_counter()
         cases = random_cases(stage, quick)
-        captured = real.get(name, [])
+        captured = [(f"real {i}", c) for i, c in enumerate(real.get(name, []))]
         tol = QUANT_TOLERANCE if name in quantized else TOLERANCES[dtype]
-        rows += compare_stage(stage, exp.stage(name), cases, tol)
-        if captured:
-            real_rows = compare_stage(stage, exp.stage(name), [(f"real {i}", c) for i, c in enumerate(captured)], tol)
-            by_output = defaultdict(list)
-            for r in real_rows:
-                by_output[r.output].append(r)
-            rows += [merge(rs, _real_label(stage, captured)) for rs in by_output.values()]
+        runs = [(tol, MATMUL_ACCURACY, "")]
+        if name == "target" and exp.quant is not None:  # the weights at fp32, then the runtime's int8 activations
+            runs = [(tol, 0, ""), (ACT_TOLERANCE, MATMUL_ACCURACY, ", int8 activations")]
+        for tol, accuracy, suffix in runs:
+            case_rows = compare_stage(stage, exp.stage(name), cases, tol, accuracy)
+            for r in case_rows:
+                r.case += suffix
+            rows += case_rows
+            if captured:
+                by_output = defaultdict(list)
+                for r in compare_stage(stage, exp.stage(name), captured, tol, accuracy):
+                    by_output[r.output].append(r)
+                label = _real_label(stage, [c for _, c in captured]) + suffix
+                rows += [merge(rs, label) for rs in by_output.values()]
         log(f"{name}: {len(cases)} random + {len(captured)} real inputs in {time.perf_counter() - t0:.1f}s")
-    return Report(exp.path, dtype, TOLERANCES[dtype], rows, quantized)
+    if exp.quant is not None and "target" in stages:
+        for case, output, want, got in order_check(exp):
+            row = compare("target", case, output, want, got, TOLERANCES[dtype])
+            row.ok = row.ok and row.max_abs == 0.0
+            row.note = "bit for bit" if row.ok else "differs: tree verify would not reproduce plain decoding"
+            rows.append(row)
+    return Report(exp.path, dtype, TOLERANCES[dtype], rows, quantized, exp.quant_name)
 
 
 def _real_label(stage: Stage, captured: list[dict]) -> str:

@@ -178,6 +178,8 @@ def generate(
         else:
             t1 = time.perf_counter()
             tree = Tree.chain([], root=root)
+        if (limit := backend.max_depth(start)) is not None:
+            tree = tree.within(limit)
         t2 = time.perf_counter()
         logits, hidden = backend.target_forward(tree.tokens, tree.positions(start), tree.mask)
         accepted, bonus = accept(tree, choose(logits, sampling, gen))

@@ -10,12 +10,13 @@ from dtrt.artifacts.export import Export
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import generation_eos, read_json
+from dtrt.models.quant import dequantized, quant_spec
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.generate import Generation, Step, capacity_for, collect, generate
 from dtrt.runtime.methods import Method, make_method
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.spec import RunSpec
+from dtrt.runtime.spec import BUDGET_METHODS, RunSpec
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,17 @@ def open_pipeline(spec: RunSpec, sources: Sources) -> Pipeline:
                 f"--dtype {spec.dtype}: {exp.path} holds {exp.dtype} graphs; drop --dtype or re-export with "
                 f"`{exp.fix_hint(dtype=spec.dtype)}`"
             )
+        if spec.quant is not None and spec.quant != exp.quant_name:
+            raise DtrtError(
+                f"--quant {spec.quant}: {exp.path} holds a {exp.quant_name} target; drop --quant or re-export with "
+                f"`{exp.fix_hint(quant=spec.quant)}`"
+            )
+        order = exp.manifest.get("ordered_attention")
+        if order and spec.method in BUDGET_METHODS and spec.budget + 1 > order["max_rows"]:
+            raise DtrtError(
+                f"--budget {spec.budget}: {exp.path} holds a {exp.quant_name} target, whose verify reproduces its AR "
+                f"tokens for trees of at most {order['max_rows']} nodes; use --budget {order['max_rows'] - 1} or less"
+            )
         kind = _drafter_kind(spec, exp)
         if spec.backend == "onnxruntime" and exp.dtype == "bf16" and spec.device == "cpu":
             raise DtrtError(
@@ -137,7 +149,7 @@ def _torch_backend(spec: RunSpec, pair: Pair):
     from dtrt.runtime.backends.torch import TorchBackend
 
     dtype = parse_dtype(spec.dtype or "fp32")
-    target = load_target(pair.target, dtype)
+    target = dequantized(load_target(pair.target, dtype), quant_spec(spec.quant or "none"))
     drafter = None
     if spec.uses_drafter:
         path = pair.drafter_for(spec.needs_head)

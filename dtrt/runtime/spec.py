@@ -14,12 +14,14 @@ Builder = Literal["heap", "frontier"]
 Arm = Literal["dominotree", "condstatic", "marg"]
 BackendName = Literal["torch", "onnxruntime", "tensorrt"]
 DType = Literal["fp32", "bf16", "fp16"]
+Quant = Literal["none", "int8", "int4"]
 
 METHODS: tuple[str, ...] = get_args(Method)
 BUILDERS: tuple[str, ...] = get_args(Builder)
 ARMS: tuple[str, ...] = get_args(Arm)
 BACKENDS: tuple[str, ...] = get_args(BackendName)
 DTYPES: tuple[str, ...] = get_args(DType)
+QUANTS: tuple[str, ...] = get_args(Quant)
 TREE_METHODS = ("dominotree", "cadominotree")  # Domino's per-path scorer: --builder, --arm, --node-topk
 BUDGET_METHODS = ("ddtree", "caddtree", "dominotree", "cadominotree")  # the methods whose trees --budget sizes
 
@@ -42,6 +44,10 @@ class RunSpec:
     """`cpu`, `cuda` or `cuda:N`: where the torch backend's models or ONNX Runtime's CUDA provider run."""
     dtype: DType | None = None
     """Torch backend: the weights' precision (None: fp32). Export backends: must equal the export's (None: it)."""
+    quant: Quant | None = None
+    """The target's weight-only quantization (`--quant`): which first-use export a registry model runs from on
+    ONNX Runtime; the torch backend multiplies by the same dequantized weights; an --export or engine carries its own,
+    which this must equal (None: the export's, or full precision)."""
     threads: int | None = None
     """Intra-op threads of torch and ONNX Runtime (None: theirs)."""
     method: Method = "dominotree"
@@ -71,6 +77,8 @@ class RunSpec:
                 raise DtrtError(f"{flag} {value!r}: use one of {', '.join(allowed)}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise DtrtError(f"--dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if self.quant is not None and self.quant not in QUANTS:
+            raise DtrtError(f"--quant {self.quant!r}: use one of {', '.join(QUANTS)}")
         for flag, value, low in (
             ("--budget", self.budget, 1),
             ("--node-topk", self.node_topk, 1),

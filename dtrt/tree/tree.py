@@ -57,6 +57,18 @@ class Tree:
             tokens, torch.tensor(parent_list, dtype=torch.long), torch.tensor(depths, dtype=torch.long), scores, mask
         )
 
+    def within(self, max_depth: int) -> "Tree":
+        """The nodes at tree depth <= max_depth (the root always), in their order: every kept node's ancestors are
+        kept, so the parents re-index and the mask is the kept rows and columns."""
+        keep = torch.nonzero(self.depths <= max_depth)[:, 0]
+        if len(keep) == len(self):
+            return self
+        index = torch.full((len(self),), -1, dtype=torch.long)
+        index[keep] = torch.arange(len(keep))
+        parents = self.parents[keep]
+        parents = torch.where(parents >= 0, index[parents.clamp(min=0)], parents)
+        return Tree(self.tokens[keep], parents, self.depths[keep], self.scores[keep], self.mask[keep][:, keep])
+
     @classmethod
     def chain(cls, tokens_after_root, root: int = 0) -> "Tree":
         """A chain root -> t0 -> t1 -> ... (the dflash and domino methods), scores 0."""

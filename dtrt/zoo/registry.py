@@ -25,6 +25,13 @@ class ModelEntry:
     """Hugging Face id of the released Domino drafter."""
     budget: int = DEFAULT_BUDGET
     """The tree budget where `--budget` is not given: a smaller one where `dtrt bench` on a CPU found it faster."""
+    quant: str = "none"
+    """The target quantization of its first-use ONNX Runtime export where `--quant` is not given."""
+    quant_budgets: tuple[tuple[str, int], ...] = ()
+    """(quantization, budget) where a quantized target's verify-cost curve wants another budget than `budget`."""
+
+    def budget_for(self, quant: str | None) -> int:
+        return dict(self.quant_budgets).get(quant or "none", self.budget)
 
 
 MODELS = {
@@ -56,14 +63,28 @@ def names() -> list[str]:
     return list(MODELS)
 
 
-def default_budget(model: str | None) -> int:
-    return MODELS[model].budget if model in MODELS else DEFAULT_BUDGET
+def default_budget(model: str | None, quant: str | None = None) -> int:
+    return MODELS[model].budget_for(quant) if model in MODELS else DEFAULT_BUDGET
+
+
+def default_quant(model: str | None) -> str:
+    return MODELS[model].quant if model in MODELS else "none"
 
 
 def budget_help() -> str:
     """`--budget`'s default as the table has it, for help texts."""
-    special = ", ".join(f"{e.name}: {e.budget}" for e in MODELS.values() if e.budget != DEFAULT_BUDGET)
-    return f"{DEFAULT_BUDGET}" + (f" ({special})" if special else "")
+    special = []
+    for e in MODELS.values():
+        per_quant = dict(e.quant_budgets)
+        if e.budget != DEFAULT_BUDGET or per_quant:
+            special.append(f"{e.name}: {e.budget}" + "".join(f", {q} {b}" for q, b in per_quant.items()))
+    return f"{DEFAULT_BUDGET}" + (f" ({'; '.join(special)})" if special else "")
+
+
+def quant_help() -> str:
+    """`--quant`'s default as the table has it, for help texts."""
+    special = ", ".join(f"{e.name}: {e.quant}" for e in MODELS.values() if e.quant != "none")
+    return "none" + (f" ({special})" if special else "")
 
 
 def hf_hub_cache() -> Path:

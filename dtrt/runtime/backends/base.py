@@ -95,6 +95,11 @@ class Backend(ABC):
     def time_verify(self, n: int, past: int) -> None:
         """One verify of `n` nodes over `past` positions, for the cost probes; leaves the caches as they were."""
 
+    def max_depth(self, past: int) -> int | None:
+        """The deepest tree this backend verifies exactly with `past` committed positions (None: any). A quantized
+        export keeps trees inside the aligned attention block of their past (dtrt.ops.tree_attention)."""
+        return None
+
     def time_draft(self) -> None:
         """One drafter block, for the cost probes."""
         self.draft_block(0, self.past)

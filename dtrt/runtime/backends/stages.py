@@ -32,6 +32,18 @@ def as_input(x, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=dtype).contiguous()
 
 
+def pad_rows(ids, positions, mask, rows: int):
+    """A target call of len(ids) rows as one of `rows`: the last row repeated, attending only to itself."""
+    ids, positions, mask = (torch.as_tensor(x) for x in (ids, positions, mask))
+    n, extra = len(ids), rows - len(ids)
+    ids = torch.cat((ids, ids[-1:].repeat(extra)))
+    positions = torch.cat((positions, positions[-1:].repeat(extra)))
+    padded = torch.zeros(rows, rows, dtype=torch.bool, device=mask.device)
+    padded[:n, :n] = mask
+    padded[n:, n:] = torch.eye(extra, dtype=torch.bool, device=mask.device)
+    return ids, positions, padded
+
+
 class StageRunner(ABC):
     """Runs stages by name: torch tensors in (converted to each input's dtype on `device`), a dict of torch
     tensors on `device` out, valid until the stage's next call."""
@@ -131,6 +143,11 @@ class ExportedBackend(Backend):
         self._new_kv = self._new_states = None  # the last target forward's new entries, until commit
         self.state = self.conv = None  # per Gated-DeltaNet layer, carried between rounds
         self.frontier_stage = False
+        order = self.export.manifest.get("ordered_attention") or {}
+        self.min_rows, self.order_align = order.get("min_rows", 1), order.get("align")
+
+    def max_depth(self, past: int) -> int | None:
+        return None if self.order_align is None else self.order_align - 1 - past % self.order_align
 
     def context_fix(self, need: int) -> str:
         return self.export.fix_hint(max_context=need)
@@ -171,12 +188,18 @@ class ExportedBackend(Backend):
 
     # target stages
     def _target(self, ids, positions, mask, past: int) -> dict[str, torch.Tensor]:
+        n = len(ids)
+        if n < self.min_rows:  # a quantized target: repeat the last row, seeing only itself, and drop its outputs
+            ids, positions, mask = pad_rows(ids, positions, mask, self.min_rows)
         past_k, past_v = self.cache.view(past)
         feeds = dict(ids=ids, positions=positions, mask=mask, past_k=past_k, past_v=past_v)
         if self.recurrent:  # the tree's parents, read on the host from its ancestor mask
             parents = recurrent_parents(torch.as_tensor(mask).cpu(), self.flatten_tree)
             feeds.update(parents=parents, state=self.state, conv=self.conv)
-        return self.runner("target", **feeds)
+        out = self.runner("target", **feeds)
+        if len(ids) > n:
+            out = {k: v[:n] if k in ("logits", "hidden") else v[..., :n, :] for k, v in out.items()}
+        return out
 
     def target_forward(self, ids, positions, mask):
         out = self._target(ids, positions, mask, self.cache.length)

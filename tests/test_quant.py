@@ -1,0 +1,249 @@
+"""`dtrt export --quant int8|int4`: the target's linear layers weight-only quantized. The quantization math, the
+exported form (DequantizeLinear -> MatMul, TreeAttentionOrdered), every method equal to the same export's AR at
+T=0 with drafts accepted (across an aligned attention block too), parity against the dequantized reference (and a
+corrupted integer caught), the order check (and the plain attention it exists for caught), and the errors."""
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from helpers import PROMPTS, generate_all, pipe_for, run_cli, spec
+from test_ort_backend import ort_pipeline
+
+from dtrt.artifacts.export import load_export
+from dtrt.artifacts.files import MANIFEST, write_manifest
+from dtrt.errors import DtrtError
+from dtrt.exporter.export import export_pair
+from dtrt.exporter.target_quant import DATA_SUFFIX, pack_int4, unpack_int4
+from dtrt.models.quant import QuantSpec, dequantize, quant_spec, quantize
+from dtrt.parity import run_parity
+from dtrt.parity.check import reference_stages
+from dtrt.parity.quantized import order_check
+from dtrt.runtime.backends.stages import pad_rows
+from dtrt.runtime.sampling import SamplingConfig
+from dtrt.tree.tree import Tree
+from dtrt.zoo.registry import tiny_hybrid_pair
+
+INT4 = quant_spec("int4")
+
+
+@pytest.fixture(scope="module")
+def int4_export(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("quant") / "tiny-int4"
+    return export_pair(tiny, path, model="tiny", max_context=512, drafter_kinds=("domino",), quant=INT4)
+
+
+@pytest.fixture(scope="module")
+def int8_export(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("quant") / "tiny-int8"
+    return export_pair(tiny, path, model="tiny", max_context=256, drafter_kinds=("domino",), quant=quant_spec("int8"))
+
+
+@pytest.fixture(scope="module")
+def int4_ar(int4_export):
+    return [g.tokens for g in generate_all(ort_pipeline(int4_export, spec("ar")))]
+
+
+# quantization math
+@pytest.mark.parametrize("q", [quant_spec("int8", method="rtn"), quant_spec("int4", 32, "rtn")], ids=["int8", "int4"])
+def test_round_to_nearest_is_within_half_a_step(q):
+    w = torch.randn(24, 80)  # 80 = 2 blocks of 32 and a last one of 16
+    ints, scale = quantize(w, q)
+    assert ints.dtype == torch.int8 and ints.shape == w.shape
+    assert scale.shape == ((24, 1) if q.bits == 8 else (24, 3))
+    lo, hi = (-128, 127) if q.bits == 8 else (-8, 7)
+    assert ints.min() >= lo and ints.max() <= hi
+    step = scale.repeat_interleave(80 if q.bits == 8 else 32, dim=1)[:, :80]
+    assert ((dequantize(ints, scale, q) - w).abs() <= step / 2 + 1e-7).all()
+    assert ints.abs().amax() == (127 if q.bits == 8 else 7)  # absmax of each group maps to qmax
+
+
+def test_mse_clipping_never_loses_to_round_to_nearest_and_is_deterministic():
+    w = torch.randn(64, 96) * torch.rand(64, 1)
+    w[0, 0] = 40.0  # an outlier: clipping pays
+    err = {}
+    for method in ("rtn", "mse"):
+        s = QuantSpec(bits=4, block=32, method=method)
+        q, scale = quantize(w, s)
+        err[method] = (dequantize(q, scale, s) - w).square().sum()
+        q2, scale2 = quantize(w.clone(), s)
+        assert torch.equal(q, q2) and torch.equal(scale, scale2)
+    assert err["mse"] < err["rtn"]
+
+
+def test_int4_packing_round_trips():
+    q = torch.randint(-8, 8, (7, 5), dtype=torch.int8).numpy()  # odd count: the last byte half full
+    raw = pack_int4(q)
+    assert len(raw) == 18 and np.array_equal(unpack_int4(raw, q.size).reshape(q.shape), q)
+    assert pack_int4(np.array([-1, 2], np.int8)) == bytes([0x2F])  # first value in the low nibble
+
+
+def test_quant_flags_are_checked():
+    assert quant_spec("none") is None and quant_spec("int8").block is None
+    with pytest.raises(ValueError, match="--quant-block 48: use one of 32, 64, 128"):
+        quant_spec("int4", 48)
+    with pytest.raises(ValueError, match="--quant-method 'gptq'"):
+        quant_spec("int4", method="gptq")
+
+
+# the export
+def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_export):
+    m = int4_export.manifest
+    assert m["quant"] == {"bits": 4, "block": 32, "method": "mse", "format": "qdq", "weights": m["quant"]["weights"]}
+    assert m["quant"]["weights"] == 7 * m["target"]["num_layers"] + 1  # q, k, v, o, gate, up, down; the lm_head
+    assert m["ordered_attention"] == {"align": 128, "max_rows": 64, "min_rows": 2}
+    assert int4_export.quant == INT4 and int4_export.quant_name == "int4"
+    assert "--quant int4 --quant-block 32" in int4_export.fix_hint()
+    assert "--quant" not in int4_export.fix_hint(quant="none")
+    graph = onnx.load(str(int4_export.stage("target")), load_external_data=False).graph
+    inits = {i.name: i for i in graph.initializer}
+    dq = [n for n in graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dq) == m["quant"]["weights"]
+    for n in dq:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert inits[n.input[0]].data_type == onnx.TensorProto.INT4 and len(n.input) == 2  # symmetric: no zero point
+        assert attrs == {"axis": 0, "block_size": 32}
+    scales = {n.input[1] for n in dq}
+    floats = [i for i in inits.values() if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2]
+    vocab, hidden = m["target"]["vocab_size"], m["target"]["hidden_size"]
+    assert [list(i.dims) for i in floats if i.name not in scales] == [[vocab, hidden]]  # the embedding, for the lookup
+    ops = {n.op_type for n in graph.node}
+    assert "TreeAttentionOrdered" in ops and "TreeAttention" not in ops and "Gemm" not in ops
+    locations = {e.value for n in dq for e in inits[n.input[0]].external_data if e.key == "location"}
+    assert locations == {"weights.data"} and not (int4_export.path / ("target.onnx" + DATA_SUFFIX)).exists()
+
+
+@pytest.mark.parametrize(
+    "draft",
+    [spec("dominotree"), spec("dominotree", builder="frontier"), spec("ddtree"), spec("dflash"), spec("domino")],
+    ids=lambda d: d.method + ("/" + d.builder if d.method == "dominotree" else ""),
+)
+def test_every_method_gives_the_quantized_ar_tokens_with_drafts_accepted(int4_export, int4_ar, draft):
+    gens = generate_all(ort_pipeline(int4_export, draft))
+    assert [g.tokens for g in gens] == int4_ar
+    rounds = [r for g in gens for r in g.rounds]
+    assert sum(r.accepted for r in rounds) / len(rounds) > 2
+
+
+def test_trees_stay_inside_the_aligned_block_across_its_boundary(int4_export):
+    """A 200-token generation crosses position 128: DominoTree still gives the AR tokens, and every verify keeps its
+    rows inside the 128-aligned block of its past (where plain decoding sums the same columns)."""
+    prompt = ort_pipeline(int4_export, spec("ar")).tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    ar = ort_pipeline(int4_export, spec("ar")).generate(prompt, 200, SamplingConfig())
+    pipe = ort_pipeline(int4_export, spec("dominotree"))
+    calls = []
+    forward = pipe.backend.target_forward
+
+    def spy(ids, positions, mask):
+        calls.append(torch.as_tensor(positions).clone())
+        return forward(ids, positions, mask)
+
+    pipe.backend.target_forward = spy
+    gen = pipe.generate(prompt, 200, SamplingConfig())
+    assert gen.tokens == ar.tokens and len(gen.tokens) == 200
+    verifies = calls[1:]
+    assert any(len(p) > 1 and p[0] < 128 <= p[0] + 8 for p in verifies)  # trees near the boundary were cut
+    assert all(p.max() // 128 == p[0] // 128 for p in verifies)
+    assert max(len(p) for p in verifies) > 1 and sum(r.accepted for r in gen.rounds) / len(gen.rounds) > 2
+
+
+def test_tree_within_keeps_ancestors_and_reindexes():
+    t = Tree.from_parents(torch.tensor([5, 6, 7, 8, 9]), [-1, 0, 1, 0, 3])  # 0 -> 1 -> 2, 0 -> 3 -> 4
+    cut = t.within(1)
+    assert cut.tokens.tolist() == [5, 6, 8] and cut.parents.tolist() == [-1, 0, 0]
+    assert cut.mask.tolist() == [[True, False, False], [True, True, False], [True, False, True]]
+    assert t.within(2) is t and len(t.within(0)) == 1
+
+
+def test_pad_rows_repeats_the_last_row_seeing_itself():
+    ids, pos, mask = pad_rows(torch.tensor([4]), torch.tensor([9]), torch.ones(1, 1, dtype=torch.bool), 2)
+    assert ids.tolist() == [4, 4] and pos.tolist() == [9, 9] and mask.tolist() == [[True, False], [False, True]]
+
+
+def test_torch_backend_runs_the_dequantized_target(tiny):
+    ar = generate_all(pipe_for(tiny, spec("ar", quant="int4")), max_new=24)
+    tree = generate_all(pipe_for(tiny, spec("dominotree", quant="int4")), max_new=24)
+    full = generate_all(pipe_for(tiny, spec("ar")), max_new=24)
+    assert [g.tokens for g in tree] == [g.tokens for g in ar]
+    assert [g.tokens for g in ar] != [g.tokens for g in full]  # the int4 target is another model
+
+
+# parity
+def test_parity_passes_and_a_corrupted_integer_fails(int4_export, tmp_path):
+    stages = {"target": reference_stages(int4_export)["target"]}
+    report = run_parity(int4_export, 1, stages=stages)
+    assert report.ok, report.table()
+    cases = {r.case for r in report.rows}
+    assert any(c.endswith(", int8 activations") for c in cases) and any("tree = plain decoding" in c for c in cases)
+    assert all(r.max_abs == 0.0 for r in report.rows if "tree = plain decoding" in r.case)
+    assert "int4 target" in report.table() and report.to_json()["target_quant"] == "int4"
+    # one int4 weight's integers rewritten in the export: its own parity fails, at fp32 activations too
+    bad = tmp_path / "bad"
+    shutil.copytree(int4_export.path, bad)
+    graph = onnx.load(str(bad / "target.onnx"), load_external_data=False).graph
+    q = next(i for i in graph.initializer if i.name.endswith("down_proj.weight.q4"))
+    info = {e.key: e.value for e in q.external_data}
+    with open(bad / info["location"], "r+b") as f:
+        f.seek(int(info["offset"]))
+        f.write(bytes(255 - b for b in f.read(int(info["length"]))))
+    write_manifest(bad, json.loads((bad / MANIFEST).read_text()))  # for parity to find, not the file hashes
+    report = run_parity(load_export(bad), 0, stages=stages)
+    assert report.failed == ["target"]
+    assert any(not r.ok for r in report.rows if "activations" not in r.case and "tree" not in r.case)
+
+
+def test_order_check_catches_plain_attention(int4_export, tmp_path):
+    plain = tmp_path / "plain"
+    shutil.copytree(int4_export.path, plain)
+    model = onnx.load(str(plain / "target.onnx"), load_external_data=False)
+    for n in model.graph.node:
+        if n.op_type == "TreeAttentionOrdered":
+            n.op_type = "TreeAttention"
+    from dtrt.ops import onnx_functions
+
+    model.functions.extend(onnx_functions({"TreeAttention"}))
+    onnx.save_model(model, str(plain / "target.onnx"))
+    write_manifest(plain, json.loads((plain / MANIFEST).read_text()))
+    diffs = [np.abs(want - got).max() for _, _, want, got in order_check(load_export(plain))]
+    assert max(diffs) > 0
+    assert all(np.abs(want - got).max() == 0 for _, _, want, got in order_check(int4_export))
+
+
+def test_int8_export_passes_parity_and_keeps_its_ar_tokens(int8_export):
+    m = int8_export.manifest
+    assert m["quant"]["bits"] == 8 and m["quant"]["block"] is None
+    graph = onnx.load(str(int8_export.stage("target")), load_external_data=False).graph
+    inits = {i.name: i for i in graph.initializer}
+    dq = [n for n in graph.node if n.op_type == "DequantizeLinear"]
+    assert dq and all(inits[n.input[0]].data_type == onnx.TensorProto.INT8 for n in dq)
+    report = run_parity(int8_export, 0, stages={"target": reference_stages(int8_export)["target"]})
+    assert report.ok, report.table()
+    ar = [g.tokens for g in generate_all(ort_pipeline(int8_export, spec("ar")), max_new=32)]
+    gens = generate_all(ort_pipeline(int8_export, spec("dominotree")), max_new=32)
+    assert [g.tokens for g in gens] == ar
+    assert sum(r.accepted for g in gens for r in g.rounds) / sum(len(g.rounds) for g in gens) > 2
+
+
+# errors
+def test_quantized_exports_refuse_what_they_cannot_do(int4_export, tmp_path, monkeypatch, capsys):
+    with pytest.raises(DtrtError, match=r"^--quant int8: .* holds a int4 target; drop --quant or re-export with `dtrt"):
+        pipe_for(None, spec("ar", quant="int8"), backend="onnxruntime", export=int4_export.path)
+    with pytest.raises(DtrtError, match=r"^--budget 64: .* at most 64 nodes; use --budget 63 or less$"):
+        pipe_for(None, spec("dominotree", budget=64), backend="onnxruntime", export=int4_export.path)
+    with pytest.raises(DtrtError, match=r"^--quant int4: .* is a hybrid target .*; export it with --quant none$"):
+        export_pair(tiny_hybrid_pair(), tmp_path / "h", quant=INT4)
+    from dtrt.engines.build import build_engines
+
+    with pytest.raises(DtrtError, match=r"int4 weights .* ONNX Runtime only .* re-export with `dtrt export .*"):
+        build_engines(int4_export.path, tmp_path / "engines")
+    code, out, err = run_cli(
+        monkeypatch, capsys, "export", "--model", "tiny", "--quant", "int4", "--quant-block", "48", "--out",
+        str(tmp_path / "x"),
+    )  # fmt: skip
+    assert code == 2 and err.count("\n") == 1 and "--quant-block 48: use one of 32, 64, 128" in err
+    assert not (tmp_path / "x").exists()
+    code, out, err = run_cli(monkeypatch, capsys, "export", "--model", "tiny", "--quant", "int3", "--out", "y")
+    assert code == 2 and "int3" in err and err.count("\n") == 1
