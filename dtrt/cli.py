@@ -509,6 +509,57 @@ def parity(export_dir, as_json, random_only, prompts, quick):
         sys.exit(1)
 
 
+@cli.command()
+@click.option("--model", help=f"registry model whose first-use ONNX Runtime exports to score: {', '.join(names())}")
+@click.option(
+    "--quant",
+    default="none,int8,int4",
+    show_default=True,
+    help="comma list of target quantizations (with --model); the first is the reference of the agreement",
+)
+@click.option(
+    "--export",
+    "exports",
+    multiple=True,
+    type=click.Path(),
+    help="an export directory to score instead (repeatable); the first is the reference",
+)
+@click.option("--datasets", default="humaneval,mt-bench", show_default=True, help="held-out text: humaneval, mt-bench")
+@click.option("--texts", type=click.IntRange(min=1), default=20, show_default=True, help="texts per dataset")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=512, show_default=True, help="tokens per text")
+@click.option("--threads", type=click.IntRange(min=1), help="intra-op threads (default: ONNX Runtime's)")
+@click.option("--seed", type=int, default=0, show_default=True, help="which texts")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the table")
+def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, as_json):
+    """What a target quantization costs: greedy agreement with the reference target and NLL on held-out text."""
+    from dtrt.artifacts.export import load_export
+    from dtrt.bench.quality import held_out, quality, table
+    from dtrt.models.tokenizer import load_tokenizer
+
+    if exports:
+        scored = {}
+        for path in exports:
+            exp = load_export(path)
+            scored.setdefault(f"{exp.quant_name} ({exp.path.name})", exp)
+    else:
+        from dtrt.launch.first_use import cached_export
+
+        quants = [q.strip() for q in quant.split(",") if q.strip()]
+        for q in quants:
+            if q not in QUANTS:
+                raise DtrtError(f"--quant {q!r}: use some of {', '.join(QUANTS)}")
+        spec = resolve_spec(model=model or DEFAULT_MODEL, backend="onnxruntime", quant=quants[0] if quants else None)
+        pair = load_pair(spec)
+        scored = {q: cached_export(pair, spec.model, _log, q) for q in dict.fromkeys(quants)}
+    if not scored:
+        raise DtrtError("--quant: give at least one quantization")
+    items = [t for name in datasets.split(",") if name.strip() for t in held_out(name.strip(), texts, seed)]
+    tokenizer = load_tokenizer(next(iter(scored.values())).path / "tokenizer")
+    rows = quality(scored, items, tokenizer, max_tokens=max_tokens, threads=threads)
+    reference = next(iter(scored))
+    click.echo(json.dumps({"reference": reference, "rows": rows}) if as_json else table(rows, reference))
+
+
 @cli.command("train-drafter")
 @click.option("--model", help=f"registry name of the target: {', '.join(names())}")
 @click.option("--target", type=click.Path(), help="target checkpoint directory")
