@@ -5,6 +5,7 @@ import json
 import os
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import click
@@ -51,8 +52,15 @@ def cli():
     """dtrt: DominoTree speculative decoding, exact to the target model."""
 
 
-def source_options(f):
-    """The flags that say what runs where, shared by `run`, `serve` and `bench`."""
+def source_options(f, *, quant_sweep: bool = False):
+    """The flags that say what runs where, shared by `run`, `serve` and `bench` (`quant_sweep`: --quant is a comma
+    list, bench's grid axis)."""
+    quant_help_ = (
+        f"target weights: {QUANT_HELP} (an export backend: the export's; a registry model's first-use "
+        f"export: default {quant_help()}; torch: the dequantized weights)"
+    )
+    if quant_sweep:
+        quant_help_ += f"; a comma list ({','.join(QUANTS)}) runs every row per quantization, each against its own AR"
     opts = [
         click.option(
             "--model",
@@ -62,12 +70,7 @@ def source_options(f):
         click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)"),
         click.option("--model-dir", type=click.Path(), help=MODEL_DIR_HELP),
         click.option("--dtype", type=click.Choice(DTYPES), help="default fp32 (an export backend: the export's)"),
-        click.option(
-            "--quant",
-            type=click.Choice(QUANTS),
-            help=f"target weights: {QUANT_HELP} (an export backend: the export's; a registry model's first-use "
-            f"export: default {quant_help()}; torch: the dequantized weights)",
-        ),
+        click.option("--quant", type=None if quant_sweep else click.Choice(QUANTS), help=quant_help_),
         click.option(
             "--backend",
             type=click.Choice(BACKENDS),
@@ -713,7 +716,7 @@ def _progress(what):
 
 
 @cli.command()
-@source_options
+@partial(source_options, quant_sweep=True)
 @click.option("--methods", help="comma list of methods (default: every one the pair serves); ar is always run")
 @click.option(
     "--datasets",

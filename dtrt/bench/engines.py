@@ -1,5 +1,5 @@
-"""What `dtrt bench` times: a dtrt pipeline per method (and budget), or llama.cpp's plain decoding of a GGUF in a
-child process (dtrt.bench.peer).
+"""What `dtrt bench` times: a dtrt pipeline per method (and budget, and target quantization), or llama.cpp's plain
+decoding of a GGUF in a child process (dtrt.bench.peer).
 
 Both turn a prompt text into one record with the same clock: tokens are the generated ids, the first of them
 chosen at prefill, and decode_s runs from after prefill to the last token."""
@@ -11,7 +11,7 @@ from dtrt.bench.datasets import package_file
 from dtrt.bench.peer import PeerEngine, llamacpp_command
 from dtrt.errors import DtrtError
 from dtrt.launch import resolve_spec
-from dtrt.runtime.pipeline import Pipeline, Sources, open_pipeline
+from dtrt.runtime.pipeline import Pipeline, open_pipeline
 from dtrt.runtime.requests import has_chat_template, render_chat
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import BUDGET_METHODS, RunSpec
@@ -29,10 +29,11 @@ def render(tokenizer, history: list[tuple[str, str]], user: str, thinking: bool 
 
 
 class DtrtEngine:
-    def __init__(self, pipe: Pipeline):
+    def __init__(self, pipe: Pipeline, label: str):
         spec = pipe.spec
-        self.label, self.pipe, self.tokenizer = spec.label, pipe, pipe.tokenizer
+        self.label, self.pipe, self.tokenizer = label, pipe, pipe.tokenizer
         self.method, self.budget = spec.method, spec.budget if spec.method in BUDGET_METHODS else None
+        self.quant = spec.quant
 
     def generate(self, text: str, max_new_tokens: int, sampling: SamplingConfig) -> dict:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -41,30 +42,42 @@ class DtrtEngine:
         return out.stats() | {"prompt_tokens": len(ids), "text": text}
 
 
-def grid(sources: dict, methods: list[str], budgets: list[int | None], cuda_graph: bool = False) -> list[RunSpec]:
-    """One spec per row: AR first, then each method (each budget for the budget methods; None: the model's),
-    resolved like `dtrt run` from the same source flags; `cuda_graph` goes to the dominotree rows."""
+def grid(
+    sources: dict, methods: list[str], budgets: list[int | None], quants: list[str | None], cuda_graph: bool = False
+) -> list[RunSpec]:
+    """One spec per row: per quantization (None: the model's), AR first, then each method (each budget for the
+    budget methods; None: the model's for that quantization), resolved like `dtrt run` from the same source flags;
+    `cuda_graph` goes to the dominotree rows."""
     specs = []
-    for method in ["ar", *[m for m in methods if m != "ar"]]:
-        for budget in budgets if method in BUDGET_METHODS else budgets[:1]:
-            graph = cuda_graph and method == "dominotree"
-            specs.append(resolve_spec(**sources, method=method, budget=budget, cuda_graph=graph))
+    for quant in quants:
+        for method in ["ar", *[m for m in methods if m != "ar"]]:
+            for budget in budgets if method in BUDGET_METHODS else budgets[:1]:
+                graph = cuda_graph and method == "dominotree"
+                specs.append(resolve_spec(**sources | {"quant": quant}, method=method, budget=budget, cuda_graph=graph))
     return specs
 
 
-def dtrt_engines(grid: list[RunSpec], sources: Sources, explicit: bool, log) -> list[DtrtEngine]:
-    """A pipeline per spec of the grid over the same sources. A method the pair cannot serve is skipped with a
-    note, unless it was asked for by name (`explicit`), is AR, or was asked for by --cuda-graph."""
+def labels(grid: list[RunSpec]) -> list[str]:
+    """Each row's name: the spec's label (`ar`, `dominotree@16`), followed by its quantization after a slash
+    (`ar/int4`, `dominotree@16/int4`) when the grid has more than one."""
+    sweep = len({s.quant for s in grid}) > 1
+    return [f"{s.label}/{s.quant}" if sweep else s.label for s in grid]
+
+
+def dtrt_engines(grid: list[RunSpec], sources: dict, explicit: bool, log) -> list[DtrtEngine]:
+    """A pipeline per spec of the grid over the sources of its quantization (`sources`: quant -> Sources). A
+    method the pair cannot serve is skipped with a note, unless it was asked for by name (`explicit`), is AR, or
+    was asked for by --cuda-graph."""
     engines, skipped = [], set()
-    for spec in grid:
+    for spec, label in zip(grid, labels(grid), strict=True):
         if spec.method in skipped:
             continue
         try:
-            engines.append(DtrtEngine(open_pipeline(spec, sources)))
+            engines.append(DtrtEngine(open_pipeline(spec, sources[spec.quant]), label))
         except DtrtError as e:
             if explicit or spec.method == "ar" or spec.cuda_graph:
                 raise
-            log(f"skipping {spec.label}: {e}")
+            log(f"skipping {label}: {e}")
             skipped.add(spec.method)
     return engines
 

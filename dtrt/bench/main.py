@@ -13,7 +13,7 @@ from dtrt.bench import datasets, engines, longctx, machine, records, report, run
 from dtrt.errors import DtrtError
 from dtrt.launch import open_sources
 from dtrt.runtime.requests import FLAGS, check_thinking, make_request
-from dtrt.runtime.spec import METHODS
+from dtrt.runtime.spec import METHODS, QUANTS
 
 QUICK_PROMPTS, QUICK_TOKENS = 2, 32
 
@@ -29,7 +29,7 @@ class BenchOptions:
     backend: str | None = None  # None: as `dtrt run` (dtrt.launch.resolve)
     export: str | None = None
     dtype: str | None = None
-    quant: str | None = None  # the target's quantization (as `dtrt run --quant`)
+    quant: str | None = None  # the target's quantization (as `dtrt run --quant`), or a sweep; None: the model's
     threads: int | None = None
     device: str | None = None  # cpu or cuda[:N]
     methods: str | None = None  # comma list; None = every method the pair serves
@@ -87,6 +87,12 @@ def bench(o: BenchOptions, log) -> Path:
     names = _split("--datasets", o.dataset_names, str, datasets.DATASETS)
     temps = _split("--temperatures", o.temperatures, float)
     budgets = _split("--budget", o.budget, int) if o.budget is not None else [None]
+    quants = _split("--quant", o.quant, str, QUANTS) if o.quant is not None else [None]
+    if len(quants) > 1 and o.export is not None:
+        raise DtrtError(
+            f"--quant {','.join(quants)}: an --export holds one quantized target; give one --quant, or --model NAME "
+            "(a first-use export per quantization)"
+        )
     long_names = [d for d in names if d in datasets.LONG]
     bins = _split("--context-bins", o.context_bins, int) if o.context_bins is not None else None
     if bins is not None and not long_names:
@@ -105,7 +111,7 @@ def bench(o: BenchOptions, log) -> Path:
         make_request(max_new_tokens=max_new, temperature=t, seed=o.seed, thinking=o.thinking, names=names_)
         for t in temps
     ]
-    grid = engines.grid(o.sources, methods, budgets, o.cuda_graph)  # every spec checked before anything loads
+    grid = engines.grid(o.sources, methods, budgets, quants, o.cuda_graph)  # every spec checked before any load
     # missing packages fail before any model loads
     prompts = {d: datasets.load(d, n, o.seed) for d in names if d not in datasets.LONG}
     docs = {d: datasets.documents(d) for d in long_names}
@@ -117,7 +123,7 @@ def bench(o: BenchOptions, log) -> Path:
 
     # the engines load before the grid is written: the long-context prompts are cut by the target's tokenizer to
     # bins that fit every engine's context
-    engs = engines.dtrt_engines(grid, open_sources(base, log), explicit=o.methods is not None, log=log)
+    engs = engines.dtrt_engines(grid, _sources(grid, log), explicit=o.methods is not None, log=log)
     check_thinking(engs[0].tokenizer, o.thinking)
     if long_names:
         tight = min((e.pipe for e in engs), key=lambda p: _room(p, max_new))
@@ -132,7 +138,8 @@ def bench(o: BenchOptions, log) -> Path:
     plan = {
         "options": {k: v for k, v in asdict(o).items() if k not in ("out", "resume")},
         "grid": {
-            "rows": [s.label for s in grid],
+            "quant": list(dict.fromkeys(s.quant for s in grid)),
+            "rows": engines.labels(grid),
             "sources": {k: str(v) if v is not None else None for k, v in asdict(base).items() if k in SOURCE_KEYS},
             "prompts": {d: [p.id for p in ps] for d, ps in prompts.items()},
             "context_bins": bins if long_names else None,
@@ -186,6 +193,17 @@ def bench(o: BenchOptions, log) -> Path:
     return out
 
 
+def _sources(grid: list, log) -> dict:
+    """The sources of each quantization of the grid (quant -> Sources): one first-use export each for a registry
+    model on ONNX Runtime, the checkpoints loaded once."""
+    opened = {}
+    for spec in grid:
+        if spec.quant not in opened:
+            first = next(iter(opened.values()), None)
+            opened[spec.quant] = open_sources(spec, log, pair=first.pair if first else None)
+    return opened
+
+
 def _in_order(names: list[str], prompts: dict, cut: dict) -> dict:
     """The prompts in --datasets' order, a long dataset's bins (NAME/LABEL) where its name was, ascending."""
     ordered = {}
@@ -208,7 +226,7 @@ def _write(out, got, failed, plan, title, o, h_machine, threads, load_before, t0
     """bench.json, bench.md and bench.png from the records (all of them, or those done when interrupted)."""
     hygiene = machine.hygiene(h_machine, threads, load_before, machine.load())
     log(machine.describe(hygiene))
-    rows = report.summarize(got, o.seed)
+    rows = report.summarize(got, o.seed, quants=plan["grid"]["quant"])
     config = {
         **plan["options"],
         **plan["grid"],

@@ -45,7 +45,7 @@ def describe(label: str, returncode: int | None, timeout: float | None, log: Pat
 class PeerEngine:
     """A bench engine whose generations run in a child process (`command`), prompted with the rendered text."""
 
-    method, budget = "llama.cpp", None
+    method, budget, quant = "llama.cpp", None, None  # quant: not one of dtrt's target quantizations
 
     def __init__(self, label: str, command: list[str], tokenizer, timeout: float, log: Path | None = None):
         self.label, self.command, self.tokenizer, self.timeout, self.log = label, command, tokenizer, timeout, log

@@ -60,7 +60,7 @@ def start(out: Path, grid: dict, resume: bool) -> list[dict]:
     stored = json.loads(run.read_text()).get("grid", {})
     grid = grid.get("grid", {})
     # the flags first, then what they decide (the prompt subset follows the seed)
-    order = ("rows", "sources", "temperatures", "max_new_tokens", "seed", "thinking", "threads", "gguf")
+    order = ("quant", "rows", "sources", "temperatures", "max_new_tokens", "seed", "thinking", "threads", "gguf")
     for k in [*order, *sorted((set(stored) | set(grid)) - set(order))]:
         if stored.get(k) != grid.get(k):
             raise DtrtError(

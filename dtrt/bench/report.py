@@ -16,10 +16,18 @@ def key(r):
     return r["dataset"], r["temperature"], r["prompt_id"], r["turn"]
 
 
-def summarize(records: list[dict], seed: int = 0) -> list[dict]:
+def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None) -> list[dict]:
     """One row per method x dataset (and `all`) x temperature: mean over prompts of the per-prompt tau and tok/s,
-    speedup over AR with its paired bootstrap CI, and whether every T=0 output equals AR's."""
-    ar = {key(r): r for r in records if r["method"] == "ar"}
+    speedup over AR with its paired bootstrap CI, and whether every T=0 output equals AR's. A row is paired with
+    the AR of its own quantization (a record's `quant`); a peer (llama.cpp) with the AR of the first of `quants`
+    (the grid's, in order; None: the first AR record's)."""
+    ars = [r for r in records if r.get("base_method", r["method"]) == "ar"]
+    ar = {(r.get("quant"), *key(r)): r for r in ars}
+    first = quants[0] if quants else next((r.get("quant") for r in ars), None)
+
+    def own_ar(r):
+        return ar.get((first if r["method"] in PEERS else r.get("quant"), *key(r)))
+
     methods = list(dict.fromkeys(r["method"] for r in records))
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
     temps = list(dict.fromkeys(r["temperature"] for r in records))
@@ -31,15 +39,16 @@ def summarize(records: list[dict], seed: int = 0) -> list[dict]:
                 if not rs:
                     continue
                 # a generation that stopped at prefill (EOS first) has no decode time to compare
-                pairs = [(ar[key(r)], r) for r in rs if key(r) in ar and ar[key(r)]["decode_s"] > 0 < r["decode_s"]]
+                pairs = [(own_ar(r), r) for r in rs if own_ar(r) and own_ar(r)["decode_s"] > 0 < r["decode_s"]]
                 sp = paired_bootstrap([a["tpot_s"] for a, _ in pairs], [r["tpot_s"] for _, r in pairs], seed=seed)
                 exact = None
-                if t == 0 and m != "llama.cpp":
-                    exact = all(key(r) in ar and r["tokens"] == ar[key(r)]["tokens"] for r in rs)
+                if t == 0 and m not in PEERS:
+                    exact = all(own_ar(r) and r["tokens"] == own_ar(r)["tokens"] for r in rs)
                 timed = [r for r in rs if r["decode_s"] > 0 and r["rounds"]]
                 rows.append(
                     {
                         "method": m,
+                        "quant": rs[0].get("quant"),
                         "dataset": d,
                         "temperature": t,
                         "n": len(rs),

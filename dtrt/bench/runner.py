@@ -96,6 +96,7 @@ def annotate(rec: dict, engine, dataset: str, prompt_id, turn: int, temperature:
         method=engine.label,
         base_method=engine.method,
         budget=engine.budget,
+        quant=engine.quant,
         n_tokens=n,
         tokens_per_s=n / rec["decode_s"] if rec["decode_s"] > 0 else 0.0,
         tpot_s=rec["decode_s"] / n if n else 0.0,
