@@ -247,3 +247,22 @@ def test_quantized_exports_refuse_what_they_cannot_do(int4_export, tmp_path, mon
     assert not (tmp_path / "x").exists()
     code, out, err = run_cli(monkeypatch, capsys, "export", "--model", "tiny", "--quant", "int3", "--out", "y")
     assert code == 2 and "int3" in err and err.count("\n") == 1
+
+
+def test_quality_reports_agreement_and_nll_per_quantization(tiny_export, int8_export, int4_export, monkeypatch, capsys):
+    paths = [str(e.path) for e in (tiny_export, int8_export, int4_export)]
+    code, out, err = run_cli(
+        monkeypatch, capsys, "quality", *(a for p in paths for a in ("--export", p)),
+        "--datasets", "humaneval,mt-bench", "--texts", "2", "--max-tokens", "64", "--threads", "1", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    result = json.loads(out)
+    rows = {(r["quant"].split()[0], r["dataset"]): r for r in result["rows"]}
+    assert result["reference"].startswith("none") and len(rows) == 6
+    for dataset in ("humaneval", "mt-bench"):
+        none, int8, int4 = (rows[q, dataset] for q in ("none", "int8", "int4"))
+        assert none["agreement"] == 1.0 and none["texts"] == 2 and none["tokens"] == int4["tokens"] == 2 * 63
+        assert 0.5 < int4["agreement"] <= int8["agreement"] <= 1.0 and int4["agreement"] < 1.0
+        assert all(np.isfinite(r["nll"]) and r["nll"] > 0 for r in (none, int8, int4))
+    code, out, err = run_cli(monkeypatch, capsys, "quality", "--export", paths[0], "--datasets", "math500")
+    assert code == 2 and err.count("\n") == 1 and "dtrt quality scores text of humaneval, mt-bench" in err

@@ -71,11 +71,18 @@ def providers_for(device: torch.device, available: list[str], stream: int | None
 # CPU kernel quantizes the activations to int8 per block (about 3x faster than fp32 ones at batch 1). Set rather
 # than left to ONNX Runtime's default, which has changed between versions.
 MATMUL_ACCURACY = 4
+# MatMulAddFusion turns a quantized linear followed by its residual Add into a Gemm on the dequantized weights
+# before the DequantizeLinear -> MatMul pair can become MatMulNBits: a quantized SmolLM2's o_proj and down_proj
+# (60 of 211 linears) then dequantized every weight on every call and ran slower than fp32
+DISABLED_OPTIMIZERS = ["MatMulAddFusion"]
 
 
-def make_session(path, threads: int | None = None, providers: list | None = None, accuracy: int = MATMUL_ACCURACY):
+def make_session(
+    path, threads: int | None = None, providers: list | None = None, accuracy: int = MATMUL_ACCURACY, optimized=None
+):
     """An InferenceSession configured as every dtrt stage runs (on the CPU also what `dtrt parity` measures);
-    `accuracy`: the fused MatMulNBits kernels' accuracy level (0: fp32 activations, what parity checks weights with)."""
+    `accuracy`: the fused MatMulNBits kernels' accuracy level (0: fp32 activations, what parity checks weights with);
+    `optimized`: a path to write the graph as ONNX Runtime optimized it."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -88,11 +95,15 @@ def make_session(path, threads: int | None = None, providers: list | None = None
     opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy))
     if threads:
         opts.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), opts, providers=providers or ["CPUExecutionProvider"])
+    if optimized is not None:
+        opts.optimized_model_filepath = str(optimized)
+    return ort.InferenceSession(
+        str(path), opts, providers=providers or ["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
+    )
 
 
-def cpu_session(path, threads: int | None = None, accuracy: int = MATMUL_ACCURACY):
-    return make_session(path, threads, ["CPUExecutionProvider"], accuracy)
+def cpu_session(path, threads: int | None = None, accuracy: int = MATMUL_ACCURACY, optimized=None):
+    return make_session(path, threads, ["CPUExecutionProvider"], accuracy, optimized)
 
 
 _EMPTY: dict[torch.device, torch.Tensor] = {}
