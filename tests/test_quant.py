@@ -266,3 +266,15 @@ def test_quality_reports_agreement_and_nll_per_quantization(tiny_export, int8_ex
         assert all(np.isfinite(r["nll"]) and r["nll"] > 0 for r in (none, int8, int4))
     code, out, err = run_cli(monkeypatch, capsys, "quality", "--export", paths[0], "--datasets", "math500")
     assert code == 2 and err.count("\n") == 1 and "dtrt quality scores text of humaneval, mt-bench" in err
+
+
+def test_onnx_runtime_fuses_every_quantized_linear(int4_export, int8_export, tmp_path):
+    """Every DequantizeLinear -> MatMul pair becomes MatMulNBits at session load (none left dequantizing on every
+    call), and RMSNorm fuses too."""
+    from dtrt.runtime.backends.onnxruntime import cpu_session
+
+    for exp in (int4_export, int8_export):
+        cpu_session(exp.stage("target"), threads=1, optimized=tmp_path / "opt.onnx")
+        ops = [n.op_type for n in onnx.load(str(tmp_path / "opt.onnx"), load_external_data=False).graph.node]
+        assert ops.count("MatMulNBits") == exp.manifest["quant"]["weights"], exp.quant_name
+        assert "DequantizeLinear" not in ops and "Gemm" not in ops and "SimplifiedLayerNormalization" in ops
