@@ -431,7 +431,7 @@ def serve(
 @click.option(
     "--quant-method",
     type=click.Choice(QUANT_METHODS),
-    default="mse",
+    default="rtn",
     show_default=True,
     help="rtn: scale = absmax / qmax; mse: the clip of absmax with the least squared error per channel or block",
 )

@@ -61,7 +61,7 @@ def test_round_to_nearest_is_within_half_a_step(q):
     assert ints.abs().amax() == (127 if q.bits == 8 else 7)  # absmax of each group maps to qmax
 
 
-def test_mse_clipping_never_loses_to_round_to_nearest_and_is_deterministic():
+def test_mse_clipping_lowers_the_weight_error_and_is_deterministic():
     w = torch.randn(64, 96) * torch.rand(64, 1)
     w[0, 0] = 40.0  # an outlier: clipping pays
     err = {}
@@ -92,7 +92,7 @@ def test_quant_flags_are_checked():
 # the export
 def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_export):
     m = int4_export.manifest
-    assert m["quant"] == {"bits": 4, "block": 32, "method": "mse", "format": "qdq", "weights": m["quant"]["weights"]}
+    assert m["quant"] == {"bits": 4, "block": 32, "method": "rtn", "format": "qdq", "weights": m["quant"]["weights"]}
     assert m["quant"]["weights"] == 7 * m["target"]["num_layers"] + 1  # q, k, v, o, gate, up, down; the lm_head
     assert m["ordered_attention"] == {"align": 128, "max_rows": 64, "min_rows": 2}
     assert int4_export.quant == INT4 and int4_export.quant_name == "int4"

@@ -69,7 +69,7 @@ def quant_flags(q: dict | None) -> dict:
     if not q:
         return {"quant": None}
     flags = {"quant": f"int{q['bits']}", "quant_block": q.get("block")}
-    return flags | ({"quant_method": q["method"]} if q.get("method", "mse") != "mse" else {})
+    return flags | ({"quant_method": q["method"]} if q.get("method", "rtn") != "rtn" else {})
 
 
 def read_manifest(path: Path, fmt: str, what: str, how: str) -> dict:

@@ -7,8 +7,10 @@ a quantized export) multiplies by.
 
 Symmetric (no zero point: TensorRT's INT4 dequantize takes none) and deterministic. The scale of each channel or
 block is chosen among `CLIP_RATIOS` of its absolute maximum, the one whose round-to-nearest reconstruction has the
-least squared error (`method="mse"`; `method="rtn"` keeps the absolute maximum). Both are pure functions of the
-weights: export and reference compute the same integers and scales, bit for bit.
+least squared error (`method="mse"`), or is the absolute maximum itself (`method="rtn"`, the default: on SmolLM2's
+int4 target the clipped scales lower the weights' error but raise the held-out NLL, 2.234 against 2.213 nats per
+token). Both are pure functions of the weights: export and reference compute the same integers and scales, bit for
+bit.
 """
 
 import copy
@@ -34,7 +36,7 @@ class QuantSpec:
     """8: int8 per output channel; 4: int4 per block of `block` input features."""
     block: int | None = None
     """int4's block size along the input features (a last, shorter block where it does not divide them)."""
-    method: Literal["rtn", "mse"] = "mse"
+    method: Literal["rtn", "mse"] = "rtn"
     """rtn: scale = absmax / qmax; mse: the clip ratio of absmax with the least squared reconstruction error."""
 
     @property
@@ -46,10 +48,10 @@ class QuantSpec:
 
     @classmethod
     def from_json(cls, d: dict) -> "QuantSpec":
-        return cls(bits=int(d["bits"]), block=d.get("block"), method=d.get("method", "mse"))
+        return cls(bits=int(d["bits"]), block=d.get("block"), method=d.get("method", "rtn"))
 
 
-def quant_spec(quant: str, block: int = 32, method: str = "mse") -> QuantSpec | None:
+def quant_spec(quant: str, block: int = 32, method: str = "rtn") -> QuantSpec | None:
     """`--quant` (with `--quant-block`, `--quant-method`) as a QuantSpec; None for "none". ValueError on a bad one."""
     if quant not in QUANTS:
         raise ValueError(f"use one of {', '.join(QUANTS)}")
