@@ -18,6 +18,7 @@ from dtrt.artifacts.files import MANIFEST, write_manifest
 from dtrt.errors import DtrtError
 from dtrt.exporter.export import export_pair
 from dtrt.exporter.target_quant import DATA_SUFFIX, pack_int4, unpack_int4
+from dtrt.models.checkpoint import load_target
 from dtrt.models.quant import QuantSpec, dequantize, quant_spec, quantize
 from dtrt.parity import run_parity
 from dtrt.parity.check import reference_stages
@@ -164,11 +165,17 @@ def test_pad_rows_repeats_the_last_row_seeing_itself():
 
 
 def test_torch_backend_runs_the_dequantized_target(tiny):
-    ar = generate_all(pipe_for(tiny, spec("ar", quant="int4")), max_new=24)
+    pipe = pipe_for(tiny, spec("ar", quant="int4"))
+    ar = generate_all(pipe, max_new=24)
     tree = generate_all(pipe_for(tiny, spec("dominotree", quant="int4")), max_new=24)
-    full = generate_all(pipe_for(tiny, spec("ar")), max_new=24)
     assert [g.tokens for g in tree] == [g.tokens for g in ar]
-    assert [g.tokens for g in ar] != [g.tokens for g in full]  # the int4 target is another model
+    full = load_target(tiny.target)
+    for name in ("lm_head", "model.layers.0.mlp.down_proj"):
+        w, ref = pipe.backend.target.get_submodule(name).weight, full.get_submodule(name).weight
+        assert torch.equal(w, dequantize(*quantize(ref, INT4), INT4)) and not torch.equal(w, ref)
+    assert full.model.embed_tokens.weight is not full.lm_head.weight or torch.equal(
+        pipe.backend.target.model.embed_tokens.weight, full.model.embed_tokens.weight
+    )  # the embedding stays full precision
 
 
 # parity

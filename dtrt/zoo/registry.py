@@ -39,8 +39,8 @@ MODELS = {
     for e in (
         # SmolLM2 in fp32 on ONNX Runtime: a 17-node verify costs ~1.5x a 1-token step and its drafter commits ~1.5
         # tokens a round, so 4 nodes beat 16 (T=0: 1.07x AR vs 0.86x; README, dtrt bench). Its first-use export
-        # has an int8 target: 1.25x fp32's AR with 96% greedy agreement (int4: 1.7x, but 64-72%); a quantized
-        # verify is steeper in N (benchmarks/verify_cost.py: 3 tokens cost 1.0x one, 5 cost 1.1-1.5x), so 2 nodes.
+        # has an int8 target: 1.26x fp32's AR with 94-96% greedy agreement (int4: 1.79x, but 63-74%); a quantized
+        # verify is steeper in N (benchmarks/verify_cost.py: 3 tokens cost 1.0-1.2x one, 5 cost 1.2-1.5x), so 2 nodes.
         ModelEntry("smollm2-135m", budget=4, quant="int8", quant_budgets=(("int8", 2), ("int4", 2))),
         ModelEntry("tiny"),
         ModelEntry("tiny-hybrid"),
