@@ -92,6 +92,12 @@ def test_quant_sweep_on_tiny(tiny, tmp_path, monkeypatch, capsys, int4_budget_8)
     code, _, err = run_cli(monkeypatch, capsys, "bench", "--resume", str(out), "--quant", "int4,none")
     assert code == 2 and err.count("\n") == 1
     assert f"error: --resume {out}: the grid differs from the run there (quant: int4,none here, none,int4 there)" in err
+    # a run written before the quantization axis: its grid has no quant list
+    run = json.loads((out / "run.json").read_text())
+    del run["grid"]["quant"]
+    (out / "run.json").write_text(json.dumps(run))
+    code, _, err = run_cli(monkeypatch, capsys, "bench", "--resume", str(out))
+    assert code == 2 and "(quant: none,int4 here, not recorded, by an earlier dtrt there)" in err, err
 
 
 @pytest.mark.parametrize(

@@ -63,12 +63,16 @@ def start(out: Path, grid: dict, resume: bool) -> list[dict]:
     order = ("quant", "rows", "sources", "temperatures", "max_new_tokens", "seed", "thinking", "threads", "gguf")
     for k in [*order, *sorted((set(stored) | set(grid)) - set(order))]:
         if stored.get(k) != grid.get(k):
+            there = _show(stored[k]) if k in stored else "not recorded, by an earlier dtrt"
             raise DtrtError(
                 f"--resume {out}: the grid differs from the run there ({k}: {_show(grid.get(k))} here, "
-                f"{_show(stored.get(k))} there); pass the same flags, or start a new --out"
+                f"{there} there); pass the same flags, or start a new --out"
             )
     return RecordLog(out).load()
 
 
 def _show(v) -> str:
-    return ",".join(map(str, v)) if isinstance(v, list) else str(v)
+    """A grid value in a message; None (a quantization the spec left to the export or backend) as `default`."""
+    if isinstance(v, list):
+        return ",".join("default" if x is None else str(x) for x in v)
+    return "default" if v is None else str(v)
