@@ -99,6 +99,7 @@ def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_exp
     assert int4_export.quant == INT4 and int4_export.quant_name == "int4"
     assert "--quant int4 --quant-block 32" in int4_export.fix_hint()
     assert "--quant" not in int4_export.fix_hint(quant="none")
+    assert "--quant int8 --out" in int4_export.fix_hint(quant="int8")  # per channel: no block
     graph = onnx.load(str(int4_export.stage("target")), load_external_data=False).graph
     inits = {i.name: i for i in graph.initializer}
     dq = [n for n in graph.node if n.op_type == "DequantizeLinear"]
@@ -236,7 +237,9 @@ def test_int8_export_passes_parity_and_keeps_its_ar_tokens(int8_export):
 
 # errors
 def test_quantized_exports_refuse_what_they_cannot_do(int4_export, tmp_path, monkeypatch, capsys):
-    with pytest.raises(DtrtError, match=r"^--quant int8: .* holds a int4 target; drop --quant or re-export with `dtrt"):
+    with pytest.raises(
+        DtrtError, match=r"^--quant int8: .* holds an int4 target; drop --quant or re-export with `dtrt"
+    ):
         pipe_for(None, spec("ar", quant="int8"), backend="onnxruntime", export=int4_export.path)
     with pytest.raises(DtrtError, match=r"^--budget 64: .* at most 64 nodes; use --budget 63 or less$"):
         pipe_for(None, spec("dominotree", budget=64), backend="onnxruntime", export=int4_export.path)

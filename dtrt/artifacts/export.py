@@ -40,6 +40,11 @@ class Export:
         return self.quant.name if self.quant else "none"
 
     @property
+    def target_kind(self) -> str:
+        """`an int4 target` or `a full-precision target`, for messages."""
+        return f"an {self.quant_name} target" if self.quant else "a full-precision target"
+
+    @property
     def max_context(self) -> int:
         return int(self.manifest["max_context"])
 
@@ -60,6 +65,8 @@ class Export:
         } | changes
         if flags.get("quant") in (None, "none"):  # the default: no quantization flags
             flags.update(quant=None, quant_block=None, quant_method=None)
+        elif flags["quant"] == "int8":  # per channel: no block
+            flags.update(quant_block=None)
         opts = "".join(f" --{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None)
         return f"dtrt export {how}{opts} --out {self.path} --force"
 

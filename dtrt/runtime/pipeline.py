@@ -111,13 +111,13 @@ def open_pipeline(spec: RunSpec, sources: Sources) -> Pipeline:
             )
         if spec.quant is not None and spec.quant != exp.quant_name:
             raise DtrtError(
-                f"--quant {spec.quant}: {exp.path} holds a {exp.quant_name} target; drop --quant or re-export with "
+                f"--quant {spec.quant}: {exp.path} holds {exp.target_kind}; drop --quant or re-export with "
                 f"`{exp.fix_hint(quant=spec.quant)}`"
             )
         order = exp.manifest.get("ordered_attention")
         if order and spec.method in BUDGET_METHODS and spec.budget + 1 > order["max_rows"]:
             raise DtrtError(
-                f"--budget {spec.budget}: {exp.path} holds a {exp.quant_name} target, whose verify reproduces its AR "
+                f"--budget {spec.budget}: {exp.path} holds {exp.target_kind}, whose verify reproduces its AR "
                 f"tokens for trees of at most {order['max_rows']} nodes; use --budget {order['max_rows'] - 1} or less"
             )
         kind = _drafter_kind(spec, exp)
