@@ -1,4 +1,5 @@
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -22,18 +23,32 @@ def _seed():
     torch.manual_seed(0)
 
 
+@contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to `n` inside the block, restored after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`): the tiny model
+    runs fastest on one, and several threads crawl on a busy machine."""
+    with torch_threads(1):
+        yield
+
+
 @pytest.fixture(scope="module")
 def torch_tokens(tiny):
     """The torch backend's AR tokens for helpers.PROMPTS on the tiny pair: what every method must give."""
     from helpers import generate_all, pipe_for, spec
 
-    # the tiny model runs fastest on one thread, and several threads crawl on a busy machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return [g.tokens for g in generate_all(pipe_for(tiny, spec("ar")))]
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 import torch
 from helpers import drafter_json, pipe_for, run_cli, spec, write_drafter
-from test_run_cli import PROMPT, _one_thread, tiny_chat, tiny_variant  # noqa: F401 (fixtures)
+from test_run_cli import PROMPT, tiny_chat, tiny_variant  # noqa: F401 (fixtures)
 
 pytest.importorskip("aiohttp")
 

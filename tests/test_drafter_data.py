@@ -18,6 +18,8 @@ from dtrt.train.data import decode_pool
 from dtrt.train.datagen import DataGenConfig, drafter_data, load_rows, read_progress
 from dtrt.zoo import tiny as tiny_mod
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = [
     {"prompt": "The cat sees "},
     {"turns": ["A quick fox ", "The dog "]},
@@ -30,14 +32,6 @@ PROMPTS = [
 # small rows, shards of 3 (prompt, sample) pairs, batches of 4: several shards, refills and turns per shard
 SMALL = ["--samples", "2", "--max-new-tokens", "20", "--shard-rows", "3", "--batch", "4"]
 CORPUS = ["--corpus-row-tokens", "64"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import json
 import shutil
 
 import pytest
-import torch
 from helpers import pipe_for, run_cli, spec
 
 from dtrt.artifacts.files import MANIFEST, write_manifest
@@ -16,16 +15,10 @@ from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.pipeline import stop_ids
 from dtrt.runtime.sampling import SamplingConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = "The cat sees "
 NEW = 40
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model runs fastest on one thread
-    yield
-    torch.set_num_threads(threads)
 
 
 def run_json(monkeypatch, capsys, *args):

@@ -12,15 +12,9 @@ from helpers import pipe_for, run_cli, spec
 from dtrt.errors import BackendFault, DtrtError
 from dtrt.runtime.backends.onnxruntime import OrtRunner
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = "The cat sees "
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model runs fastest on one thread, and more crawl on a busy machine
-    yield
-    torch.set_num_threads(threads)
 
 
 def boom(self, stage, feeds):

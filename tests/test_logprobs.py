@@ -11,13 +11,7 @@ from dtrt.runtime.generate import collect
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.text import TokenPieces, complete
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

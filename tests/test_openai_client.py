@@ -33,18 +33,12 @@ from dtrt.runtime.sampling import SamplingConfig  # noqa: E402
 from dtrt.runtime.text import complete  # noqa: E402
 from dtrt.serve import BackgroundServer, ServeConfig  # noqa: E402 (needs aiohttp)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 KEY = "sk-test-0123456789"
 NAME = "tiny-chat"
 PROMPTS = ["The cat sees ", "A quick fox ", "Every king walks ", "The moon is very ", "Some old man reads "]
 CHAT = [{"role": "user", "content": PROMPT}]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import signal
 import sys
 
 import pytest
-import torch
 from helpers import pipe_for, run_cli, spec
 
 from dtrt.models.checkpoint import Pair
@@ -26,13 +25,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model runs fastest on one thread, and more crawl on a busy machine
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_variant(tiny, path, chat_template=None, max_positions=None) -> Pair:

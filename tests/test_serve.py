@@ -12,7 +12,6 @@ import sys
 import urllib.request
 
 import pytest
-import torch
 
 from dtrt.runtime.requests import Request, encode
 from dtrt.runtime.sampling import SamplingConfig
@@ -23,6 +22,8 @@ from helpers import pipe_for, run_cli, spec  # noqa: E402
 from test_run_cli import PROMPT, a_stop_word, tiny_chat  # noqa: E402,F401 (fixture)
 
 from dtrt.serve import BackgroundServer, ServeConfig  # noqa: E402 (needs aiohttp)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = [
     "The cat sees ",
@@ -36,14 +37,6 @@ PROMPTS = [
 ]
 LONG = 4000  # new tokens no test waits for: generations that long are cancelled, timed out or rejected
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=120)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
