@@ -20,7 +20,7 @@ import torch
 
 from dtrt.artifacts.export import Export
 from dtrt.runtime.backends.onnxruntime import cpu_session
-from dtrt.runtime.backends.stages import pad_rows
+from dtrt.runtime.backends.stages import first_rows, pad_rows
 
 ORDER_DEPTH = 6  # chain tokens per order case
 
@@ -49,9 +49,9 @@ def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, 
     def call(ids, positions, mask, past_k, past_v):
         n = len(ids)
         if n < meta["min_rows"]:
-            ids, positions, mask = (t.numpy() for t in pad_rows(*map(torch.from_numpy, (ids, positions, mask)), 2))
-        out = run(ids, positions, mask, past_k, past_v)
-        return {k: v[:n] if k in ("logits", "hidden") else v[..., :n, :] for k, v in out.items()}
+            padded = pad_rows(*map(torch.from_numpy, (ids, positions, mask)), meta["min_rows"])
+            ids, positions, mask = (t.numpy() for t in padded)
+        return first_rows(run(ids, positions, mask, past_k, past_v), n)
 
     rows = []
     for past in order_cases(exp):

@@ -44,6 +44,11 @@ def pad_rows(ids, positions, mask, rows: int):
     return ids, positions, padded
 
 
+def first_rows(out: dict, n: int) -> dict:
+    """A padded target call's outputs for its first `n` rows: logits and hidden by row, new K/V by position."""
+    return {k: v[:n] if k in ("logits", "hidden") else v[..., :n, :] for k, v in out.items()}
+
+
 class StageRunner(ABC):
     """Runs stages by name: torch tensors in (converted to each input's dtype on `device`), a dict of torch
     tensors on `device` out, valid until the stage's next call."""
@@ -197,9 +202,7 @@ class ExportedBackend(Backend):
             parents = recurrent_parents(torch.as_tensor(mask).cpu(), self.flatten_tree)
             feeds.update(parents=parents, state=self.state, conv=self.conv)
         out = self.runner("target", **feeds)
-        if len(ids) > n:
-            out = {k: v[:n] if k in ("logits", "hidden") else v[..., :n, :] for k, v in out.items()}
-        return out
+        return first_rows(out, n) if len(ids) > n else out
 
     def target_forward(self, ids, positions, mask):
         out = self._target(ids, positions, mask, self.cache.length)
