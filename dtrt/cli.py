@@ -536,6 +536,7 @@ def parity(export_dir, as_json, random_only, prompts, quick):
 def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, as_json):
     """What a target quantization costs: greedy agreement with the reference target and NLL on held-out text."""
     from dtrt.artifacts.export import load_export
+    from dtrt.bench.main import split_list
     from dtrt.bench.quality import held_out, quality, table
     from dtrt.models.tokenizer import load_tokenizer
 
@@ -547,15 +548,10 @@ def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, a
     else:
         from dtrt.launch.first_use import cached_export
 
-        quants = [q.strip() for q in quant.split(",") if q.strip()]
-        for q in quants:
-            if q not in QUANTS:
-                raise DtrtError(f"--quant {q!r}: use some of {', '.join(QUANTS)}")
-        spec = resolve_spec(model=model or DEFAULT_MODEL, backend="onnxruntime", quant=quants[0] if quants else None)
+        quants = split_list("--quant", quant, str, QUANTS)
+        spec = resolve_spec(model=model or DEFAULT_MODEL, backend="onnxruntime", quant=quants[0])
         pair = load_pair(spec)
-        scored = {q: cached_export(pair, spec.model, _log, q) for q in dict.fromkeys(quants)}
-    if not scored:
-        raise DtrtError("--quant: give at least one quantization")
+        scored = {q: cached_export(pair, spec.model, _log, q) for q in quants}
     items = [t for name in datasets.split(",") if name.strip() for t in held_out(name.strip(), texts, seed)]
     tokenizer = load_tokenizer(next(iter(scored.values())).path / "tokenizer")
     rows = quality(scored, items, tokenizer, max_tokens=max_tokens, threads=threads)

@@ -55,7 +55,8 @@ class BenchOptions:
         return {k: getattr(self, k) for k in keys}
 
 
-def _split(flag: str, text: str, convert, allowed=None) -> list:
+def split_list(flag: str, text: str, convert, allowed=None) -> list:
+    """A comma-list flag's items, converted and checked against `allowed`, duplicates dropped; one-line errors."""
     items = [s.strip() for s in text.split(",") if s.strip()]
     if not items:
         raise DtrtError(f"{flag} {text!r}: give a comma-separated list")
@@ -83,18 +84,18 @@ def resumed(o: BenchOptions, given: set[str]) -> BenchOptions:
 
 
 def bench(o: BenchOptions, log) -> Path:
-    methods = _split("--methods", o.methods, str, METHODS) if o.methods else list(METHODS)
-    names = _split("--datasets", o.dataset_names, str, datasets.DATASETS)
-    temps = _split("--temperatures", o.temperatures, float)
-    budgets = _split("--budget", o.budget, int) if o.budget is not None else [None]
-    quants = _split("--quant", o.quant, str, QUANTS) if o.quant is not None else [None]
+    methods = split_list("--methods", o.methods, str, METHODS) if o.methods else list(METHODS)
+    names = split_list("--datasets", o.dataset_names, str, datasets.DATASETS)
+    temps = split_list("--temperatures", o.temperatures, float)
+    budgets = split_list("--budget", o.budget, int) if o.budget is not None else [None]
+    quants = split_list("--quant", o.quant, str, QUANTS) if o.quant is not None else [None]
     if len(quants) > 1 and o.export is not None:
         raise DtrtError(
             f"--quant {','.join(quants)}: an --export holds one quantized target; give one --quant, or --model NAME "
             "(a first-use export per quantization)"
         )
     long_names = [d for d in names if d in datasets.LONG]
-    bins = _split("--context-bins", o.context_bins, int) if o.context_bins is not None else None
+    bins = split_list("--context-bins", o.context_bins, int) if o.context_bins is not None else None
     if bins is not None and not long_names:
         raise DtrtError(
             f"--context-bins applies to the long-context datasets; add {' or '.join(datasets.LONG)} to --datasets"
