@@ -76,7 +76,8 @@ class Generation:
         now = time.perf_counter()
         self.tokens += step.tokens
         if step.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + step.logprobs
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(step.logprobs)
         if step.stats is None:
             self.prefill_s, self._decode_t0 = step.prefill_s, now
         else:
