@@ -593,7 +593,7 @@ def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, a
     type=int,
     default=TrainConfig.data_rows,
     show_default=True,
-    help="--data windows kept (a seeded subset; each holds seq-len x taps x hidden fp16 features in memory)",
+    help="--data windows kept (a seeded subset; each stores seq-len x taps x hidden fp16 features on disk)",
 )
 @click.option(
     "--gen-batch", type=int, default=TrainConfig.gen_batch, show_default=True, help="prompts continued together"
@@ -603,7 +603,18 @@ def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, a
 @click.option("--anchors", type=int, default=TrainConfig.anchors, show_default=True, help="blocks per row")
 @click.option("--lr", type=float, default=TrainConfig.lr, show_default=True)
 @click.option("--slot-decay", type=float, default=TrainConfig.slot_decay, show_default=True)
+@click.option(
+    "--candidates",
+    type=int,
+    default=TrainConfig.candidates,
+    show_default=True,
+    help="vocabulary entries the loss scores per step: the batch's labels and the target's top-8 at them, then "
+    "uniform negatives weighted for the rest; 0 scores the full vocabulary",
+)
 @click.option("--eval-every", type=int, default=TrainConfig.eval_every, show_default=True)
+@click.option(
+    "--save-every", type=int, default=TrainConfig.save_every, show_default=True, help="steps between checkpoints"
+)
 @click.option("--eval-prompts", type=int, default=TrainConfig.eval_prompts, show_default=True)
 @click.option("--eval-tokens", type=int, default=TrainConfig.eval_tokens, show_default=True)
 @click.option("--save-dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
@@ -620,7 +631,8 @@ def train_drafter_cmd(model, target, model_dir, out, corpus, prompts_file, data_
     state = train_drafter(
         pair.target, Path(out), cfg, corpus, prompts, resume, log=_log, progress=_progress, data_dirs=data_dirs
     )
-    click.echo(f"{out}: best held-out tau {state['best']:.2f} after {state['step']} steps")
+    if state:  # rank 0 of a torchrun
+        click.echo(f"{out}: best held-out tau {state['best']:.2f} after {state['step']} steps")
 
 
 @cli.command("drafter-data")

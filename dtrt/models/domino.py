@@ -52,6 +52,6 @@ class DominoHead(nn.Module):
         """SiLU(W1 [z; s]) [..., E]; z [..., H] is a drafter row, s [..., G] a path state."""
         return F.silu(self.embed_proj[0](torch.cat((z, s), dim=-1)))
 
-    def delta(self, z, s):
-        """Full-vocabulary correction [..., V]."""
-        return self.embed_proj[2](self.bottleneck(z, s))
+    def delta(self, z, s, columns=None):
+        """Full-vocabulary correction [..., V], or only the vocabulary entries `columns` [C] ([..., C])."""
+        return F.linear(self.bottleneck(z, s), self.w2 if columns is None else self.w2[columns])

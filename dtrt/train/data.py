@@ -1,5 +1,5 @@
-"""Training data for a drafter, made by the target itself: fixed-length rows of tokens, the target's greedy
-token for every position (labels), and the target's tapped features, all from batched forwards.
+"""Training rows for a drafter, made by the target itself: fixed-length rows of tokens (what the target says of
+them, labels and features, is computed into `dtrt.train.store`).
 
 Two sources: text (corpus files, teacher-forced: labels are the target's greedy predictions given the real
 prefix) and the target's own greedy continuations of prompts (labels are the tokens themselves). The decoders here
@@ -7,7 +7,6 @@ prefix) and the target's own greedy continuations of prompts (labels are the tok
 target makes its own text fastest on a CPU."""
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,24 +15,6 @@ from dtrt.errors import DtrtError
 from dtrt.models.target import KVCache
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".jsonl")
-
-
-@dataclass
-class DrafterData:
-    tokens: torch.Tensor  # Long [S, T]
-    labels: torch.Tensor  # Long [S, T]: labels[:, t] is the target's greedy token at position t
-    lengths: torch.Tensor  # Long [S]
-    feats: torch.Tensor  # [S, T, taps*H], stored in fp16
-
-    def __len__(self):
-        return self.tokens.shape[0]
-
-    def save(self, path: Path):
-        torch.save(self.__dict__, path)
-
-    @classmethod
-    def load(cls, path: Path) -> "DrafterData":
-        return cls(**torch.load(path))
 
 
 def read_corpus(paths, max_chars: int) -> str:
@@ -76,26 +57,6 @@ def windows(rows: list[list[int]], starts: list[int], T: int) -> tuple[torch.Ten
                 break
             s += T // 2
     return torch.tensor(out, dtype=torch.long).reshape(-1, T), torch.tensor(lengths, dtype=torch.long)
-
-
-@torch.no_grad()
-def greedy_labels_and_features(target, rows, batch: int, device, taps, log=None):
-    """One batched causal forward per chunk of rows: (labels, features fp16 of the layers `taps`)."""
-    S, T = rows.shape
-    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    labels = torch.empty_like(rows)
-    feats = None
-    for i in range(0, S, batch):
-        x = rows[i : i + batch].to(device)
-        logits, hidden = target(x, torch.arange(T, device=device).expand_as(x), mask, taps=taps)
-        labels[i : i + batch, 0] = rows[i : i + batch, 0]
-        labels[i : i + batch, 1:] = logits[:, :-1].argmax(-1).cpu()
-        if feats is None:
-            feats = torch.empty(S, T, hidden.shape[-1], dtype=torch.float16)
-        feats[i : i + batch] = hidden.to(torch.float16).cpu()
-        if log:
-            log(min(i + batch, S), S)
-    return labels, feats
 
 
 def sample_rows(logits, temperature: float, top_p: float, generators) -> torch.Tensor:

@@ -24,12 +24,70 @@ class DistillConfig:
     seed: int = 0
 
 
+@dataclass
+class Candidates:
+    """The vocabulary entries a sampled loss scores: every label of the batch and the target's top-k at it (needed),
+    then uniform negatives from the rest, each standing for rest / drawn entries (its log weight), so that the
+    softmax's normalizer is estimated without bias and the full-vocabulary product is never run."""
+
+    ids: torch.Tensor  # Long [C], the needed ids first
+    log_weight: torch.Tensor  # [C]: 0 for needed ids, log(rest / drawn) for the negatives
+
+
+def label_positions(anchors, K: int):
+    """[b, A, K]: the positions whose labels a block anchored at `anchors` [b, A] drafts."""
+    return anchors[..., None] + 1 + torch.arange(K, device=anchors.device)
+
+
+def needed_ids(labels, topk, anchors, K: int):
+    """Long [n]: the distinct labels and target top-k ids at the positions the blocks draft."""
+    pos = label_positions(anchors, K).clamp(max=labels.shape[1] - 1).flatten(1)  # [b, A*K]
+    ids = [labels.gather(1, pos).flatten()]
+    if topk is not None:
+        ids.append(topk.gather(1, pos[..., None].expand(-1, -1, topk.shape[-1])).flatten())
+    return torch.unique(torch.cat(ids))
+
+
+def draw_candidates(needed, vocab: int, size: int, gen) -> Candidates:
+    """`size` entries: the needed ids and uniform negatives drawn (by `gen`) from the rest; the whole vocabulary,
+    unweighted, once `size` reaches it."""
+    needed = needed.cpu()
+    if size >= vocab:
+        return Candidates(torch.arange(vocab), torch.zeros(vocab))
+    free = torch.ones(vocab, dtype=torch.bool)
+    free[needed] = False
+    perm = torch.randperm(vocab, generator=gen)
+    drawn = perm[free[perm]][: max(0, size - needed.numel())]
+    rest = vocab - needed.numel()
+    weight = torch.full((drawn.numel(),), math.log(rest / max(1, drawn.numel())))
+    return Candidates(torch.cat((needed, drawn)), torch.cat((torch.zeros(needed.numel()), weight)))
+
+
+def slot_weights(anchors, lengths, K: int, T: int, slot_decay: float):
+    """[b, A, K]: the loss weight of every drafted slot: exp(-d / slot_decay) at depth d where a label exists."""
+    valid = label_positions(anchors, K) < (T if lengths is None else lengths[:, None, None])
+    return torch.exp(-torch.arange(K, dtype=torch.float32, device=anchors.device) / slot_decay) * valid
+
+
 def block_loss(
-    target: Target, drafter: Drafter, tokens, feats, anchors, slot_decay: float = 4.0, labels=None, lengths=None
+    target: Target,
+    drafter: Drafter,
+    tokens,
+    feats,
+    anchors,
+    slot_decay: float = 4.0,
+    labels=None,
+    lengths=None,
+    *,
+    candidates: Candidates | None = None,
+    normalizer=None,
 ):
     """tokens [b, T], feats [b, T, taps*H] (target taps), anchors [b, A] block start positions; labels [b, T]
     the target's greedy token for each position (default: the tokens themselves, i.e. the target's own text);
-    lengths [b] the valid prefix of each row. Returns (loss, per-depth argmax accuracy [K] of the final scores)."""
+    lengths [b] the valid prefix of each row. `candidates`: score only these vocabulary entries (default: all).
+    `normalizer`: what the weighted sum is divided by (default: its own total weight; data-parallel ranks pass the
+    global batch's share). Returns (loss, per-depth argmax accuracy [K] of the final scores, among the scored
+    entries)."""
     cfg = drafter.cfg
     b, T = tokens.shape
     A, B, K = anchors.shape[1], cfg.block_size, cfg.k_draft
@@ -45,14 +103,23 @@ def block_loss(
     hidden = drafter.block(x, positions, ctx_kv, torch.cat((sees_ctx, sees_blk), dim=-1))
     rows = drafter.proposal_rows(hidden.reshape(b, A, B, -1))  # [b, A, K, H]
 
-    label_pos = anchors[..., None] + 1 + torch.arange(K, device=tokens.device)  # [b, A, K]
-    valid = label_pos < (T if lengths is None else lengths[:, None, None])
+    label_pos = label_positions(anchors, K)
     labels = (tokens if labels is None else labels).gather(1, label_pos.clamp(max=T - 1).reshape(b, -1))
     labels = labels.reshape(b, A, K)
-    weight = torch.exp(-torch.arange(K, dtype=torch.float32, device=tokens.device) / slot_decay) * valid
+    weight = slot_weights(anchors, lengths, K, T, slot_decay)
+    valid = weight > 0
     W = target.lm_head.weight
+    columns, bias, targets = None, 0.0, labels.flatten()
+    if candidates is not None:
+        columns = candidates.ids.to(tokens.device)
+        bias = candidates.log_weight.to(tokens.device)
+        where = torch.full((W.shape[0],), -1, dtype=torch.long, device=tokens.device)
+        where[columns] = torch.arange(columns.numel(), device=tokens.device)
+        targets = where[targets]
+        assert bool((targets >= 0).all()), "every label must be a needed candidate"
+        W = W[columns]
     scores = F.linear(rows.reshape(-1, W.shape[1]).to(W.dtype), W).float().reshape(b, A, K, -1)  # one GEMM
-    loss = (F.cross_entropy(scores.flatten(0, 2), labels.flatten(), reduction="none") * weight.flatten()).sum()
+    loss = (F.cross_entropy((scores + bias).flatten(0, 2), targets, reduction="none") * weight.flatten()).sum()
 
     head = drafter.head
     if head is not None:  # path states along the labels, then every depth's correction in one call
@@ -61,17 +128,22 @@ def block_loss(
             states.append(s)
             s = head.gru(embed(labels[:, :, d]).to(head.w2.dtype), s)
         delta = (
-            head.delta(rows.to(head.w2.dtype).reshape(b * A * K, -1), torch.stack(states, dim=2).reshape(b * A * K, -1))
+            head.delta(
+                rows.to(head.w2.dtype).reshape(b * A * K, -1),
+                torch.stack(states, dim=2).reshape(b * A * K, -1),
+                columns,
+            )
             .float()
             .reshape(b, A, K, -1)
         )
         corrects = (torch.arange(K, device=tokens.device) >= cfg.pure_draft_prefix_len)[:, None]
         scores = scores + delta * corrects
         loss = (
-            loss + (F.cross_entropy(scores.flatten(0, 2), labels.flatten(), reduction="none") * weight.flatten()).sum()
+            loss + (F.cross_entropy((scores + bias).flatten(0, 2), targets, reduction="none") * weight.flatten()).sum()
         )
-    acc = ((scores.argmax(-1) == labels) & valid).float().sum((0, 1)) / valid.float().sum((0, 1)).clamp(min=1)
-    return loss / weight.sum(), acc
+    hits = (scores.argmax(-1) == targets.reshape(b, A, K)) & valid
+    acc = hits.float().sum((0, 1)) / valid.float().sum((0, 1)).clamp(min=1)
+    return loss / (weight.sum() if normalizer is None else normalizer), acc
 
 
 def sample_anchors(lengths, A: int, gen):

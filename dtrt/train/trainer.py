@@ -1,10 +1,14 @@
 """`dtrt train-drafter`: distil a DFlash drafter and a Domino head from a target, and save both in the released
 layouts (`<out>/dflash`, `<out>/domino`; the Domino checkpoint is the same body plus the head).
 
-Data (made once, cached under `<out>/.train/`): corpus rows teacher-forced through the target and the target's
-own greedy continuations of prompts; labels are always the target's greedy tokens. The drafter starts from the
-target's last layers and final norm. Held-out tau (DominoTree on the torch backend, held-out prompts) is measured
-every `eval_every` steps and the best checkpoint is kept. `<out>/.train/state.pt` makes a run resumable."""
+Data (made once, stored under `<out>/.train/data/` by `dtrt.train.store`, its build resumable): corpus rows
+teacher-forced through the target, windows of `dtrt drafter-data` rows and the target's own greedy continuations of
+prompts; labels are always the target's greedy tokens. The drafter starts from the target's last layers and final
+norm. The loss scores a sampled share of the vocabulary (`distill.Candidates`) unless `candidates` is 0. Held-out
+tau (DominoTree on the torch backend, held-out prompts) is measured every `eval_every` steps and the best
+checkpoint is kept. `<out>/.train/state.pt`, written every `save_every` steps and on an interrupt, makes a run
+resumable, and the resumed run takes the same steps as an uninterrupted one. Under torchrun the steps are
+data-parallel (`dtrt.train.distributed`)."""
 
 import json
 import math
@@ -25,9 +29,10 @@ from dtrt.models.drafter import Drafter
 from dtrt.models.hybrid import HybridTarget
 from dtrt.models.target import Target
 from dtrt.models.tokenizer import load_tokenizer
-from dtrt.train.data import DrafterData, continuations, greedy_labels_and_features, read_corpus, text_rows, windows
+from dtrt.train import distributed, store
+from dtrt.train.data import continuations, read_corpus, text_rows, windows
 from dtrt.train.datagen import check_data, load_rows
-from dtrt.train.distill import block_loss, sample_anchors
+from dtrt.train.distill import block_loss, draw_candidates, needed_ids, sample_anchors, slot_weights
 
 
 @dataclass
@@ -41,13 +46,15 @@ class TrainConfig:
     corpus_rows: int = 400
     gen_tokens: int = 96
     gen_batch: int = 32
-    data_rows: int = 1000  # windows of --data rows kept (a seeded subset); their features are held in memory
+    data_rows: int = 1000  # windows of --data rows kept (a seeded subset); their features are stored on disk
     steps: int = 1500
     batch: int = 8
     anchors: int = 8
     lr: float = 1e-3
     slot_decay: float = 4.0
+    candidates: int = 4096  # vocabulary entries the loss scores per step (labels, target top-k, negatives); 0: all
     eval_every: int = 300
+    save_every: int = 50  # steps between resumable checkpoints (every evaluation also saves one)
     eval_prompts: int = 6
     eval_tokens: int = 48
     save_dtype: str = "bf16"
@@ -114,7 +121,7 @@ def pick_mask_token(tokenizer, vocab: int) -> int:
     return vocab - 1 if used < vocab else max(tokenizer.all_special_ids or [vocab - 1])
 
 
-def build_data(
+def build_rows(
     target: Target,
     tokenizer,
     eos: tuple[int, ...],
@@ -124,9 +131,9 @@ def build_data(
     progress,
     data=(),
     target_path=None,
-) -> DrafterData:
-    """Corpus rows, the target's continuations of the training prompts (each ending at one of `eos`) and windows of
-    `dtrt drafter-data` rows, labelled and featurized."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [S, T], valid lengths [S]): corpus rows, windows of `dtrt drafter-data` rows (a seeded subset of
+    --data-rows) and the target's continuations of the training prompts (each ending at one of `eos`)."""
     T = cfg.seq_len
     rows = [text_rows(tokenizer, read_corpus(corpus, cfg.corpus_chars), T, cfg.corpus_rows)] if corpus else []
     lengths = [torch.full((rows[0].shape[0],), T)] if rows else []
@@ -153,10 +160,7 @@ def build_data(
         lengths.append(gen_lengths)
     if not rows:
         raise DtrtError("no training data: give --data DIR, --corpus PATH and/or --prompts FILE")
-    tokens = torch.cat(rows)
-    taps = taps_for(target.cfg.num_layers)
-    labels, feats = greedy_labels_and_features(target, tokens, 8, cfg.device, taps, log=progress("features"))
-    return DrafterData(tokens, labels, torch.cat(lengths), feats)
+    return torch.cat(rows), torch.cat(lengths)
 
 
 @torch.no_grad()
@@ -197,6 +201,37 @@ def save_drafters(drafter: Drafter, target: Target, cfg: TrainConfig, out: Path)
         os.replace(tmp, out / kind)
 
 
+class LossModel(torch.nn.Module):
+    """The drafter's training loss as a module, so DistributedDataParallel can wrap it; the frozen target is kept
+    out of its parameters (nothing of it is broadcast or reduced)."""
+
+    def __init__(self, drafter: Drafter, target: Target):
+        super().__init__()
+        self.drafter = drafter
+        object.__setattr__(self, "target", target)
+
+    def forward(self, tokens, feats, anchors, slot_decay, labels, lengths, **kw):
+        return block_loss(self.target, self.drafter, tokens, feats, anchors, slot_decay, labels, lengths, **kw)
+
+
+def prepare_data(target, target_path, tokenizer, cfg, corpus, prompts, data_dirs, work: Path, progress, log):
+    """Build (or finish building) the run's data store, then open it."""
+    path = work / "data"
+    if (work / "data.pt").is_file():
+        raise DtrtError(f"{work / 'data.pt'}: data of an older dtrt; delete it and --resume rebuilds the data")
+    if not store.started(path):
+        t0 = time.perf_counter()
+        from dtrt.runtime.pipeline import stop_ids
+
+        eos = stop_ids(target.cfg.eos_token_id, tokenizer, target_path)
+        tokens, lengths = build_rows(target, tokenizer, eos, cfg, corpus, prompts, progress, data_dirs, target_path)
+        store.create(path, tokens, lengths, len(taps_for(target.cfg.num_layers)) * target.cfg.hidden_size)
+        log(f"data: {tokens.shape[0]} rows x {cfg.seq_len} tokens laid out in {time.perf_counter() - t0:.0f}s")
+    t0 = time.perf_counter()
+    done = store.fill(path, target, taps_for(target.cfg.num_layers), cfg.device, log=progress("features"))
+    log(f"data: {done['rows']} rows labelled and featurized ({time.perf_counter() - t0:.0f}s this run) in {path}")
+
+
 def train_drafter(
     target_path: Path,
     out: Path,
@@ -207,59 +242,70 @@ def train_drafter(
     log=print,
     progress=None,
     data_dirs=(),
-) -> dict:
+) -> dict | None:
+    """Train, evaluate and save; returns the run's state (None on ranks other than 0)."""
+    ranks = distributed.from_env()
+    device = distributed.device_for(cfg.device, ranks)
     out = Path(out)
     work = out / ".train"
-    if out.exists() and not resume and any(out.iterdir()):
+    if ranks.main and out.exists() and not resume and any(out.iterdir()):
         raise DtrtError(f"--out {out}: already holds a run; pass --resume to continue it or choose another --out")
     for d in data_dirs:  # before anything is written: data of this target, where it says
         check_data(d, target_path)
-    target = load_target(target_path).to(cfg.device).requires_grad_(False)
+    distributed.shard(cfg.batch, ranks)  # refuses a batch the ranks cannot share
+    distributed.start(ranks, device)
+    try:
+        state = _train(target_path, out, work, cfg, ranks, device, corpus, prompts, resume, log, progress, data_dirs)
+    except BaseException:
+        distributed.stop(ranks, finished=False)
+        raise
+    distributed.stop(ranks)
+    return state
+
+
+def _train(target_path, out, work, cfg, ranks, device, corpus, prompts, resume, log, progress, data_dirs) -> dict:
+    target = load_target(target_path).to(device).requires_grad_(False)
     if isinstance(target, HybridTarget):  # the draft layers start from the target's, and data rows are left-padded
         raise DtrtError(
             f"{target_path}: dtrt train-drafter trains drafters for dense targets (Qwen3, Llama); "
             "hybrid Gated-DeltaNet targets are not supported yet"
         )
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     torch.manual_seed(cfg.seed)
-    progress = progress or (lambda what: None)
+    progress = (progress or (lambda what: None)) if ranks.main else (lambda what: None)
+    log = log if ranks.main else (lambda *a: None)
     tokenizer = load_tokenizer(target_path)
     prompts = list(prompts)
     held_out = prompts[-cfg.eval_prompts :] if len(prompts) > cfg.eval_prompts else []
     train_prompts = prompts[: len(prompts) - len(held_out)]
-
-    if (work / "data.pt").is_file():
-        data = DrafterData.load(work / "data.pt")
-        log(f"data: {len(data)} rows from {work / 'data.pt'}")
-    else:
-        t0 = time.perf_counter()
-        from dtrt.runtime.pipeline import stop_ids
-
-        eos = stop_ids(target.cfg.eos_token_id, tokenizer, target_path)
-        data = build_data(target, tokenizer, eos, cfg, corpus, train_prompts, progress, data_dirs, target_path)
-        data.save(work / "data.pt")
-        log(f"data: {len(data)} rows x {cfg.seq_len} tokens in {time.perf_counter() - t0:.0f}s")
+    if ranks.main:
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        prepare_data(target, target_path, tokenizer, cfg, corpus, train_prompts, data_dirs, work, progress, log)
+    distributed.barrier(ranks)
+    data = store.load(work / "data")
     if held_out:
         eval_ids = [tokenizer.encode(p, add_special_tokens=False) for p in held_out]
     else:  # hold out the last rows' first halves as prompts, and train on the rest
         n = min(cfg.eval_prompts, max(1, len(data) // 10))
         eval_ids = [r[: cfg.seq_len // 2].tolist() for r in data.tokens[-n:]]
-        data = DrafterData(data.tokens[:-n], data.labels[:-n], data.lengths[:-n], data.feats[:-n])
+        data = data.split(n)
 
-    drafter = new_drafter(target, cfg, pick_mask_token(tokenizer, target.cfg.vocab_size)).to(cfg.device)
+    drafter = new_drafter(target, cfg, pick_mask_token(tokenizer, target.cfg.vocab_size)).to(device)
+    model = distributed.wrap(LossModel(drafter, target), ranks, device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(cfg.seed)
     state = {"step": 0, "best": None, "history": []}
     if resume and (work / "state.pt").is_file():
-        saved = torch.load(work / "state.pt", weights_only=False)
+        saved = torch.load(work / "state.pt", weights_only=False, map_location=device)
         drafter.load_state_dict(saved["drafter"])
         opt.load_state_dict(saved["optimizer"])
-        gen.set_state(saved["generator"])
+        gen.set_state(saved["generator"].cpu())
         state = saved["state"]
         log(f"resumed at step {state['step']} (best held-out tau {state['best']})")
 
     def checkpoint():
+        if not ranks.main:
+            return
         torch.save(
             {
                 "drafter": drafter.state_dict(),
@@ -271,53 +317,76 @@ def train_drafter(
         )
         os.replace(work / "state.pt.tmp", work / "state.pt")
 
+    K, T, V = drafter.cfg.k_draft, cfg.seq_len, target.cfg.vocab_size
+    mine = distributed.shard(cfg.batch, ranks)
     bar = progress("train")
     t0 = time.perf_counter()
-    while state["step"] < cfg.steps:
-        step = state["step"]
-        lr = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        idx = torch.randint(0, len(data), (cfg.batch,), generator=gen)
-        anchors = sample_anchors(data.lengths[idx], cfg.anchors, gen)
-        loss, acc = block_loss(
-            target,
-            drafter,
-            data.tokens[idx].to(cfg.device),
-            data.feats[idx].to(cfg.device),
-            anchors.to(cfg.device),
-            cfg.slot_decay,
-            data.labels[idx].to(cfg.device),
-            data.lengths[idx].to(cfg.device),
-        )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        state["step"] = step = step + 1
-        if bar:
-            bar(step, cfg.steps, f"loss {loss.item():.3f} acc@1 {acc[0]:.2f}")
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            tau = held_out_tau(target, drafter, tokenizer, eval_ids, cfg)
-            record = {
-                "step": step,
-                "loss": loss.item(),
-                "acc": [round(a, 3) for a in acc.tolist()[:4]],
-                "tau": tau,
-                "elapsed_s": round(time.perf_counter() - t0, 1),
-            }
-            state["history"].append(record)
-            with open(work / "log.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-            if state["best"] is None or tau["dominotree"] > state["best"]:
-                state["best"] = tau["dominotree"]
-                save_drafters(drafter, target, cfg, out)
-            log(
-                f"step {step}: held-out tau dominotree {tau['dominotree']:.2f} dflash {tau['dflash']:.2f} "
-                f"(best {state['best']:.2f})"
+    try:
+        while state["step"] < cfg.steps:
+            step = state["step"]
+            lr = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            idx = torch.randint(0, len(data), (cfg.batch,), generator=gen)
+            lengths = data.lengths[idx]
+            anchors = sample_anchors(lengths, cfg.anchors, gen)
+            candidates = None
+            if cfg.candidates:  # from the whole global batch, so every rank scores the same entries
+                labels = torch.from_numpy(data.labels[idx.numpy()].astype("int64"))
+                topk = torch.from_numpy(data.topk[idx.numpy()].astype("int64"))
+                candidates = draw_candidates(needed_ids(labels, topk, anchors, K), V, cfg.candidates, gen)
+            normalizer = slot_weights(anchors, lengths, K, T, cfg.slot_decay).sum() / ranks.world
+            batch = data.rows(idx[mine], device)
+            loss, acc = model(
+                batch["tokens"],
+                batch["feats"],
+                anchors[mine].to(device),
+                cfg.slot_decay,
+                batch["labels"],
+                batch["lengths"],
+                candidates=candidates,
+                normalizer=normalizer.to(device),
             )
-            checkpoint()
-    return state
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            opt.step()
+            state["step"] = step = step + 1
+            if bar:
+                bar(step, cfg.steps, f"loss {loss.item():.3f} acc@1 {acc[0]:.2f}")
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                if ranks.main:
+                    evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, work, out, log)
+                checkpoint()
+                distributed.barrier(ranks)
+            elif step % cfg.save_every == 0:
+                checkpoint()
+    except KeyboardInterrupt:
+        checkpoint()
+        raise DtrtError(f"interrupted at step {state['step']}: --resume continues from it") from None
+    return state if ranks.main else None  # the other ranks never evaluate
+
+
+def evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, work, out, log):
+    """Held-out tau now; the drafters are saved when it is the best so far."""
+    tau = held_out_tau(target, drafter, tokenizer, eval_ids, cfg)
+    record = {
+        "step": state["step"],
+        "loss": loss.item(),
+        "acc": [round(a, 3) for a in acc.tolist()[:4]],
+        "tau": tau,
+        "elapsed_s": round(time.perf_counter() - t0, 1),
+    }
+    state["history"].append(record)
+    with open(work / "log.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if state["best"] is None or tau["dominotree"] > state["best"]:
+        state["best"] = tau["dominotree"]
+        save_drafters(drafter, target, cfg, out)
+    log(
+        f"step {state['step']}: held-out tau dominotree {tau['dominotree']:.2f} dflash {tau['dflash']:.2f} "
+        f"(best {state['best']:.2f})"
+    )
 
 
 def read_prompts(path, target_path: Path, chat: bool) -> list[str]:
