@@ -569,7 +569,15 @@ def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, a
     "--prompts",
     "prompts_file",
     type=click.Path(),
-    help="JSONL ({'prompt': ...}) or text lines the target continues; the last --eval-prompts are held out",
+    help="JSONL ({'prompt': ...}) or text lines the target continues; the last --eval-prompts are held out "
+    "unless --held-out is given",
+)
+@click.option(
+    "--held-out",
+    "held_out_file",
+    type=click.Path(),
+    help="prompts (same formats) that held-out tau is measured on; default: the last --eval-prompts of --prompts, "
+    "else the first halves of the last data rows",
 )
 @click.option(
     "--data",
@@ -593,7 +601,8 @@ def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, a
     type=int,
     default=TrainConfig.data_rows,
     show_default=True,
-    help="--data windows kept (a seeded subset; each stores seq-len x taps x hidden fp16 features on disk)",
+    help="windows kept per --data directory (a seeded subset; each stores seq-len x taps x hidden fp16 features "
+    "on disk)",
 )
 @click.option(
     "--gen-batch", type=int, default=TrainConfig.gen_batch, show_default=True, help="prompts continued together"
@@ -620,7 +629,9 @@ def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, a
 @click.option("--save-dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
-def train_drafter_cmd(model, target, model_dir, out, corpus, prompts_file, data_dirs, chat, resume, **opts):
+def train_drafter_cmd(
+    model, target, model_dir, out, corpus, prompts_file, held_out_file, data_dirs, chat, resume, **opts
+):
     """Distil a DFlash drafter and a Domino head from a target into OUT/dflash and OUT/domino."""
     from dtrt.train.trainer import read_prompts, train_drafter
 
@@ -628,8 +639,18 @@ def train_drafter_cmd(model, target, model_dir, out, corpus, prompts_file, data_
     check_cuda(cfg.device)
     pair = load_pair(resolve_spec(model=model, target=target, model_dir=model_dir, backend="torch"), log=_log)
     prompts = read_prompts(prompts_file, pair.target, chat) if prompts_file else []
+    held_out = read_prompts(held_out_file, pair.target, chat, flag="--held-out") if held_out_file else []
     state = train_drafter(
-        pair.target, Path(out), cfg, corpus, prompts, resume, log=_log, progress=_progress, data_dirs=data_dirs
+        pair.target,
+        Path(out),
+        cfg,
+        corpus,
+        prompts,
+        resume,
+        log=_log,
+        progress=_progress,
+        data_dirs=data_dirs,
+        held_out=held_out,
     )
     if state:  # rank 0 of a torchrun
         click.echo(f"{out}: best held-out tau {state['best']:.2f} after {state['step']} steps")

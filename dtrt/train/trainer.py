@@ -46,7 +46,7 @@ class TrainConfig:
     corpus_rows: int = 400
     gen_tokens: int = 96
     gen_batch: int = 32
-    data_rows: int = 1000  # windows of --data rows kept (a seeded subset); their features are stored on disk
+    data_rows: int = 1000  # windows kept per --data directory (a seeded subset); their features are stored on disk
     steps: int = 1500
     batch: int = 8
     anchors: int = 8
@@ -133,12 +133,13 @@ def build_rows(
     target_path=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [S, T], valid lengths [S]): corpus rows, windows of `dtrt drafter-data` rows (a seeded subset of
-    --data-rows) and the target's continuations of the training prompts (each ending at one of `eos`)."""
+    --data-rows from each directory) and the target's continuations of the training prompts (each ending at one
+    of `eos`)."""
     T = cfg.seq_len
     rows = [text_rows(tokenizer, read_corpus(corpus, cfg.corpus_chars), T, cfg.corpus_rows)] if corpus else []
     lengths = [torch.full((rows[0].shape[0],), T)] if rows else []
-    if data:
-        shard_rows = [row for d in data for row in load_rows(d, target_path)[0]]
+    for d in data:
+        shard_rows = load_rows(d, target_path)[0]
         tokens, valid = windows([r.tokens for r in shard_rows], [r.response_start for r in shard_rows], T)
         if tokens.shape[0] > cfg.data_rows:
             keep = torch.randperm(tokens.shape[0], generator=torch.Generator().manual_seed(cfg.seed))[: cfg.data_rows]
@@ -242,6 +243,7 @@ def train_drafter(
     log=print,
     progress=None,
     data_dirs=(),
+    held_out: list[str] = (),
 ) -> dict | None:
     """Train, evaluate and save; returns the run's state (None on ranks other than 0)."""
     ranks = distributed.from_env()
@@ -255,7 +257,9 @@ def train_drafter(
     distributed.shard(cfg.batch, ranks)  # refuses a batch the ranks cannot share
     distributed.start(ranks, device)
     try:
-        state = _train(target_path, out, work, cfg, ranks, device, corpus, prompts, resume, log, progress, data_dirs)
+        state = _train(
+            target_path, out, work, cfg, ranks, device, corpus, prompts, held_out, resume, log, progress, data_dirs
+        )
     except BaseException:
         distributed.stop(ranks, finished=False)
         raise
@@ -263,7 +267,9 @@ def train_drafter(
     return state
 
 
-def _train(target_path, out, work, cfg, ranks, device, corpus, prompts, resume, log, progress, data_dirs) -> dict:
+def _train(
+    target_path, out, work, cfg, ranks, device, corpus, prompts, held_out, resume, log, progress, data_dirs
+) -> dict:
     target = load_target(target_path).to(device).requires_grad_(False)
     if isinstance(target, HybridTarget):  # the draft layers start from the target's, and data rows are left-padded
         raise DtrtError(
@@ -275,8 +281,10 @@ def _train(target_path, out, work, cfg, ranks, device, corpus, prompts, resume, 
     log = log if ranks.main else (lambda *a: None)
     tokenizer = load_tokenizer(target_path)
     prompts = list(prompts)
-    held_out = prompts[-cfg.eval_prompts :] if len(prompts) > cfg.eval_prompts else []
-    train_prompts = prompts[: len(prompts) - len(held_out)]
+    held_out = list(held_out)[: cfg.eval_prompts]
+    if not held_out and len(prompts) > cfg.eval_prompts:
+        held_out, prompts = prompts[-cfg.eval_prompts :], prompts[: -cfg.eval_prompts]
+    train_prompts = prompts
     if ranks.main:
         work.mkdir(parents=True, exist_ok=True)
         (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -389,12 +397,12 @@ def evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, wo
     )
 
 
-def read_prompts(path, target_path: Path, chat: bool) -> list[str]:
+def read_prompts(path, target_path: Path, chat: bool, flag: str = "--prompts") -> list[str]:
     """Prompts from JSONL ({"prompt": ...} or {"turns": [...]}) or plain text lines, chat-templated if asked and
     the target's tokenizer has a template."""
     path = Path(path)
     if not path.is_file():
-        raise DtrtError(f"--prompts {path}: not found")
+        raise DtrtError(f"{flag} {path}: not found")
     prompts = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
