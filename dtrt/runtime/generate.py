@@ -184,6 +184,7 @@ def generate(
         t2 = time.perf_counter()
         logits, hidden = backend.target_forward(tree.tokens, tree.positions(start), tree.mask)
         accepted, bonus = accept(tree, choose(logits, sampling, gen))
+        method.observe(tree, accepted)
         t3 = time.perf_counter()
         backend.commit(accepted)
         if drafter is not None:

@@ -6,7 +6,8 @@ domino      chain of Domino's corrected argmax over the full vocabulary
 ddtree      best-first over the marginals (lazy sibling/child heap), fixed budget
 caddtree    ddtree with the cost-aware stopping rule on this backend's measured verify-cost curve
 dominotree  best-first over corrected scores, per realized path (`--arm` condstatic / marg for ablations)
-cadominotree  dominotree with caddtree's cost-aware stopping rule (heap builder; --budget is the cap)
+cadominotree  dominotree with the adaptive budget (dtrt.tree.adaptive: calibrated acceptance, every per-node cost,
+            the root alone when drafting does not pay; heap builder; --budget is the cap)
 """
 
 import time
@@ -16,6 +17,7 @@ import torch
 from dtrt.runtime.calibrate import measure_cost_curve
 from dtrt.runtime.spec import RunSpec
 from dtrt.tree import CostAwareStop, Round, Tree, build_ddtree, build_heap
+from dtrt.tree.adaptive import AcceptanceMap, AdaptiveStop, NodeCost, SpeculationGate
 
 
 class Method:
@@ -41,6 +43,9 @@ class Method:
     def stop(self, backend):
         """A best-first builder's stopping rule for this round (None: the fixed budget)."""
         return None
+
+    def observe(self, tree: Tree, accepted: list[int]):
+        """Called after each verify with the verified tree and its accepted node indices (root included)."""
 
 
 class AR(Method):
@@ -122,8 +127,47 @@ class DominoTree(Method):
         return tree, time.perf_counter()
 
 
-class CaDominoTree(CostAware, DominoTree):
-    pass
+class CaDominoTree(DominoTree):
+    """DominoTree whose tree size maximises expected tokens per second (dtrt.tree.adaptive); what it learns (the
+    verify-cost curve, the acceptance map, the costs of drafting and of each node) carries over between
+    generations of this method object."""
+
+    curve = None
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.acceptance, self.node_cost, self.gate = AcceptanceMap(), NodeCost(), SpeculationGate()
+        self.draft_s = None
+        self._stop = self._built = None
+
+    def prepare(self, backend, max_depth):
+        super().prepare(backend, max_depth)
+        if self.curve is None:
+            self.curve = measure_cost_curve(backend, self.cfg.budget)
+        if self.draft_s is None:
+            self.draft_s = self.curve.draft_cost
+
+    def stop(self, backend):
+        self._stop = AdaptiveStop(self.curve, backend.past, self.acceptance, self.draft_s, self.node_cost.per_node)
+        return self._stop
+
+    def draft(self, backend, root, start):
+        if not self.gate.drafts(1.0 / self.curve.verify_cost(0, start)):
+            return Tree.chain([], root=root), time.perf_counter()
+        t0 = time.perf_counter()
+        tree, drafted = super().draft(backend, root, start)
+        self._built = (drafted - t0, time.perf_counter() - drafted, tree.num_nodes)
+        self.gate.observe_tree(self._stop.theta)
+        return tree, drafted
+
+    def observe(self, tree, accepted):
+        if self._built is None:  # a root-alone round: nothing drafted
+            return
+        draft_s, build_s, nodes = self._built
+        self._built = None
+        self.acceptance.observe(tree.scores.tolist(), set(accepted))
+        self.node_cost.observe(nodes, build_s)
+        self.draft_s = 0.9 * self.draft_s + 0.1 * draft_s
 
 
 def make_method(cfg: RunSpec) -> Method:

@@ -1,0 +1,147 @@
+"""cadominotree's adaptive budget: each round's tree size maximises expected tokens per second on the running
+backend's measured costs, with an acceptance map calibrated online from the rounds' accepted paths.
+
+    E[tokens](n) = 1 + sum_{i <= n} a(logw_i)       a: calibrated P(node accepted | its cumulative log score)
+    cost(n)      = C_d + c * n + C_v(n; l)           C_d the drafter's block, c the builder's cost per node (the
+                                                     scorer's children and GRU steps), C_v the verify-cost curve
+    theta(n)     = E[tokens](n) / cost(n)            nodes are admitted best-first while theta rises
+
+A round drafts at all only while the trees lately built promise more than AR's 1 / C_v(0; l); otherwise the round
+is the root alone (one AR step, no drafter call), and every `probe`-th round drafts again to keep the estimates
+current. Any tree gives exactly the target's tokens, so none of this can change the output, only its speed.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+from dtrt.tree.caddtree import CostCurve, _isotonic
+
+# upper edges of the bins of a node's cumulative log score, best first: (-inf, -4.5], ..., (-0.1, 0]
+LOGW_EDGES = (-0.1, -0.25, -0.5, -1.0, -2.0, -3.0, -4.5)
+
+
+def _bin(logw: float) -> int:
+    for i, edge in enumerate(LOGW_EDGES):
+        if logw > edge:
+            return i
+    return len(LOGW_EDGES)
+
+
+def _center(b: int) -> float:
+    hi = 0.0 if b == 0 else LOGW_EDGES[b - 1]
+    lo = LOGW_EDGES[b] if b < len(LOGW_EDGES) else LOGW_EDGES[-1] - 2.0
+    return math.exp((hi + lo) / 2)
+
+
+@dataclass
+class AcceptanceMap:
+    """P(a node is accepted | its cumulative log score), per score bin: the bin's accepted / offered counts with
+    `prior` pseudo-counts at the raw score exp(logw) times the overall ratio of accepted to predicted nodes (so a
+    bin not seen yet inherits how over- or under-confident the scores are), made non-increasing over the bins (a
+    better score never maps to a lower acceptance). Starts as the raw score itself."""
+
+    prior: float = 4.0
+    offered: list[float] = field(default_factory=lambda: [0.0] * (len(LOGW_EDGES) + 1))
+    accepted: list[float] = field(default_factory=lambda: [0.0] * (len(LOGW_EDGES) + 1))
+    _rates: list[float] | None = None
+
+    def observe(self, scores: list[float], accepted: set[int]):
+        """One verified tree: node i (1-based; 0 is the root) with cumulative log score scores[i] was accepted when
+        i is in `accepted`."""
+        for i in range(1, len(scores)):
+            b = _bin(scores[i])
+            self.offered[b] += 1
+            self.accepted[b] += i in accepted
+        self._rates = None
+
+    def rates(self) -> list[float]:
+        if self._rates is None:
+            bins = range(len(self.offered))
+            ratio = (sum(self.accepted) + 1) / (sum(o * _center(b) for b, o in zip(bins, self.offered)) + 1)
+            raw = [
+                (a + self.prior * min(1.0, ratio * _center(b))) / (o + self.prior)
+                for b, a, o in zip(bins, self.accepted, self.offered)
+            ]
+            weights = [o + self.prior for o in self.offered]
+            # non-increasing over the bins = non-decreasing over them reversed
+            self._rates = _isotonic(raw[::-1], weights[::-1])[::-1]
+        return self._rates
+
+    def __call__(self, logw: float) -> float:
+        return self.rates()[_bin(logw)]
+
+
+@dataclass
+class NodeCost:
+    """The builder's seconds per admitted node, a running least-squares slope of build time over node count
+    (the mean time per node until the counts vary)."""
+
+    decay: float = 0.98
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, nodes: int, seconds: float):
+        d = self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + nodes, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + nodes * nodes, d * self.sxy + nodes * seconds
+
+    @property
+    def per_node(self) -> float:
+        if self.n == 0 or self.sx == 0:
+            return 0.0
+        var = self.sxx - self.sx * self.sx / self.n
+        if var <= 1e-9 * self.n:
+            return self.sy / self.sx
+        return max(0.0, (self.sxy - self.sx * self.sy / self.n) / var)
+
+
+@dataclass
+class AdaptiveStop:
+    """The `stop` of the heap builder: admit a node only while theta rises (see the module's formulas)."""
+
+    curve: CostCurve
+    context_len: int
+    acceptance: AcceptanceMap
+    draft_s: float
+    node_s: float
+    gain: float = 1.0
+    theta: float = 0.0
+
+    def cost(self, n: int) -> float:
+        return self.draft_s + self.node_s * n + self.curve.verify_cost(n, self.context_len)
+
+    def start(self):
+        self.gain = 1.0
+        self.theta = 1.0 / self.cost(0)
+
+    def admit(self, n_nodes: int, logw: float) -> bool:
+        gain = self.gain + self.acceptance(logw)
+        theta = gain / self.cost(n_nodes + 1)
+        if theta <= self.theta:
+            return False
+        self.gain, self.theta = gain, theta
+        return True
+
+
+@dataclass
+class SpeculationGate:
+    """Whether the next round drafts: while the recent trees' theta beats AR's rate, and every `probe`-th round
+    regardless."""
+
+    probe: int = 16
+    decay: float = 0.8
+    spec_theta: float | None = None  # running theta of the trees built
+    since_draft: int = 0
+
+    def observe_tree(self, theta: float):
+        self.spec_theta = theta if self.spec_theta is None else self.decay * self.spec_theta + (1 - self.decay) * theta
+        self.since_draft = 0
+
+    def drafts(self, ar_theta: float) -> bool:
+        if self.spec_theta is None or self.spec_theta > ar_theta or self.since_draft + 1 >= self.probe:
+            return True
+        self.since_draft += 1
+        return False
