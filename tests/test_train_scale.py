@@ -276,3 +276,21 @@ def test_torchrun_trains_and_saves(tiny, corpus, tmp_path):
     log = [json.loads(line) for line in (out / ".train" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [4]  # one rank evaluated and logged
     assert load_drafter(out / "domino").head is not None and load_drafter(out / "dflash").head is None
+
+
+def test_held_out_prompts_are_what_tau_is_measured_on(tiny, corpus, tmp_path, monkeypatch):
+    from dtrt.models.tokenizer import load_tokenizer
+    from dtrt.train import trainer
+
+    seen = []
+
+    def held_out_tau(target, drafter, tokenizer, prompts, cfg):
+        seen.append(prompts)
+        return {"dominotree": 1.0, "dflash": 1.0}
+
+    monkeypatch.setattr(trainer, "held_out_tau", held_out_tau)
+    held_out = ["The moon is very ", "One happy child ", "A small bird "]
+    cfg = TrainConfig(**{**SMALL.__dict__, "steps": 2, "eval_every": 2, "eval_prompts": 2})
+    train_drafter(tiny.target, tmp_path / "run", cfg, corpus=[corpus], held_out=held_out, log=lambda *a: None)
+    tok = load_tokenizer(tiny.target)
+    assert seen == [[tok.encode(p, add_special_tokens=False) for p in held_out[:2]]]
