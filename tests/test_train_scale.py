@@ -294,3 +294,36 @@ def test_held_out_prompts_are_what_tau_is_measured_on(tiny, corpus, tmp_path, mo
     train_drafter(tiny.target, tmp_path / "run", cfg, corpus=[corpus], held_out=held_out, log=lambda *a: None)
     tok = load_tokenizer(tiny.target)
     assert seen == [[tok.encode(p, add_special_tokens=False) for p in held_out[:2]]]
+
+
+@pytest.mark.gpu
+def test_cuda_training_step_matches_the_cpu_step(tiny, case):
+    """The sampled loss and its gradient on a CUDA device equal the CPU's on the same batch and candidates."""
+    target, drafter, tokens, feats, labels, topk, anchors = case
+    need = needed_ids(labels, topk, anchors, drafter.cfg.k_draft)
+    cands = draw_candidates(need, 128, need.numel() + 20, torch.Generator().manual_seed(3))
+    cpu, g_cpu = loss_and_grads(case, candidates=cands)
+    gpu_case = (
+        target.to("cuda"),
+        drafter.to("cuda"),
+        tokens.cuda(),
+        feats.cuda(),
+        labels.cuda(),
+        topk.cuda(),
+        anchors.cuda(),
+    )
+    try:
+        gpu, g_gpu = loss_and_grads(gpu_case, candidates=cands)
+    finally:
+        target.to("cpu"), drafter.to("cpu")
+    assert gpu == pytest.approx(cpu, rel=1e-4)
+    for n, g in g_cpu.items():
+        assert torch.allclose(g, g_gpu[n].cpu(), atol=1e-5, rtol=1e-3), n
+
+
+@pytest.mark.gpu
+def test_train_drafter_on_cuda(tiny, corpus, tmp_path):
+    cfg = TrainConfig(**{**SMALL.__dict__, "device": "cuda"})
+    state = train_drafter(tiny.target, tmp_path / "run", cfg, corpus=[corpus], log=lambda *a: None)
+    assert state["step"] == SMALL.steps and state["best"] >= 1
+    assert load_drafter(tmp_path / "run" / "domino").head is not None
