@@ -113,7 +113,11 @@ def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_exp
     vocab, hidden = m["target"]["vocab_size"], m["target"]["hidden_size"]
     assert [list(i.dims) for i in floats if i.name not in scales] == [[vocab, hidden]]  # the embedding, for the lookup
     ops = {n.op_type for n in graph.node}
-    assert "TreeAttentionOrdered" in ops and "TreeAttention" not in ops and "Gemm" not in ops
+    assert "TreeAttention" not in ops and "Gemm" not in ops
+    planned = [n for n in graph.node if n.op_type == "TreeAttentionPlanned"]
+    plans = [n for n in graph.node if n.op_type == "TreeAttentionOrderPlan"]
+    assert len(planned) == m["target"]["num_layers"] and len(plans) == 1  # the plan once, read by every layer
+    assert all(list(n.input[3:]) == list(plans[0].output) for n in planned)
     locations = {e.value for n in dq for e in inits[n.input[0]].external_data if e.key == "location"}
     assert locations == {"weights.data"} and not (int4_export.path / ("target.onnx" + DATA_SUFFIX)).exists()
 
@@ -207,9 +211,12 @@ def test_order_check_catches_plain_attention(int4_export, tmp_path):
     plain = tmp_path / "plain"
     shutil.copytree(int4_export.path, plain)
     model = onnx.load(str(plain / "target.onnx"), load_external_data=False)
+    (plan,) = [n for n in model.graph.node if n.op_type == "TreeAttentionOrderPlan"]
     for n in model.graph.node:
-        if n.op_type == "TreeAttentionOrdered":
+        if n.op_type == "TreeAttentionPlanned":
             n.op_type = "TreeAttention"
+            n.input[:] = [*n.input[:3], plan.input[2]]
+    model.graph.node.remove(plan)
     from dtrt.ops import onnx_functions
 
     model.functions.extend(onnx_functions({"TreeAttention"}))

@@ -24,8 +24,9 @@ from dtrt.models.quant import QuantSpec, weight_names
 EXPORT_DTYPES = ("fp32", "fp16", "bf16")  # bf16: for TensorRT (ONNX Runtime's CPU provider has no bf16 kernels)
 DRAFTER_KINDS = ("dflash", "domino")
 # what this dtrt's exports hold beyond what the manifest's other fields say: 2 = one shared weights file and the
-# domino.chain stage. The export made on first use is made again when it is older.
-LAYOUT = 2
+# domino.chain stage; 3 = a quantized target's ordered attention planned once per call (TreeAttentionOrderPlan).
+# The export made on first use is made again when it is older.
+LAYOUT = 3
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

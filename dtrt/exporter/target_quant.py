@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 from dtrt.exporter.weights import external
 from dtrt.models.quant import QuantSpec, quantize
 from dtrt.ops import DOMAIN, onnx_functions
-from dtrt.ops.tree_attention import ORDER_ALIGN, ORDER_ROWS
+from dtrt.ops.tree_attention import ORDER_ALIGN, ORDER_PLAN, ORDER_ROWS
 
 QUANT_OPSET = 21  # int4 tensors and blocked DequantizeLinear
 # what the runtime must do for a quantized target (manifest "ordered_attention"): pad every target call to at least
@@ -164,9 +164,7 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     if missing:
         (root / (path.name + DATA_SUFFIX)).unlink(missing_ok=True)
         raise ValueError(f"{path.name}: no linear product reads {missing[0]} ({len(missing)} weights not found)")
-    for node in nodes:  # see TreeAttentionOrdered: tree rows equal plain decoding's rows bit for bit
-        if node.domain == DOMAIN and node.op_type == "TreeAttention":
-            node.op_type = "TreeAttentionOrdered"
+    nodes = ordered_attention_nodes(nodes)
     del graph.node[:]
     graph.node.extend(nodes)
     used_ops = {n.op_type for n in graph.node if n.domain == DOMAIN}
@@ -182,6 +180,31 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     onnx.save_model(model, str(path))
     onnx.checker.check_model(str(path))
     return sorted(done)
+
+
+def ordered_attention_nodes(nodes: list) -> list:
+    """Every TreeAttention as the ordered attention (see TreeAttentionOrdered: tree rows equal plain decoding's rows
+    bit for bit): one TreeAttentionOrderPlan before the first layer's, then TreeAttentionPlanned per layer, when the
+    layers share their mask (they do in every target dtrt exports); else TreeAttentionOrdered per layer."""
+    att = [n for n in nodes if n.domain == DOMAIN and n.op_type == "TreeAttention"]
+    if not att:
+        return nodes
+    if len({n.input[3] for n in att}) > 1:
+        for n in att:
+            n.op_type = "TreeAttentionOrdered"
+        return nodes
+    q, k, _, mask = att[0].input
+    plan = [f"attention_plan.{name}" for name in ORDER_PLAN]
+    layers = {id(n) for n in att}
+    out = []
+    for n in nodes:
+        if n is att[0]:
+            out.append(helper.make_node("TreeAttentionOrderPlan", [q, k, mask], plan, "attention_plan", domain=DOMAIN))
+        if id(n) in layers:
+            inputs = [*n.input[:3], *plan]
+            n = helper.make_node("TreeAttentionPlanned", inputs, list(n.output), n.name, domain=DOMAIN)
+        out.append(n)
+    return out
 
 
 def _set_opset(model: onnx.ModelProto, version: int):

@@ -7,7 +7,7 @@ out [H, N, hd]. The tree mask makes a node see the whole past, its ancestors and
 import onnxscript
 import torch
 import torch.nn.functional as F
-from onnxscript import BOOL, FLOAT
+from onnxscript import BOOL, FLOAT, INT64
 from onnxscript import opset20 as op
 
 from dtrt.ops.base import OPSET, emit, register_function
@@ -128,3 +128,105 @@ def TreeAttentionOrdered(q: FLOAT, k: FLOAT, v: FLOAT, mask: BOOL) -> FLOAT:
     num = op.Slice(acc, zero, head_dim, op.Constant(value_ints=[-1]))
     den = op.Slice(acc, head_dim, op.Add(head_dim, op.Constant(value_ints=[1])), op.Constant(value_ints=[-1]))
     return op.Reshape(op.Div(num, den), op.Concat(heads, n, head_dim, axis=0))
+
+
+# TreeAttentionOrdered split in two, with the same arithmetic in the same order: what depends only on the mask and
+# the shapes (the grouped mask, the tail's gather order, the shapes of every reshape) is computed once per call by
+# TreeAttentionOrderPlan, and each layer's TreeAttentionPlanned reads it. Every layer of a target shares its mask,
+# so this removes about half of each layer's attention nodes, which cost more than the arithmetic at these sizes.
+ORDER_PLAN = (
+    "mask_g",  # bool [groups * N, M]: the mask per query row of a K/V head
+    "qg_shape",  # [KVH, groups * N, hd]
+    "out_shape",  # [H, N, hd]
+    "ones",  # [KVH, M, 1]: the values' appended column that sums the weights
+    "scale",  # 1 / sqrt(hd)
+    "short",  # N <= ORDER_ROWS: the ordered path (else one product: prefills)
+    "b0",  # the ORDER_ALIGN-aligned end of the head product
+    "order",  # [N, T]: each row's tail columns, attended first, in index order
+    "order_g",  # [KVH, groups * N, T]
+    "tail_shape",  # [KVH, groups, N, T]
+    "acc_shape",  # [KVH, groups * N, hd + 1]
+    "hd",  # [hd]
+    "hd1",  # [hd + 1]
+)
+
+
+@register_function
+@onnxscript.script(OPSET, default_opset=op)
+def TreeAttentionOrderPlan(q: FLOAT, k: FLOAT, mask: BOOL):
+    heads = op.Shape(q, start=0, end=1)
+    n = op.Shape(q, start=1, end=2)
+    hd = op.Shape(q, start=2, end=3)
+    kv_heads = op.Shape(k, start=0, end=1)
+    m = op.Shape(k, start=1, end=2)
+    groups = op.Div(heads, kv_heads)
+    rows = op.Mul(groups, n)
+    one = op.Constant(value_ints=[1])
+    qg_shape = op.Concat(kv_heads, rows, hd, axis=0)
+    out_shape = op.Concat(heads, n, hd, axis=0)
+    scale = op.Div(op.CastLike(op.Constant(value_float=1.0), q), op.Sqrt(op.CastLike(hd, q)))
+    mask_g = op.Reshape(op.Expand(op.Unsqueeze(mask, [0]), op.Concat(groups, n, m, axis=0)), op.Concat(rows, m, axis=0))
+    ones = op.Expand(op.CastLike(op.Constant(value_float=1.0), k), op.Concat(kv_heads, m, one, axis=0))
+    hd1 = op.Add(hd, one)
+    acc_shape = op.Concat(kv_heads, rows, hd1, axis=0)
+    short = op.Squeeze(op.LessOrEqual(n, op.Constant(value_ints=[ORDER_ROWS])))
+    if short:
+        align = op.Constant(value_ints=[ORDER_ALIGN])
+        b0 = op.Mul(op.Div(op.Sub(m, n), align), align)
+        t = op.Sub(m, b0)
+        tail_mask = op.Slice(mask, b0, m, one)  # [N, T]
+        j = op.Cast(op.Range(op.Constant(value_int=0), op.Squeeze(t), op.Constant(value_int=1)), to=1)
+        tf = op.Cast(t, to=1)
+        key = op.Where(tail_mask, op.Sub(op.Add(tf, tf), j), op.Sub(tf, j))
+        _, order = op.TopK(key, t, axis=-1, largest=1, sorted=1)  # [N, T]: attended columns first, in index order
+        tail_shape = op.Concat(kv_heads, groups, n, t, axis=0)
+        order_g = op.Reshape(op.Expand(op.Unsqueeze(order, [0, 1]), tail_shape), op.Concat(kv_heads, rows, t, axis=0))
+    else:
+        b0 = op.Constant(value_ints=[0])
+        order = op.Constant(value_ints=[0])
+        order_g = op.Constant(value_ints=[0])
+        tail_shape = op.Constant(value_ints=[0])
+    return (mask_g, qg_shape, out_shape, ones, scale, short, b0, order, order_g, tail_shape, acc_shape, hd, hd1)
+
+
+@register_function
+@onnxscript.script(OPSET, default_opset=op)
+def TreeAttentionPlanned(
+    q: FLOAT,
+    k: FLOAT,
+    v: FLOAT,
+    mask_g: BOOL,
+    qg_shape: INT64,
+    out_shape: INT64,
+    ones: FLOAT,
+    scale: FLOAT,
+    short: BOOL,
+    b0: INT64,
+    order: INT64,
+    order_g: INT64,
+    tail_shape: INT64,
+    acc_shape: INT64,
+    hd: INT64,
+    hd1: INT64,
+) -> FLOAT:
+    qg = op.Reshape(q, qg_shape)
+    scores = op.Mul(op.MatMul(qg, op.Transpose(k, perm=[0, 2, 1])), scale)
+    scores = op.Where(mask_g, scores, op.CastLike(op.Constant(value_float=-1e30), q))
+    e = op.Exp(op.Sub(scores, op.ReduceMax(scores, op.Constant(value_ints=[-1]), keepdims=1)))
+    v1 = op.Concat(v, ones, axis=-1)
+    zero = op.Constant(value_ints=[0])
+    last = op.Constant(value_ints=[-1])
+    if short:
+        one = op.Constant(value_ints=[1])
+        end = op.Constant(value_ints=[9223372036854775807])
+        head = op.MatMul(op.Slice(e, zero, b0, last), op.Slice(v1, zero, b0, one))
+        e_rows = op.GatherElements(op.Slice(e, b0, end, last), order_g, axis=2)  # [KVH, groups * N, T]
+        v_rows = op.Gather(op.Slice(v1, b0, end, one), order, axis=1)  # [KVH, N, T, hd + 1]
+        e_rows = op.Transpose(op.Reshape(e_rows, tail_shape), perm=[0, 2, 1, 3])
+        tail = op.Transpose(op.MatMul(e_rows, v_rows), perm=[0, 2, 1, 3])  # [KVH, groups, N, hd + 1]
+        acc = op.Add(head, op.Reshape(tail, acc_shape))
+    else:
+        acc = op.MatMul(e, v1)
+    num = op.Slice(acc, zero, hd, last)
+    den = op.Slice(acc, hd, hd1, last)
+    return op.Reshape(op.Div(num, den), out_shape)
