@@ -86,7 +86,7 @@ def resolve_spec(
         quant=quant,
         threads=threads,
         method=method,
-        budget=default_budget(model, quant) if budget is None else budget,
+        budget=default_budget(model, quant, method) if budget is None else budget,
         builder=builder or default_builder(method, device, cuda_graph),
         arm=arm,
         topm=topm,

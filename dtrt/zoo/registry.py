@@ -65,7 +65,13 @@ def names() -> list[str]:
     return list(MODELS)
 
 
-def default_budget(model: str | None, quant: str | None = None) -> int:
+COST_AWARE = ("caddtree", "cadominotree")  # their budget is a cap: each round chooses its own tree size
+
+
+def default_budget(model: str | None, quant: str | None = None, method: str | None = None) -> int:
+    """The per-model fixed budget; the cost-aware methods' cap is DEFAULT_BUDGET (an export's default width)."""
+    if method in COST_AWARE:
+        return DEFAULT_BUDGET
     return MODELS[model].budget_for(quant) if model in MODELS else DEFAULT_BUDGET
 
 
@@ -80,7 +86,9 @@ def budget_help() -> str:
         per_quant = dict(e.quant_budgets)
         if e.budget != DEFAULT_BUDGET or per_quant:
             special.append(f"{e.name}: {e.budget}" + "".join(f", {q} {b}" for q, b in per_quant.items()))
-    return f"{DEFAULT_BUDGET}" + (f" ({'; '.join(special)})" if special else "")
+    return f"{DEFAULT_BUDGET}" + (
+        f" ({'; '.join(special)}; the cap of caddtree and cadominotree: {DEFAULT_BUDGET})" if special else ""
+    )
 
 
 def quant_help() -> str:
