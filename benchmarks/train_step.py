@@ -62,6 +62,20 @@ def main():
             return batch_from_target(target, cfg, gen)
         return data.rows(torch.randint(0, len(data), (cfg.batch,), generator=gen), "cpu")
 
+    def loss_of(b, anchors, c):
+        cands = draw_candidates(needed_ids(b["labels"], b["topk"], anchors, K), V, c, gen) if c else None
+        return block_loss(
+            target,
+            drafter,
+            b["tokens"],
+            b["feats"],
+            anchors,
+            cfg.slot_decay,
+            b["labels"],
+            b["lengths"],
+            candidates=cands,
+        )[0]
+
     batches = [batch() for _ in range(args.repeats)]
     fixed = batches[0]
     anchors_fixed = sample_anchors(fixed["lengths"], cfg.anchors, torch.Generator().manual_seed(1))

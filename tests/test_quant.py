@@ -1,5 +1,5 @@
 """`dtrt export --quant int8|int4`: the target's linear layers weight-only quantized. The quantization math, the
-exported form (DequantizeLinear -> MatMul, TreeAttentionOrdered), every method equal to the same export's AR at
+exported form (DequantizeLinear -> MatMul, the ordered attention), every method equal to the same export's AR at
 T=0 with drafts accepted (across an aligned attention block too), parity against the dequantized reference (and a
 corrupted integer caught), the order check (and the plain attention it exists for caught), and the errors."""
 

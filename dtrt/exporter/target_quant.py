@@ -29,7 +29,7 @@ from dtrt.ops.tree_attention import ORDER_ALIGN, ORDER_PLAN, ORDER_ROWS
 QUANT_OPSET = 21  # int4 tensors and blocked DequantizeLinear
 # what the runtime must do for a quantized target (manifest "ordered_attention"): pad every target call to at least
 # MIN_ROWS rows (one row takes other kernels than two or more, which agree with each other bit for bit) and keep a
-# tree inside its past's ALIGN-aligned block (dtrt.ops.tree_attention.TreeAttentionOrdered)
+# tree inside its past's ALIGN-aligned block (dtrt.ops.tree_attention: the ordered attention)
 MIN_ROWS = 2
 
 
@@ -183,27 +183,25 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
 
 
 def ordered_attention_nodes(nodes: list) -> list:
-    """Every TreeAttention as the ordered attention (see TreeAttentionOrdered: tree rows equal plain decoding's rows
-    bit for bit): one TreeAttentionOrderPlan before the first layer's, then TreeAttentionPlanned per layer, when the
-    layers share their mask (they do in every target dtrt exports); else TreeAttentionOrdered per layer."""
+    """Every TreeAttention as the ordered attention (tree rows equal plain decoding's rows bit for bit, see
+    dtrt.ops.tree_attention): one TreeAttentionOrderPlan per distinct mask, before the first layer that reads it (a
+    target's layers share one), and TreeAttentionPlanned per layer."""
     att = [n for n in nodes if n.domain == DOMAIN and n.op_type == "TreeAttention"]
-    if not att:
-        return nodes
-    if len({n.input[3] for n in att}) > 1:
-        for n in att:
-            n.op_type = "TreeAttentionOrdered"
-        return nodes
-    q, k, _, mask = att[0].input
-    plan = [f"attention_plan.{name}" for name in ORDER_PLAN]
-    layers = {id(n) for n in att}
+    first = {}  # mask -> the first attention node reading it
+    for n in att:
+        first.setdefault(n.input[3], n)
+    plans = {mask: [f"attention_plan{i or ''}.{name}" for name in ORDER_PLAN] for i, mask in enumerate(first)}
     out = []
     for n in nodes:
-        if n is att[0]:
-            out.append(helper.make_node("TreeAttentionOrderPlan", [q, k, mask], plan, "attention_plan", domain=DOMAIN))
-        if id(n) in layers:
-            inputs = [*n.input[:3], *plan]
-            n = helper.make_node("TreeAttentionPlanned", inputs, list(n.output), n.name, domain=DOMAIN)
-        out.append(n)
+        if n.domain != DOMAIN or n.op_type != "TreeAttention":
+            out.append(n)
+            continue
+        q, k, v, mask = n.input
+        plan = plans[mask]
+        if first[mask] is n:
+            name = plan[0].split(".")[0]
+            out.append(helper.make_node("TreeAttentionOrderPlan", [q, k, mask], plan, name, domain=DOMAIN))
+        out.append(helper.make_node("TreeAttentionPlanned", [q, k, v, *plan], list(n.output), n.name, domain=DOMAIN))
     return out
 
 

@@ -63,9 +63,10 @@ def TreeAttention(q: FLOAT, k: FLOAT, v: FLOAT, mask: BOOL) -> FLOAT:
     return out
 
 
-# Placement-invariant TreeAttention, for targets whose later layers quantize their activations (`dtrt export
-# --quant`): there a last-bit difference in an attention output moves int8 roundings and grows to whole logits, so
-# a tree's verify row must equal, bit for bit, the row plain decoding computes for the same token. The plain
+# The ordered attention: placement-invariant TreeAttention, for targets whose layers quantize their activations
+# (`dtrt export --quant`): there a last-bit difference in an attention output moves int8 roundings and grows to
+# whole logits, so a tree's verify row must equal, bit for bit, the row plain decoding computes for the same token.
+# The plain
 # formulation sums each row's softmax and values in column order, and a tree node's ancestors sit at other
 # columns (interleaved with masked siblings) than in plain decoding (right after the past), which changes the
 # rounding. Here each row's sums run over the same sequence in both: the past up to ORDER_ALIGN-aligned position b0
@@ -75,65 +76,13 @@ def TreeAttention(q: FLOAT, k: FLOAT, v: FLOAT, mask: BOOL) -> FLOAT:
 # so plain decoding of the same tokens shares b0. Softmax's sum runs in the same products (an appended ones column
 # of the values): ORT's Softmax kernel sums in SIMD lanes, which depend on the column. Calls of more than ORDER_ROWS
 # rows (prefills) take one product, as plain and speculative decoding share their prefill.
+# It comes in two parts with the arithmetic in this order: what depends only on the mask and the shapes (the grouped
+# mask, the tail's gather order, the shapes of every reshape) is computed once per call by TreeAttentionOrderPlan,
+# and each layer's TreeAttentionPlanned reads it. Every layer of a target shares its mask, so the per-layer part is
+# about half the nodes of a self-contained op, and at these sizes the nodes cost more than the arithmetic.
 ORDER_ALIGN = 128
 ORDER_ROWS = 64
 
-
-@register_function
-@onnxscript.script(OPSET, default_opset=op)
-def TreeAttentionOrdered(q: FLOAT, k: FLOAT, v: FLOAT, mask: BOOL) -> FLOAT:
-    heads = op.Shape(q, start=0, end=1)
-    n = op.Shape(q, start=1, end=2)
-    head_dim = op.Shape(q, start=2, end=3)
-    kv_heads = op.Shape(k, start=0, end=1)
-    m = op.Shape(k, start=1, end=2)
-    groups = op.Div(heads, kv_heads)
-    rows = op.Mul(groups, n)
-    qg = op.Reshape(q, op.Concat(kv_heads, rows, head_dim, axis=0))  # [KVH, groups * N, hd]: no K/V copies per head
-    scale = op.Div(op.CastLike(op.Constant(value_float=1.0), q), op.Sqrt(op.CastLike(head_dim, q)))
-    scores = op.Mul(op.MatMul(qg, op.Transpose(k, perm=[0, 2, 1])), scale)
-    mask_g = op.Expand(op.Unsqueeze(mask, [0]), op.Concat(groups, n, m, axis=0))
-    mask_g = op.Reshape(mask_g, op.Concat(rows, m, axis=0))
-    scores = op.Where(mask_g, scores, op.CastLike(op.Constant(value_float=-1e30), q))
-    e = op.Exp(op.Sub(scores, op.ReduceMax(scores, op.Constant(value_ints=[-1]), keepdims=1)))
-    ones = op.Expand(
-        op.CastLike(op.Constant(value_float=1.0), v), op.Concat(kv_heads, m, op.Constant(value_ints=[1]), axis=0)
-    )
-    v1 = op.Concat(v, ones, axis=-1)  # [KVH, M, hd + 1]: the last column sums the weights
-    zero = op.Constant(value_ints=[0])
-    if op.LessOrEqual(n, op.Constant(value_ints=[ORDER_ROWS])):
-        align = op.Constant(value_ints=[ORDER_ALIGN])
-        b0 = op.Mul(op.Div(op.Sub(m, n), align), align)
-        last = op.Constant(value_ints=[-1])
-        one = op.Constant(value_ints=[1])
-        head = op.MatMul(op.Slice(e, zero, b0, last), op.Slice(v1, zero, b0, one))
-        t = op.Sub(m, b0)
-        tail_mask = op.Slice(mask, b0, m, one)  # [N, T]
-        j = op.Cast(op.Range(op.Constant(value_int=0), op.Squeeze(t), op.Constant(value_int=1)), to=1)
-        tf = op.Cast(t, to=1)
-        key = op.Where(tail_mask, op.Sub(op.Add(tf, tf), j), op.Sub(tf, j))
-        _, order = op.TopK(key, t, axis=-1, largest=1, sorted=1)  # [N, T]: attended columns first, in index order
-        order_g = op.Reshape(
-            op.Expand(op.Unsqueeze(order, [0, 1]), op.Concat(kv_heads, groups, n, t, axis=0)),
-            op.Concat(kv_heads, rows, t, axis=0),
-        )
-        e_rows = op.GatherElements(op.Slice(e, b0, m, last), order_g, axis=2)  # [KVH, groups * N, T]
-        v_rows = op.Gather(op.Slice(v1, b0, m, one), order, axis=1)  # [KVH, N, T, hd + 1]
-        e_rows = op.Transpose(op.Reshape(e_rows, op.Concat(kv_heads, groups, n, t, axis=0)), perm=[0, 2, 1, 3])
-        width = op.Add(head_dim, one)
-        tail = op.Transpose(op.MatMul(e_rows, v_rows), perm=[0, 2, 1, 3])  # [KVH, groups, N, hd + 1]
-        acc = op.Add(head, op.Reshape(tail, op.Concat(kv_heads, rows, width, axis=0)))
-    else:
-        acc = op.MatMul(e, v1)
-    num = op.Slice(acc, zero, head_dim, op.Constant(value_ints=[-1]))
-    den = op.Slice(acc, head_dim, op.Add(head_dim, op.Constant(value_ints=[1])), op.Constant(value_ints=[-1]))
-    return op.Reshape(op.Div(num, den), op.Concat(heads, n, head_dim, axis=0))
-
-
-# TreeAttentionOrdered split in two, with the same arithmetic in the same order: what depends only on the mask and
-# the shapes (the grouped mask, the tail's gather order, the shapes of every reshape) is computed once per call by
-# TreeAttentionOrderPlan, and each layer's TreeAttentionPlanned reads it. Every layer of a target shares its mask,
-# so this removes about half of each layer's attention nodes, which cost more than the arithmetic at these sizes.
 ORDER_PLAN = (
     "mask_g",  # bool [groups * N, M]: the mask per query row of a K/V head
     "qg_shape",  # [KVH, groups * N, hd]
