@@ -19,6 +19,7 @@ from dtrt.exporter.stages import random_tree_mask
 from dtrt.runtime.backends.kv import PackedKV
 from dtrt.runtime.backends.onnxruntime import OrtBackend
 from dtrt.runtime.backends.stages import SCORER_STAGES
+from dtrt.tree import CostCurve
 
 VARIANTS = [
     spec("dflash"),
@@ -36,6 +37,9 @@ DOMINO_VARIANTS = [
 ]
 
 
+LINEAR_COST = CostCurve.fit({0: [(0, 1.0), (32, 2.0)]}, draft_cost=0.5)
+
+
 def ids(d) -> str:
     return f"{d.method}-{d.builder}-{d.arm}-b{d.budget}"
 
@@ -51,6 +55,8 @@ def test_ar_matches_torch(tiny_export, torch_tokens):
 
 
 def check_speculative(pipe, draft, torch_tokens):
+    if draft.method in ("caddtree", "cadominotree"):  # a fixed cost curve where drafts pay: a measured one varies
+        pipe.method.curve = LINEAR_COST  # with load, and on the tiny pair drafting may rightly not pay at all
     gens = generate_all(pipe)
     assert [g.tokens for g in gens] == torch_tokens
     rounds = [r for g in gens for r in g.rounds]
