@@ -90,23 +90,10 @@ def main():
         needed = []
         for b in batches:
             anchors = sample_anchors(b["lengths"], cfg.anchors, gen)
-            t0 = time.perf_counter()
-            cands = None
             if c:
-                need = needed_ids(b["labels"], b["topk"], anchors, K)
-                needed.append(need.numel())
-                cands = draw_candidates(need, V, c, gen)
-            loss, _ = block_loss(
-                target,
-                drafter,
-                b["tokens"],
-                b["feats"],
-                anchors,
-                cfg.slot_decay,
-                b["labels"],
-                b["lengths"],
-                candidates=cands,
-            )
+                needed.append(needed_ids(b["labels"], b["topk"], anchors, K).numel())
+            t0 = time.perf_counter()
+            loss = loss_of(b, anchors, c)
             t1 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -116,21 +103,7 @@ def main():
             for k, v in (("step", t3 - t0), ("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2)):
                 parts[k].append(v)
         with torch.no_grad():
-            args_fixed = (
-                target,
-                drafter,
-                fixed["tokens"],
-                fixed["feats"],
-                anchors_fixed,
-                cfg.slot_decay,
-                fixed["labels"],
-                fixed["lengths"],
-            )
-            full = block_loss(*args_fixed)[0].item()
-            est = full
-            if c:
-                need = needed_ids(fixed["labels"], fixed["topk"], anchors_fixed, K)
-                est = block_loss(*args_fixed, candidates=draw_candidates(need, V, c, gen))[0].item()
+            full, est = loss_of(fixed, anchors_fixed, 0).item(), loss_of(fixed, anchors_fixed, c).item()
         med = {k: statistics.median(v) for k, v in parts.items()}
         print(
             f"| {c or 'all'} | {int(statistics.median(needed)) if needed else '-'} | {med['step']:.3f} | "
@@ -141,20 +114,8 @@ def main():
     for c in (0, 4096):
         b = batches[-1]
         anchors = sample_anchors(b["lengths"], cfg.anchors, gen)
-        cands = draw_candidates(needed_ids(b["labels"], b["topk"], anchors, K), V, c, gen) if c else None
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            loss, _ = block_loss(
-                target,
-                drafter,
-                b["tokens"],
-                b["feats"],
-                anchors,
-                cfg.slot_decay,
-                b["labels"],
-                b["lengths"],
-                candidates=cands,
-            )
-            loss.backward()
+            loss_of(b, anchors, c).backward()
         print(f"\ncandidates {c or 'all'}: the operators that take the step")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6))
 
