@@ -127,12 +127,10 @@ class DominoTree(Method):
         return tree, time.perf_counter()
 
 
-class CaDominoTree(DominoTree):
-    """DominoTree whose tree size maximises expected tokens per second (dtrt.tree.adaptive); what it learns (the
-    verify-cost curve, the acceptance map, the costs of drafting and of each node) carries over between
-    generations of this method object."""
-
-    curve = None
+class CaDominoTree(CostAware, DominoTree):
+    """DominoTree whose tree size maximises expected tokens per second (dtrt.tree.adaptive): CostAware's measured
+    curve with its own stop. What it learns (the acceptance map, the costs of drafting and of each node) carries
+    over between generations of this method object."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -141,9 +139,7 @@ class CaDominoTree(DominoTree):
         self._stop = self._built = None
 
     def prepare(self, backend, max_depth):
-        super().prepare(backend, max_depth)
-        if self.curve is None:
-            self.curve = measure_cost_curve(backend, self.cfg.budget)
+        super().prepare(backend, max_depth)  # measures the curve on first use
         if self.draft_s is None:
             self.draft_s = self.curve.draft_cost
 

@@ -284,11 +284,10 @@ def _train(
     held_out = list(held_out)[: cfg.eval_prompts]
     if not held_out and len(prompts) > cfg.eval_prompts:
         held_out, prompts = prompts[-cfg.eval_prompts :], prompts[: -cfg.eval_prompts]
-    train_prompts = prompts
     if ranks.main:
         work.mkdir(parents=True, exist_ok=True)
         (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-        prepare_data(target, target_path, tokenizer, cfg, corpus, train_prompts, data_dirs, work, progress, log)
+        prepare_data(target, target_path, tokenizer, cfg, corpus, prompts, data_dirs, work, progress, log)
     distributed.barrier(ranks)
     data = store.load(work / "data")
     if held_out:
