@@ -3,8 +3,8 @@ z-lab/*-DFlash-b16, Huang2020/*-Domino-b16) at a real config, then every step a 
 process so its time and peak resident memory are its own:
 
     write       the target, DFlash and Domino checkpoints, tensor by tensor, in bf16 (the released dtype)
-    export      dtrt export --dtype DTYPE of the target and the Domino drafter (which serves every method), its
-                size on disk and how many copies of the [vocab, hidden] embedding it stores
+    export      dtrt export --dtype DTYPE [--quant QUANT] of the target and the Domino drafter (which serves every
+                method), its size on disk and how many copies of the [vocab, hidden] embedding it stores
     sessions    ONNX Runtime CPU sessions of the target and every DominoTree stage, resident memory
     ar          dtrt run --method ar, a few tokens, on the export
     dominotree  dtrt run --method dominotree, a few tokens, on the export
@@ -15,6 +15,10 @@ A step killed for memory (or failing) is reported as such, and the next ones sti
 
     python benchmarks/scale_check.py --config qwen3-1.7b --dtype fp16 --dir /tmp/scale
     python benchmarks/scale_check.py --config qwen3-4b --dtype fp16 --dir /tmp/scale --json scale-4b.json
+    python benchmarks/scale_check.py --config qwen3-4b --dtype fp32 --quant int8 --dir /tmp/scale --steps export,sessions,ar,dominotree,parity
+
+Each quantization exports to its own directory under --dir (export, export-int8, export-int4), next to the
+checkpoints the write step made.
 """
 
 import argparse
@@ -196,12 +200,15 @@ def dtrt(*argv: str):
             raise
 
 
+def export_dir(args) -> Path:
+    return Path(args.dir) / ("export" if args.quant == "none" else f"export-{args.quant}")
+
+
 def step_export(args):
-    root = Path(args.dir)
-    out = root / "export"
+    root, out = Path(args.dir), export_dir(args)
     target, domino = str(root / "target"), str(root / "domino")
     dtrt("export", "--target", target, "--drafter", domino, "--out", str(out), "--dtype", args.dtype,
-         "--max-context", "1024", "--force")  # fmt: skip
+         "--quant", args.quant, "--max-context", "1024", "--force")  # fmt: skip
     manifest = json.loads((out / "manifest.json").read_text())
     return {"export_gb": du(out) / 1e9, "embedding_copies": embedding_copies(out, manifest)}
 
@@ -234,7 +241,7 @@ def step_sessions(args):
     from dtrt.runtime.backends.onnxruntime import OrtBackend
     from dtrt.runtime.spec import RunSpec
 
-    exp = load_export(Path(args.dir) / "export")
+    exp = load_export(export_dir(args))
     before = rss_now()
     backend = OrtBackend(exp, "domino", threads=2)
     backend.prepare(RunSpec(method="dominotree", builder="frontier", budget=exp.manifest["budget"]))
@@ -243,13 +250,13 @@ def step_sessions(args):
 
 
 def step_generate(args, method: str):
-    dtrt("run", "--export", str(Path(args.dir) / "export"), "--method", method, "--max-new-tokens", "8",
+    dtrt("run", "--export", str(export_dir(args)), "--method", method, "--max-new-tokens", "8",
          "--no-chat", "--json", "--threads", "2", "The history of science")  # fmt: skip
     return {}
 
 
 def step_parity(args):
-    dtrt("parity", str(Path(args.dir) / "export"), "--random-only", "--quick")
+    dtrt("parity", str(export_dir(args)), "--random-only", "--quick")
     return {}
 
 
@@ -257,7 +264,8 @@ def run_step(args, step: str) -> dict:
     """`step` in a child process: its result, wall time and peak resident memory, or how it failed."""
     t0 = time.perf_counter()
     child = subprocess.run(
-        [sys.executable, __file__, "--config", args.config, "--dtype", args.dtype, "--dir", args.dir, "--step", step],
+        [sys.executable, __file__, "--config", args.config, "--dtype", args.dtype, "--quant", args.quant,
+         "--dir", args.dir, "--step", step],  # fmt: skip
         capture_output=True,
         text=True,
     )
@@ -279,6 +287,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", choices=list(CONFIGS), default="qwen3-1.7b")
     ap.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp16")
+    ap.add_argument("--quant", choices=["none", "int8", "int4"], default="none", help="the target's weights")
     ap.add_argument("--dir", required=True, help="working directory (checkpoints and export; can take 20 GB)")
     ap.add_argument("--steps", default=",".join(STEPS))
     ap.add_argument("--json", metavar="PATH")
@@ -300,7 +309,7 @@ def main():
     if "DTRT_QWEN3_TOKENIZER" not in os.environ:
         raise SystemExit("error: set DTRT_QWEN3_TOKENIZER to a directory with Qwen3's tokenizer.json (see .ci/run)")
     rows = [run_step(args, s) for s in args.steps.split(",")]
-    print(f"\n{args.config}, export dtype {args.dtype}, machine memory {total_gb():.1f} GB\n")
+    print(f"\n{args.config}, export dtype {args.dtype}, quant {args.quant}, machine memory {total_gb():.1f} GB\n")
     print("| step | ok | wall s | peak RSS GB | notes |")
     print("|---|---|---:|---:|---|")
     for r in rows:

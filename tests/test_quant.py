@@ -93,8 +93,10 @@ def test_quant_flags_are_checked():
 # the export
 def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_export):
     m = int4_export.manifest
-    assert m["quant"] == {"bits": 4, "block": 32, "method": "rtn", "format": "qdq", "weights": m["quant"]["weights"]}
-    assert m["quant"]["weights"] == 7 * m["target"]["num_layers"] + 1  # q, k, v, o, gate, up, down; the lm_head
+    layers = m["target"]["num_layers"]
+    assert m["quant"] == {"bits": 4, "block": 32, "method": "rtn", "format": "qdq", "weights": 7 * layers + 1,
+                          "products": 4 * layers + 1}  # fmt: skip
+    # q, k, v, o, gate, up, down and the lm_head; q/k/v and gate/up read one activation each: one product each
     assert m["ordered_attention"] == {"align": 128, "max_rows": 64, "min_rows": 2}
     assert int4_export.quant == INT4 and int4_export.quant_name == "int4"
     assert "--quant int4 --quant-block 32" in int4_export.fix_hint()
@@ -103,7 +105,11 @@ def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_exp
     graph = onnx.load(str(int4_export.stage("target")), load_external_data=False).graph
     inits = {i.name: i for i in graph.initializer}
     dq = [n for n in graph.node if n.op_type == "DequantizeLinear"]
-    assert len(dq) == m["quant"]["weights"]
+    assert len(dq) == m["quant"]["products"]
+    qkv = inits[next(n.input[0] for n in dq if ".q_proj." in n.input[0])]
+    o_proj = inits[next(n.input[0] for n in dq if ".o_proj." in n.input[0])]  # [heads * head_dim, hidden]
+    kv = m["target"]["num_kv_heads"] * m["target"]["head_dim"]
+    assert qkv.dims[1] == o_proj.dims[0] + 2 * kv  # q, k and v side by side
     for n in dq:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert inits[n.input[0]].data_type == onnx.TensorProto.INT4 and len(n.input) == 2  # symmetric: no zero point
@@ -293,5 +299,5 @@ def test_onnx_runtime_fuses_every_quantized_linear(int4_export, int8_export, tmp
     for exp in (int4_export, int8_export):
         cpu_session(exp.stage("target"), threads=1, optimized=tmp_path / "opt.onnx")
         ops = [n.op_type for n in onnx.load(str(tmp_path / "opt.onnx"), load_external_data=False).graph.node]
-        assert ops.count("MatMulNBits") == exp.manifest["quant"]["weights"], exp.quant_name
+        assert ops.count("MatMulNBits") == exp.manifest["quant"]["products"], exp.quant_name
         assert "DequantizeLinear" not in ops and "Gemm" not in ops and "SimplifiedLayerNormalization" in ops

@@ -88,3 +88,17 @@ def test_half_precision_loads(pair, tmp_path, dtype):
     got, taps = half(ids, torch.arange(7), causal(7), taps=(0,))
     assert got.dtype == torch.float32 and taps.dtype == dtype
     assert torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0) > 0.999
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rope_equals_rotate_half_bit_for_bit(dtype):
+    """apply_rope's gather-and-signed-sin form is the rotate_half form, to the last bit, in every dtype."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from dtrt.models.layers import apply_rope, rope_cos_sin
+
+    torch.manual_seed(0)
+    x = (torch.randn(2, 4, 9, 16) * 30).to(dtype)
+    cos, sin = rope_cos_sin(torch.arange(100, 109), 16, 1e4, dtype)
+    want = x * cos.unsqueeze(-3) + rotate_half(x) * sin.unsqueeze(-3)
+    assert torch.equal(apply_rope(x, cos, sin), want)

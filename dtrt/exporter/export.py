@@ -24,9 +24,10 @@ from dtrt.models.quant import QuantSpec, weight_names
 EXPORT_DTYPES = ("fp32", "fp16", "bf16")  # bf16: for TensorRT (ONNX Runtime's CPU provider has no bf16 kernels)
 DRAFTER_KINDS = ("dflash", "domino")
 # what this dtrt's exports hold beyond what the manifest's other fields say: 2 = one shared weights file and the
-# domino.chain stage; 3 = a quantized target's ordered attention planned once per call (TreeAttentionOrderPlan).
+# domino.chain stage; 3 = a quantized target's ordered attention planned once per call (TreeAttentionOrderPlan);
+# 4 = RoPE as one gather per rotation, a quantized target's products of one activation merged (q/k/v, gate/up).
 # The export made on first use is made again when it is older.
-LAYOUT = 3
+LAYOUT = 4
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -156,8 +157,8 @@ def export_pair(
             t0 = time.perf_counter()
             log(f"quantizing the target's linear layers to {quant.name} ({quant.method})")
             names = [tuple(f"target.{n}" for n in group) for group in weight_names(target)]  # TargetStage.target
-            quantized_weights = quantize_target(tmp / "target.onnx", quant, names)
-            log(f"{len(quantized_weights)} weights quantized in {time.perf_counter() - t0:.1f}s")
+            quantized_weights, products = quantize_target(tmp / "target.onnx", quant, names)
+            log(f"{len(quantized_weights)} weights quantized in {time.perf_counter() - t0:.1f}s, {products} products")
         quantized = quantize_drafters(tmp, stage_meta, drafter_quant, log)
         weights = share_weights(tmp, [m["file"] for m in stage_meta.values()], log)
         (tmp / "tokenizer").mkdir()
@@ -178,7 +179,9 @@ def export_pair(
             "node_topk": node_topk,
             "drafter_quant": drafter_quant,
             "quantized_stages": quantized,
-            "quant": None if quant is None else {**quant.to_json(), "format": "qdq", "weights": len(names)},
+            "quant": None
+            if quant is None
+            else {**quant.to_json(), "format": "qdq", "weights": len(names), "products": products},
             "ordered_attention": None if quant is None else ordered_attention(),
             "drafters_asked": list(drafter_kinds) if drafter_kinds is not None else None,
             "weights": {"file": WEIGHTS, **weights},

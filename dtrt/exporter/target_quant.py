@@ -109,10 +109,29 @@ def _weight_input(node: onnx.NodeProto, inits: dict) -> tuple[str, bool] | None:
     return None
 
 
-def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]], log=None) -> list[str]:
+def _products(nodes: list, inits: dict, wanted: set) -> dict[str, list]:
+    """The linear products to quantize, grouped by the activation they read (node name of the group's first ->
+    the group). A layer's q/k/v read one input, as do gate/up: one quantized product over their weights side by
+    side is one activation quantization and one kernel call instead of three, and each output column is the same
+    dot product as alone, so the outputs are bit for bit the separate products'. Weights read by more than one
+    product (a tied lm_head) stay alone."""
+    found = [(n, _weight_input(n, inits)) for n in nodes]
+    found = [(n, w) for n, w in found if w is not None and w[0] in wanted]
+    readers: dict[str, int] = {}
+    for _, (name, _) in found:
+        readers[name] = readers.get(name, 0) + 1
+    groups: dict[str, list] = {}
+    for n, (name, _) in found:
+        key = n.input[0] if readers[name] == 1 else f"{n.name}/alone"
+        groups.setdefault(key, []).append(n)
+    return {g[0].name: g for g in groups.values()}
+
+
+def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]], log=None) -> tuple[list[str], int]:
     """Rewrite the stage graph at `path` so that every linear product whose weight initializer has a name in
-    `weights` (one tuple of names per weight: a tied one has several) runs on `spec`'s quantized weights; returns the
-    initializers quantized. Every weight must be found (the reference dequantizes exactly these), else ValueError."""
+    `weights` (one tuple of names per weight: a tied one has several) runs on `spec`'s quantized weights, products
+    of one activation merged (`_products`); returns (the initializers quantized, the quantized products). Every
+    weight must be found (the reference dequantizes exactly these), else ValueError."""
     wanted = {name for group in weights for name in group}
     path = Path(path)
     root = path.parent
@@ -120,47 +139,49 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     writer = DataWriter(root / (path.name + DATA_SUFFIX))
-    done: dict[str, tuple[str, str]] = {}  # weight -> (q name, scale name)
+    groups = _products(list(graph.node), inits, wanted)
+    grouped = {n.name for g in groups.values() for n in g}
+    done: dict[str, tuple[str, str]] = {}  # weight (its first name in a group) -> (q name, scale name)
+    quantized: set[str] = set()
     nodes = []
     try:
         for node in graph.node:
-            found = _weight_input(node, inits)
-            if found is None or found[0] not in wanted:
+            if node.name not in grouped:
                 nodes.append(node)
                 continue
-            name, transposed = found
-            if name not in done:
-                w = read_initializer(root, inits[name])
-                w = w if transposed else w.T  # [out, in]
-                q, scale = quantize(w, spec)
+            if node.name not in groups:
+                continue  # emitted with its group's first product
+            group = groups[node.name]
+            names = [_weight_input(n, inits) for n in group]
+            key = names[0][0]
+            if key not in done:
+                qs, ss = [], []
+                for name, transposed in names:
+                    w = read_initializer(root, inits[name])
+                    q, scale = quantize(w if transposed else w.T, spec)  # [out, in]
+                    qs.append(q)
+                    ss.append(scale)
+                    quantized.add(name)
+                    if log:
+                        log(f"quantized {name} {list(q.shape)} to {spec.name}")
+                q, scale = torch.cat(qs), torch.cat(ss)
                 qt = q.T.contiguous().numpy()  # [in, out]
                 st = scale.T.contiguous() if spec.block else scale[:, 0].contiguous()  # [groups, out] or [out]
-                qname, sname = f"{name}.q{spec.bits}", f"{name}.scale"
+                base = key if len(group) == 1 else f"{key}+{len(group) - 1}"
+                qname, sname = f"{base}.q{spec.bits}", f"{base}.scale"
                 if spec.bits == 4:
                     q_init = writer.add(qname, TensorProto.INT4, qt.shape, pack_int4(qt))
                 else:
                     q_init = writer.add(qname, TensorProto.INT8, qt.shape, qt.tobytes())
-                s_type = inits[name].data_type
+                s_type = inits[key].data_type
                 s_raw = st.view(torch.int16) if st.dtype == torch.bfloat16 else st  # numpy has no bfloat16
-                s_bytes = s_raw.numpy().tobytes()
-                s_init = writer.add(sname, s_type, st.shape, s_bytes)
+                s_init = writer.add(sname, s_type, st.shape, s_raw.numpy().tobytes())
                 graph.initializer.extend([q_init, s_init])
-                done[name] = (qname, sname)
-                if log:
-                    log(f"quantized {name} {list(w.shape)} to {spec.name}")
-            qname, sname = done[name]
-            deq = f"{node.name or node.output[0]}.dequantized"
-            kwargs = {"axis": 0, "block_size": spec.block} if spec.block else {"axis": 1}
-            nodes.append(helper.make_node("DequantizeLinear", [qname, sname], [deq], name=f"{deq}.dq", **kwargs))
-            bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
-            out = node.output[0]
-            mm_out = f"{out}.nobias" if bias else out
-            nodes.append(helper.make_node("MatMul", [node.input[0], deq], [mm_out], name=f"{node.name}.matmul"))
-            if bias:
-                nodes.append(helper.make_node("Add", [mm_out, bias], [out], name=f"{node.name}.bias"))
+                done[key] = (qname, sname)
+            nodes.extend(_product_nodes(group, done[key], [q.shape[0] for q in qs], spec))
     finally:
         writer.close()
-    missing = [group[0] for group in weights if not set(group) & set(done)]
+    missing = [group[0] for group in weights if not set(group) & quantized]
     if missing:
         (root / (path.name + DATA_SUFFIX)).unlink(missing_ok=True)
         raise ValueError(f"{path.name}: no linear product reads {missing[0]} ({len(missing)} weights not found)")
@@ -179,7 +200,31 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     _set_opset(model, QUANT_OPSET)
     onnx.save_model(model, str(path))
     onnx.checker.check_model(str(path))
-    return sorted(done)
+    return sorted(quantized), len(groups)
+
+
+def _product_nodes(group: list, weight: tuple[str, str], widths: list[int], spec: QuantSpec) -> list:
+    """DequantizeLinear -> MatMul over the group's weights side by side, a Split back into each product's output
+    when there are several, then each product's bias."""
+    qname, sname = weight
+    first = group[0]
+    deq = f"{first.name or first.output[0]}.dequantized"
+    kwargs = {"axis": 0, "block_size": spec.block} if spec.block else {"axis": 1}
+    out = [helper.make_node("DequantizeLinear", [qname, sname], [deq], name=f"{deq}.dq", **kwargs)]
+    biases = [n.input[2] if n.op_type == "Gemm" and len(n.input) > 2 and n.input[2] else None for n in group]
+    ends = [f"{n.output[0]}.nobias" if b else n.output[0] for n, b in zip(group, biases)]
+    if len(group) == 1:
+        out.append(helper.make_node("MatMul", [first.input[0], deq], ends, name=f"{first.name}.matmul"))
+    else:
+        merged, sizes = f"{first.name}.merged", f"{first.name}.widths"
+        out.append(helper.make_node("MatMul", [first.input[0], deq], [merged], name=f"{first.name}.matmul"))
+        widths_t = helper.make_tensor(sizes, TensorProto.INT64, [len(widths)], widths)
+        out.append(helper.make_node("Constant", [], [sizes], name=f"{sizes}.const", value=widths_t))
+        out.append(helper.make_node("Split", [merged, sizes], ends, name=f"{first.name}.split", axis=-1))
+    for n, b, end in zip(group, biases, ends):
+        if b:
+            out.append(helper.make_node("Add", [end, b], [n.output[0]], name=f"{n.name}.bias"))
+    return out
 
 
 def ordered_attention_nodes(nodes: list) -> list:
