@@ -301,3 +301,13 @@ def test_onnx_runtime_fuses_every_quantized_linear(int4_export, int8_export, tmp
         ops = [n.op_type for n in onnx.load(str(tmp_path / "opt.onnx"), load_external_data=False).graph.node]
         assert ops.count("MatMulNBits") == exp.manifest["quant"]["products"], exp.quant_name
         assert "DequantizeLinear" not in ops and "Gemm" not in ops and "SimplifiedLayerNormalization" in ops
+
+
+def test_fp16_quantized_export_runs_its_parity(tiny, tmp_path):
+    """An fp16 export with an int8 target (what a 4B model needs to fit a 24 GB CPU machine): the whole of `dtrt
+    parity`, the order check feeding its fp16 past included."""
+    exp = export_pair(tiny, tmp_path / "fp16-int8", model="tiny", max_context=256, drafter_kinds=("domino",),
+                      dtype="fp16", quant=quant_spec("int8"))  # fmt: skip
+    report = run_parity(exp, 0, quick=True)
+    assert report.ok, report.table()
+    assert any("tree = plain decoding" in r.case and r.max_abs == 0.0 for r in report.rows)

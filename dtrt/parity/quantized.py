@@ -41,6 +41,9 @@ def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, 
     vocab = exp.manifest["target"]["vocab_size"]
     rng = np.random.default_rng(seed)
     names = [o.name for o in sess.get_outputs()]
+    past_type = (
+        np.float16 if next(i.type for i in sess.get_inputs() if i.name == "past_k") == "tensor(float16)" else np.float32
+    )
 
     def run(ids, positions, mask, past_k, past_v):
         out = sess.run(None, {"ids": ids, "positions": positions, "mask": mask, "past_k": past_k, "past_v": past_v})
@@ -57,7 +60,7 @@ def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, 
     for past in order_cases(exp):
         ids = rng.integers(0, vocab, past + ORDER_DEPTH)
         dims = exp.manifest["target"]
-        empty = np.zeros((dims["num_layers"], dims["num_kv_heads"], 0, dims["head_dim"]), np.float32)
+        empty = np.zeros((dims["num_layers"], dims["num_kv_heads"], 0, dims["head_dim"]), past_type)
         pre = run(ids[:past], np.arange(past), np.tril(np.ones((past, past), bool)), empty, empty)
         k, v = pre["new_k"], pre["new_v"]
         plain = []
