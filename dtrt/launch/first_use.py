@@ -37,6 +37,6 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none") -> Expo
             return exp
         except DtrtError as e:
             log(f"{path}: out of date ({e}); exporting again")
-    check_first_use(pair, model)
+    check_first_use(pair, model, quant=quant)
     log(f"exporting {model} to ONNX in {path} (first use only)")
     return export_pair(pair, Path(path), model, force=True, drafter_quant=DRAFTER_QUANT, quant=qspec, log=log)

@@ -1,20 +1,24 @@
 """Will it fit: what the first-use ONNX Runtime export of a registry model needs in memory, against what this
 machine has, checked before the export starts (an export that cannot fit would run for minutes, then fail).
 
-Measured factors (resident memory over the bytes of weights):
-- `dtrt export` peaks at about 2.4x the weights it writes, plus the runtime (Qwen3-4B fp16: 19.4 GB for 8 GB;
-  SmolLM2 fp32: 1.8 GB for 0.6 GB, of which 0.4 GB is torch and ONNX Runtime themselves).
-- ONNX Runtime's CPU sessions hold about 1.2x an fp32 target's weights; an fp16 target about 2.2x its fp16
-  weights, since the CPU kernels run fp16 graphs through fp32 copies of the weights (SmolLM2: fp32 645 MB, fp16
-  588 MB for the target stage alone).
+Measured factors (resident memory over the bytes of weights; `benchmarks/scale_check.py` at Qwen3-4B shapes and
+the SmolLM2 default):
+- `dtrt export` streams its weights: it peaks at about 1.25x the weights it writes plus a fixed 1 GB of tracing
+  (Qwen3-4B fp16: 10.7 GB for 9.1 GB of weights; SmolLM2 fp32: 1.8 GB for 0.6 GB). A quantized target takes no
+  more: the quantizer reads one weight at a time.
+- ONNX Runtime's CPU sessions hold about 1.2x an fp32 export's weights and 2.2x an fp16 one's, since the CPU
+  kernels run fp16 graphs through fp32 copies of the weights (Qwen3-4B fp16, every DominoTree stage: 20.7 GB for
+  9.1 GB). A quantized target holds its integers and the embedding the lookup reads, at the same factor.
 """
 
 from pathlib import Path
 
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import Checkpoint, Pair
+from dtrt.models.quant import QuantSpec, quant_spec
 
-EXPORT_PEAK = 2.4
+EXPORT_PEAK = 1.25
+EXPORT_FIXED = 1.0e9  # bytes of tracing and graph building beyond the weights
 SESSIONS = {"fp32": 1.2, "fp16": 2.2}
 RUNTIME = 0.5e9  # bytes of torch, ONNX Runtime and the tokenizer themselves
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -42,30 +46,60 @@ def available() -> int | None:
     return None
 
 
-def first_use_need(pair: Pair, dtype: str = "fp32") -> tuple[int, int, int]:
-    """(bytes while exporting, bytes to run, target parameters) of exporting `pair` in `dtype` and running it on
-    ONNX Runtime's CPU provider."""
+def embedding_parameters(path: Path) -> int:
+    """Parameters of a checkpoint's token embedding (the [vocab, hidden] lookup a quantized export keeps in its
+    dtype), 0 when it has none."""
+    for name, shape in Checkpoint(path).shapes.items():
+        if name.endswith("embed_tokens.weight") and len(shape) == 2:
+            return shape[0] * shape[1]
+    return 0
+
+
+def need(pair: Pair, dtype: str = "fp32", quant: QuantSpec | None = None) -> tuple[int, int, int]:
+    """(bytes while exporting, bytes to run, target parameters) of exporting `pair` in `dtype` (its target's
+    linear layers in `quant`) and running every stage on ONNX Runtime's CPU provider. The export is the same with or
+    without `quant` (the quantizer reads one weight at a time); a quantized target's session holds its integers and
+    the embedding the lookup reads, in `dtype`."""
     target = parameters(pair.target)
     drafters = sum(parameters(p) for p in {pair.dflash, pair.domino} - {None})
-    weights = (target + drafters) * BYTES[dtype]
-    export = int(EXPORT_PEAK * weights + RUNTIME)
-    run = int(SESSIONS[dtype] * target * BYTES[dtype] + drafters * BYTES[dtype] + RUNTIME)
+    size = BYTES[dtype]
+    export = int(EXPORT_PEAK * (target + drafters) * size + EXPORT_FIXED)
+    if quant is None:
+        run = int(SESSIONS[dtype] * (target + drafters) * size + RUNTIME)
+    else:
+        held = target * quant.bits / 8 + (embedding_parameters(pair.target) + drafters) * size
+        run = int(SESSIONS[dtype] * held + RUNTIME)
     return export, run, target
 
 
-def check_first_use(pair: Pair, model: str, dtype: str = "fp32", free: int | None = None):
-    """A one-line refusal, with the numbers and the ways that fit, when the first-use export of `model` or its
-    sessions would not fit in this machine's available memory."""
+def first_use_need(pair: Pair, dtype: str = "fp32") -> tuple[int, int, int]:
+    return need(pair, dtype)
+
+
+def check_first_use(pair: Pair, model: str, dtype: str = "fp32", free: int | None = None, quant: str = "none"):
+    """A one-line refusal, with the numbers and the ways that fit, when the first-use export of `model` (`quant`:
+    its target's quantization) or its sessions would not fit in this machine's available memory."""
     free = available() if free is None else free
     if free is None:
         return
-    export, run, target = first_use_need(pair, dtype)
+    export, run, target = need(pair, dtype, quant_spec(quant))
     if max(export, run) <= free:
         return
     gb = 1e9
+    what = f"{dtype} export" + ("" if quant == "none" else f" with an {quant} target")
+    cpu = "on this CPU with --backend torch --dtype bf16"
+    for q in ("int8", "int4"):  # the CPU alternative: an fp16 export of a quantized target, when one fits
+        q_export, q_run, _ = need(pair, "fp16", quant_spec(q))
+        if max(q_export, q_run) <= free:
+            cpu = (
+                f"on this CPU with an fp16 export of an {q} target (about {q_export / gb:.1f} GB while exporting, "
+                f"{q_run / gb:.1f} GB to run): dtrt export --model {model} --dtype fp16 --quant {q} --out DIR, then "
+                f"--export DIR"
+            )
+            break
     raise DtrtError(
-        f"--model {model} on ONNX Runtime: its first-use {dtype} export needs about {export / gb:.1f} GB while "
+        f"--model {model} on ONNX Runtime: its first-use {what} needs about {export / gb:.1f} GB while "
         f"exporting and {run / gb:.1f} GB to run ({target / 1e9:.2f} B target parameters), and this machine has "
         f"{free / gb:.1f} GB available; on a GPU run it with --backend torch --device cuda --dtype bf16 (or TensorRT "
-        f"engines of a bf16 export), on this CPU with --backend torch --dtype bf16"
+        f"engines of a bf16 export), {cpu}"
     )
