@@ -15,7 +15,8 @@ A step killed for memory (or failing) is reported as such, and the next ones sti
 
     python benchmarks/scale_check.py --config qwen3-1.7b --dtype fp16 --dir /tmp/scale
     python benchmarks/scale_check.py --config qwen3-4b --dtype fp16 --dir /tmp/scale --json scale-4b.json
-    python benchmarks/scale_check.py --config qwen3-4b --dtype fp32 --quant int8 --dir /tmp/scale --steps export,sessions,ar,dominotree,parity
+    python benchmarks/scale_check.py --config qwen3-4b --dtype fp16 --quant int8 --dir /tmp/scale \
+        --steps export,sessions,ar,dominotree,parity
 
 Each quantization exports to its own directory under --dir (export, export-int8, export-int4), next to the
 checkpoints the write step made.
@@ -264,8 +265,20 @@ def run_step(args, step: str) -> dict:
     """`step` in a child process: its result, wall time and peak resident memory, or how it failed."""
     t0 = time.perf_counter()
     child = subprocess.run(
-        [sys.executable, __file__, "--config", args.config, "--dtype", args.dtype, "--quant", args.quant,
-         "--dir", args.dir, "--step", step],  # fmt: skip
+        [
+            sys.executable,
+            __file__,
+            "--config",
+            args.config,
+            "--dtype",
+            args.dtype,
+            "--quant",
+            args.quant,
+            "--dir",
+            args.dir,
+            "--step",
+            step,
+        ],  # fmt: skip
         capture_output=True,
         text=True,
     )
