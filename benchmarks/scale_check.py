@@ -264,21 +264,9 @@ def step_parity(args):
 def run_step(args, step: str) -> dict:
     """`step` in a child process: its result, wall time and peak resident memory, or how it failed."""
     t0 = time.perf_counter()
+    flags = {"--config": args.config, "--dtype": args.dtype, "--quant": args.quant, "--dir": args.dir, "--step": step}
     child = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--config",
-            args.config,
-            "--dtype",
-            args.dtype,
-            "--quant",
-            args.quant,
-            "--dir",
-            args.dir,
-            "--step",
-            step,
-        ],  # fmt: skip
+        [sys.executable, __file__, *(x for pair in flags.items() for x in pair)],
         capture_output=True,
         text=True,
     )
