@@ -345,3 +345,5 @@ def test_fp16_quantized_export_runs_its_parity(tiny, tmp_path):
     report = run_parity(exp, 0, quick=True)
     assert report.ok, report.table()
     assert any("tree = plain decoding" in r.case and r.max_abs == 0.0 for r in report.rows)
+    # its weights are judged at fp16's tolerance where that is looser than the fp32 export's weight check
+    assert report.to_json()["weight_tolerance"] == {"cosine": 0.9999, "rel": 2e-2, "ties": True}
