@@ -13,7 +13,7 @@ GB = 1e9
 
 
 def test_need_of_the_tiny_pair(tiny):
-    export, run, target = memory.first_use_need(tiny)
+    export, run, target = memory.need(tiny)
     assert target == memory.parameters(tiny.target) > 0
     drafters = memory.parameters(tiny.dflash) + memory.parameters(tiny.domino)
     assert export == int(memory.EXPORT_PEAK * 4 * (target + drafters) + memory.EXPORT_FIXED)
@@ -36,7 +36,7 @@ def qwen3_4b(monkeypatch):
 
 
 def test_qwen3_4b_is_refused_on_24_gb_and_told_what_fits(qwen3_4b):
-    export, run, _ = memory.first_use_need(qwen3_4b)
+    export, run, _ = memory.need(qwen3_4b)
     assert 25 * GB < export < 27 * GB and 24 * GB < run < 25 * GB
     with pytest.raises(DtrtError) as e:
         memory.check_first_use(qwen3_4b, "qwen3-4b", free=int(22.8 * GB))

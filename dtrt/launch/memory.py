@@ -72,10 +72,6 @@ def need(pair: Pair, dtype: str = "fp32", quant: QuantSpec | None = None) -> tup
     return export, run, target
 
 
-def first_use_need(pair: Pair, dtype: str = "fp32") -> tuple[int, int, int]:
-    return need(pair, dtype)
-
-
 def check_first_use(pair: Pair, model: str, dtype: str = "fp32", free: int | None = None, quant: str = "none"):
     """A one-line refusal, with the numbers and the ways that fit, when the first-use export of `model` (`quant`:
     its target's quantization) or its sessions would not fit in this machine's available memory."""
