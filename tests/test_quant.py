@@ -77,36 +77,38 @@ def test_mse_clipping_lowers_the_weight_error_and_is_deterministic():
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 def test_products_of_one_activation_merge_bit_for_bit(quant, tmp_path):
-    """Three products reading one activation become one quantized product and a Split; under ONNX Runtime's fused
-    kernels (int8 activations) every output equals the three separate products' bit for bit."""
+    """Products reading one activation become one quantized product and a Split; under ONNX Runtime's fused kernels
+    (int8 activations) every output equals the separate products' bit for bit. A weight that two products read
+    (a tied one) stays alone."""
     from onnx import TensorProto, helper, numpy_helper
 
     from dtrt.exporter.target_quant import quantize_target
     from dtrt.runtime.backends.onnxruntime import cpu_session
 
     rng = np.random.default_rng(0)
-    widths = (64, 32, 32)
+    widths = (64, 32, 32, 64)  # y3 reads w0 again
     weights = [numpy_helper.from_array(rng.standard_normal((96, w)).astype(np.float32), f"w{i}") for i, w in
-               enumerate(widths)]  # fmt: skip
+               enumerate(widths[:3])]  # fmt: skip
 
     def model(path, shared: bool):
-        reads = ["x"] * 3 if shared else ["x", "x1", "x2"]  # an Identity apart: not one activation to the exporter
+        reads = ["x"] * 4 if shared else ["x", "x1", "x2", "x3"]  # an Identity apart: another activation
         nodes = [helper.make_node("Identity", ["x"], [r]) for r in reads[1:] if not shared]
-        nodes += [helper.make_node("MatMul", [r, f"w{i}"], [f"y{i}"], name=f"mm{i}") for i, r in enumerate(reads)]
+        nodes += [helper.make_node("MatMul", [r, f"w{i % 3}"], [f"y{i}"], name=f"mm{i}") for i, r in enumerate(reads)]
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 96])
         ys = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["n", w]) for i, w in enumerate(widths)]
+        path.parent.mkdir()
         onnx.save_model(helper.make_model(helper.make_graph(nodes, "g", [x], ys, weights)), str(path))
         return quantize_target(path, quant_spec(quant), [(f"w{i}",) for i in range(3)])
 
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    assert model(tmp_path / "a" / "m.onnx", shared=True) == (["w0", "w1", "w2"], 1)
-    assert model(tmp_path / "b" / "m.onnx", shared=False) == (["w0", "w1", "w2"], 3)
+    merged_path, alone_path = tmp_path / "merged" / "m.onnx", tmp_path / "alone" / "m.onnx"
+    assert model(merged_path, shared=True) == (["w0", "w1", "w2"], 3)  # w0 twice alone, w1 + w2 merged
+    assert model(alone_path, shared=False) == (["w0", "w1", "w2"], 4)
     x = (rng.standard_normal((5, 96)) * 3).astype(np.float32)
-    merged = cpu_session(tmp_path / "a" / "m.onnx", threads=1).run(None, {"x": x})
-    alone = cpu_session(tmp_path / "b" / "m.onnx", threads=1).run(None, {"x": x})
+    merged = cpu_session(merged_path, threads=1).run(None, {"x": x})
+    alone = cpu_session(alone_path, threads=1).run(None, {"x": x})
     for m, a in zip(merged, alone):
         assert m.shape == a.shape and np.array_equal(m, a)
+    assert np.array_equal(merged[0], merged[3])
 
 
 def test_int4_packing_round_trips():

@@ -109,9 +109,9 @@ def _weight_input(node: onnx.NodeProto, inits: dict) -> tuple[str, bool] | None:
     return None
 
 
-def _products(nodes: list, inits: dict, wanted: set) -> dict[str, list]:
-    """The linear products to quantize, grouped by the activation they read (node name of the group's first ->
-    the group). A layer's q/k/v read one input, as do gate/up: one quantized product over their weights side by
+def _products(nodes: list, inits: dict, wanted: set) -> dict[int, list]:
+    """The linear products to quantize, grouped by the activation they read (id of the group's first node -> the
+    group). A layer's q/k/v read one input, as do gate/up: one quantized product over their weights side by
     side is one activation quantization and one kernel call instead of three, and each output column is the same
     dot product as alone, so the outputs are bit for bit the separate products'. Weights read by more than one
     product (a tied lm_head) stay alone."""
@@ -122,9 +122,9 @@ def _products(nodes: list, inits: dict, wanted: set) -> dict[str, list]:
         readers[name] = readers.get(name, 0) + 1
     groups: dict[str, list] = {}
     for n, (name, _) in found:
-        key = n.input[0] if readers[name] == 1 else f"{n.name}/alone"
+        key = n.input[0] if readers[name] == 1 else id(n)
         groups.setdefault(key, []).append(n)
-    return {g[0].name: g for g in groups.values()}
+    return {id(g[0]): g for g in groups.values()}
 
 
 def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]], log=None) -> tuple[list[str], int]:
@@ -140,18 +140,18 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     inits = {i.name: i for i in graph.initializer}
     writer = DataWriter(root / (path.name + DATA_SUFFIX))
     groups = _products(list(graph.node), inits, wanted)
-    grouped = {n.name for g in groups.values() for n in g}
-    done: dict[str, tuple[str, str]] = {}  # weight (its first name in a group) -> (q name, scale name)
+    grouped = {id(n) for g in groups.values() for n in g}
+    done: dict[str, tuple[str, str, list[int]]] = {}  # a group's first weight -> (q name, scale name, widths)
     quantized: set[str] = set()
     nodes = []
     try:
         for node in graph.node:
-            if node.name not in grouped:
+            if id(node) not in grouped:
                 nodes.append(node)
                 continue
-            if node.name not in groups:
+            if id(node) not in groups:
                 continue  # emitted with its group's first product
-            group = groups[node.name]
+            group = groups[id(node)]
             names = [_weight_input(n, inits) for n in group]
             key = names[0][0]
             if key not in done:
@@ -177,8 +177,8 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
                 s_raw = st.view(torch.int16) if st.dtype == torch.bfloat16 else st  # numpy has no bfloat16
                 s_init = writer.add(sname, s_type, st.shape, s_raw.numpy().tobytes())
                 graph.initializer.extend([q_init, s_init])
-                done[key] = (qname, sname)
-            nodes.extend(_product_nodes(group, done[key], [q.shape[0] for q in qs], spec))
+                done[key] = (qname, sname, [q.shape[0] for q in qs])
+            nodes.extend(_product_nodes(group, *done[key], spec))
     finally:
         writer.close()
     missing = [group[0] for group in weights if not set(group) & quantized]
@@ -203,27 +203,28 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     return sorted(quantized), len(groups)
 
 
-def _product_nodes(group: list, weight: tuple[str, str], widths: list[int], spec: QuantSpec) -> list:
-    """DequantizeLinear -> MatMul over the group's weights side by side, a Split back into each product's output
-    when there are several, then each product's bias."""
-    qname, sname = weight
+def _product_nodes(group: list, qname: str, sname: str, widths: list[int], spec: QuantSpec) -> list:
+    """DequantizeLinear -> MatMul over the group's weights side by side (`qname`, `sname`: the integers and scales
+    of the weights of `widths` output features each), a Split back into each product's output when there are
+    several, then each product's bias."""
     first = group[0]
-    deq = f"{first.name or first.output[0]}.dequantized"
+    base = first.output[0]  # unique: every tensor has one producer
+    deq = f"{base}.dequantized"
     kwargs = {"axis": 0, "block_size": spec.block} if spec.block else {"axis": 1}
     out = [helper.make_node("DequantizeLinear", [qname, sname], [deq], name=f"{deq}.dq", **kwargs)]
     biases = [n.input[2] if n.op_type == "Gemm" and len(n.input) > 2 and n.input[2] else None for n in group]
     ends = [f"{n.output[0]}.nobias" if b else n.output[0] for n, b in zip(group, biases)]
     if len(group) == 1:
-        out.append(helper.make_node("MatMul", [first.input[0], deq], ends, name=f"{first.name}.matmul"))
+        out.append(helper.make_node("MatMul", [first.input[0], deq], ends, name=f"{base}.matmul"))
     else:
-        merged, sizes = f"{first.name}.merged", f"{first.name}.widths"
-        out.append(helper.make_node("MatMul", [first.input[0], deq], [merged], name=f"{first.name}.matmul"))
+        merged, sizes = f"{base}.merged", f"{base}.widths"
+        out.append(helper.make_node("MatMul", [first.input[0], deq], [merged], name=f"{base}.matmul"))
         widths_t = helper.make_tensor(sizes, TensorProto.INT64, [len(widths)], widths)
         out.append(helper.make_node("Constant", [], [sizes], name=f"{sizes}.const", value=widths_t))
-        out.append(helper.make_node("Split", [merged, sizes], ends, name=f"{first.name}.split", axis=-1))
+        out.append(helper.make_node("Split", [merged, sizes], ends, name=f"{base}.split", axis=-1))
     for n, b, end in zip(group, biases, ends):
         if b:
-            out.append(helper.make_node("Add", [end, b], [n.output[0]], name=f"{n.name}.bias"))
+            out.append(helper.make_node("Add", [end, b], [n.output[0]], name=f"{n.name or n.output[0]}.bias"))
     return out
 
 

@@ -79,6 +79,8 @@ def weight_tolerance(dtype: str) -> Tolerance:
     is looser (an fp16 export's activations are fp16; Qwen3-4B fp16 int8 shows cosine 0.99998, rel 7e-3)."""
     own = TOLERANCES[dtype]
     return Tolerance(min(QWEIGHT_TOLERANCE.cosine, own.cosine), max(QWEIGHT_TOLERANCE.rel, own.rel), own.ties)
+
+
 LOGITS = ("logits", "base")
 NS, PS = (1, 9, 17, 33), (0, 7, 100)
 PROMPTS = (
