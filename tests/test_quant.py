@@ -97,7 +97,8 @@ def test_products_of_one_activation_merge_bit_for_bit(quant, tmp_path):
         x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 96])
         ys = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["n", w]) for i, w in enumerate(widths)]
         path.parent.mkdir()
-        onnx.save_model(helper.make_model(helper.make_graph(nodes, "g", [x], ys, weights)), str(path))
+        graph = helper.make_graph(nodes, "g", [x], ys, weights)
+        onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(path))
         return quantize_target(path, quant_spec(quant), [(f"w{i}",) for i in range(3)])
 
     merged_path, alone_path = tmp_path / "merged" / "m.onnx", tmp_path / "alone" / "m.onnx"
