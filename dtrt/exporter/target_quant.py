@@ -109,22 +109,21 @@ def _weight_input(node: onnx.NodeProto, inits: dict) -> tuple[str, bool] | None:
     return None
 
 
-def _products(nodes: list, inits: dict, wanted: set) -> dict[int, list]:
-    """The linear products to quantize, grouped by the activation they read (id of the group's first node -> the
-    group). A layer's q/k/v read one input, as do gate/up: one quantized product over their weights side by
-    side is one activation quantization and one kernel call instead of three, and each output column is the same
-    dot product as alone, so the outputs are bit for bit the separate products'. Weights read by more than one
-    product (a tied lm_head) stay alone."""
-    found = [(n, _weight_input(n, inits)) for n in nodes]
-    found = [(n, w) for n, w in found if w is not None and w[0] in wanted]
+def _products(nodes: list, inits: dict, wanted: set) -> dict[int, list[tuple]]:
+    """The linear products to quantize, grouped by the activation they read (id of the group's first node -> its
+    (node, weight name, stored transposed) triples). A layer's q/k/v read one input, as do gate/up: one quantized
+    product over their weights side by side is one activation quantization and one kernel call instead of three,
+    and each output column is the same dot product as alone, so the outputs are bit for bit the separate
+    products'. Weights read by more than one product (a tied lm_head) stay alone."""
+    found = [(n, *w) for n in nodes if (w := _weight_input(n, inits)) is not None and w[0] in wanted]
     readers: dict[str, int] = {}
-    for _, (name, _) in found:
+    for _, name, _ in found:
         readers[name] = readers.get(name, 0) + 1
-    groups: dict[str, list] = {}
-    for n, (name, _) in found:
+    groups: dict = {}
+    for n, name, transposed in found:
         key = n.input[0] if readers[name] == 1 else id(n)
-        groups.setdefault(key, []).append(n)
-    return {id(g[0]): g for g in groups.values()}
+        groups.setdefault(key, []).append((n, name, transposed))
+    return {id(g[0][0]): g for g in groups.values()}
 
 
 def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]], log=None) -> tuple[list[str], int]:
@@ -140,7 +139,7 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     inits = {i.name: i for i in graph.initializer}
     writer = DataWriter(root / (path.name + DATA_SUFFIX))
     groups = _products(list(graph.node), inits, wanted)
-    grouped = {id(n) for g in groups.values() for n in g}
+    grouped = {id(n) for g in groups.values() for n, _, _ in g}
     done: dict[str, tuple[str, str, list[int]]] = {}  # a group's first weight -> (q name, scale name, widths)
     quantized: set[str] = set()
     nodes = []
@@ -152,11 +151,10 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
             if id(node) not in groups:
                 continue  # emitted with its group's first product
             group = groups[id(node)]
-            names = [_weight_input(n, inits) for n in group]
-            key = names[0][0]
+            key = group[0][1]
             if key not in done:
                 qs, ss = [], []
-                for name, transposed in names:
+                for _, name, transposed in group:
                     w = read_initializer(root, inits[name])
                     q, scale = quantize(w if transposed else w.T, spec)  # [out, in]
                     qs.append(q)
@@ -178,7 +176,7 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
                 s_init = writer.add(sname, s_type, st.shape, s_raw.numpy().tobytes())
                 graph.initializer.extend([q_init, s_init])
                 done[key] = (qname, sname, [q.shape[0] for q in qs])
-            nodes.extend(_product_nodes(group, *done[key], spec))
+            nodes.extend(_product_nodes([n for n, _, _ in group], *done[key], spec))
     finally:
         writer.close()
     missing = [group[0] for group in weights if not set(group) & quantized]

@@ -43,11 +43,11 @@ def rope_cos_sin(positions, head_dim: int, theta: float, dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _half_turn(hd: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the index that swaps the two halves of a head, the sign that negates the new first half)."""
+def _half_turn(hd: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the index that swaps the two halves of a head, the sign in `dtype` that negates the new first half)."""
     half = hd // 2
     order = torch.cat((torch.arange(half, hd), torch.arange(half))).to(device)
-    sign = torch.cat((-torch.ones(half), torch.ones(half))).to(device)
+    sign = torch.cat((-torch.ones(half), torch.ones(half))).to(device=device, dtype=dtype)
     return order, sign
 
 
@@ -60,8 +60,8 @@ def apply_rope(x, cos, sin):
     an exported layer runs one Gather where cat(-x2, x1) took a Split, a Neg and a Concat (the signed sin is the
     same product in every layer, which ONNX Runtime computes once)."""
     make = _half_turn if torch.onnx.is_in_onnx_export() else _cached_half_turn
-    order, sign = make(x.shape[-1], x.device)
-    return x * cos.unsqueeze(-3) + x.index_select(-1, order) * (sin * sign.to(sin.dtype)).unsqueeze(-3)
+    order, sign = make(x.shape[-1], x.device, sin.dtype)
+    return x * cos.unsqueeze(-3) + x.index_select(-1, order) * (sin * sign).unsqueeze(-3)
 
 
 class MLP(nn.Module):

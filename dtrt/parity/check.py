@@ -538,7 +538,7 @@ def run_parity(
         captured = [(f"real {i}", c) for i, c in enumerate(real.get(name, []))]
         tol = QUANT_TOLERANCE if name in quantized else TOLERANCES[dtype]
         runs = [(tol, MATMUL_ACCURACY, "", cases)]
-        if name == "target" and exp.quant is not None:  # the weights at fp32, then the runtime's int8 activations
+        if name == "target" and exp.quant is not None:  # weights at unquantized activations, then the runtime's
             runs = [(weight_tolerance(dtype), 0, "", cases), (ACT_TOLERANCE, MATMUL_ACCURACY, ", int8 activations", [])]
         for tol, accuracy, suffix, random in runs:
             case_rows = compare_stage(stage, exp.stage(name), random, tol, accuracy) if random else []

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dtrt.artifacts.export import Export
-from dtrt.runtime.backends.onnxruntime import cpu_session
+from dtrt.runtime.backends.onnxruntime import NUMPY_TYPES, ORT_TYPES, cpu_session
 from dtrt.runtime.backends.stages import first_rows, pad_rows
 
 ORDER_DEPTH = 6  # chain tokens per order case
@@ -41,9 +41,7 @@ def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, 
     vocab = exp.manifest["target"]["vocab_size"]
     rng = np.random.default_rng(seed)
     names = [o.name for o in sess.get_outputs()]
-    past_type = (
-        np.float16 if next(i.type for i in sess.get_inputs() if i.name == "past_k") == "tensor(float16)" else np.float32
-    )
+    past_type = NUMPY_TYPES[next(ORT_TYPES[i.type] for i in sess.get_inputs() if i.name == "past_k")]
 
     def run(ids, positions, mask, past_k, past_v):
         out = sess.run(None, {"ids": ids, "positions": positions, "mask": mask, "past_k": past_k, "past_v": past_v})
