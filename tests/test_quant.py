@@ -250,6 +250,21 @@ def test_parity_passes_and_a_corrupted_integer_fails(int4_export, tmp_path):
     assert any(not r.ok for r in report.rows if "activations" not in r.case and "tree" not in r.case)
 
 
+def test_prefills_take_the_whole_row_as_their_head(int4_export):
+    """A call of more than max_rows rows (a prefill) runs the same per-layer ops as a verify, its plan putting the
+    head's end at the last column (an empty tail): it matches the dequantized reference like every other call."""
+    from dtrt.parity.check import QWEIGHT_TOLERANCE, compare_stage
+
+    stage = reference_stages(int4_export)["target"]
+    assert int4_export.manifest["ordered_attention"]["max_rows"] < 70
+    cases = [(f"N=70 P={p}", stage.example(70, p, torch.Generator().manual_seed(p))) for p in (0, 150)]
+    rows = compare_stage(stage, int4_export.stage("target"), cases, QWEIGHT_TOLERANCE, accuracy=0)
+    assert len(rows) == 2 * len(stage.outputs) and all(r.ok for r in rows), rows
+    model = onnx.load(str(int4_export.stage("target")), load_external_data=False)
+    (planned,) = [f for f in model.functions if f.name == "TreeAttentionPlanned"]
+    assert "If" not in {n.op_type for n in planned.node}  # one path for every call: no If per layer
+
+
 def test_order_check_catches_plain_attention(int4_export, tmp_path):
     plain = tmp_path / "plain"
     shutil.copytree(int4_export.path, plain)

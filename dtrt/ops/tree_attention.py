@@ -75,7 +75,9 @@ def TreeAttention(q: FLOAT, k: FLOAT, v: FLOAT, mask: BOOL) -> FLOAT:
 # ones (exact zeros) after them. The runtime keeps a tree inside the aligned block of its past (Backend.max_depth),
 # so plain decoding of the same tokens shares b0. Softmax's sum runs in the same products (an appended ones column
 # of the values): ORT's Softmax kernel sums in SIMD lanes, which depend on the column. Calls of more than ORDER_ROWS
-# rows (prefills) take one product, as plain and speculative decoding share their prefill.
+# rows (prefills) take one product, as plain and speculative decoding share their prefill: their plan puts b0 at
+# the last column, so the head product is all of it and the tail is empty. One path for every call keeps the layers
+# free of an If, whose subgraph costs each layer more than its nodes (6% of an int4 SmolLM2 call).
 # It comes in two parts with the arithmetic in this order: what depends only on the mask and the shapes (the grouped
 # mask, the tail's gather order, the shapes of every reshape) is computed once per call by TreeAttentionOrderPlan,
 # and each layer's TreeAttentionPlanned reads it. Every layer of a target shares its mask, so the per-layer part is
@@ -89,9 +91,8 @@ ORDER_PLAN = (
     "out_shape",  # [H, N, hd]
     "ones",  # [KVH, M, 1]: the values' appended column that sums the weights
     "scale",  # 1 / sqrt(hd)
-    "short",  # N <= ORDER_ROWS: the ordered path (else one product: prefills)
-    "b0",  # the ORDER_ALIGN-aligned end of the head product
-    "order",  # [N, T]: each row's tail columns, attended first, in index order
+    "b0",  # the end of the head product: ORDER_ALIGN-aligned; the last column when N > ORDER_ROWS (prefills)
+    "order",  # [N, T]: each row's tail columns, attended first, in index order (T = M - b0)
     "order_g",  # [KVH, groups * N, T]
     "tail_shape",  # [KVH, groups, N, T]
     "acc_shape",  # [KVH, groups * N, hd + 1]
@@ -122,20 +123,20 @@ def TreeAttentionOrderPlan(q: FLOAT, k: FLOAT, mask: BOOL):
     if short:
         align = op.Constant(value_ints=[ORDER_ALIGN])
         b0 = op.Mul(op.Div(op.Sub(m, n), align), align)
-        t = op.Sub(m, b0)
-        tail_mask = op.Slice(mask, b0, m, one)  # [N, T]
-        j = op.Cast(op.Range(op.Constant(value_int=0), op.Squeeze(t), op.Constant(value_int=1)), to=1)
-        tf = op.Cast(t, to=1)
-        key = op.Where(tail_mask, op.Sub(op.Add(tf, tf), j), op.Sub(tf, j))
-        _, order = op.TopK(key, t, axis=-1, largest=1, sorted=1)  # [N, T]: attended columns first, in index order
-        tail_shape = op.Concat(kv_heads, groups, n, t, axis=0)
-        order_g = op.Reshape(op.Expand(op.Unsqueeze(order, [0, 1]), tail_shape), op.Concat(kv_heads, rows, t, axis=0))
     else:
-        b0 = op.Constant(value_ints=[0])
-        order = op.Constant(value_ints=[0])
-        order_g = op.Constant(value_ints=[0])
-        tail_shape = op.Constant(value_ints=[0])
-    return (mask_g, qg_shape, out_shape, ones, scale, short, b0, order, order_g, tail_shape, acc_shape, hd, hd1)
+        b0 = m
+    t = op.Sub(m, b0)
+    tail_mask = op.Slice(mask, b0, m, one)  # [N, T]
+    j = op.Cast(op.Range(op.Constant(value_int=0), op.Squeeze(t), op.Constant(value_int=1)), to=1)
+    tf = op.Cast(t, to=1)
+    key = op.Where(tail_mask, op.Sub(op.Add(tf, tf), j), op.Sub(tf, j))
+    _, order = op.TopK(key, t, axis=-1, largest=1, sorted=1)  # [N, T]: attended columns first, in index order
+    tail_shape = op.Concat(kv_heads, groups, n, t, axis=0)
+    # allowzero: a prefill's T is 0, which Reshape would otherwise read as "keep the input's dimension"
+    order_g = op.Reshape(
+        op.Expand(op.Unsqueeze(order, [0, 1]), tail_shape), op.Concat(kv_heads, rows, t, axis=0), allowzero=1
+    )
+    return (mask_g, qg_shape, out_shape, ones, scale, b0, order, order_g, tail_shape, acc_shape, hd, hd1)
 
 
 @register_function
@@ -149,7 +150,6 @@ def TreeAttentionPlanned(
     out_shape: INT64,
     ones: FLOAT,
     scale: FLOAT,
-    short: BOOL,
     b0: INT64,
     order: INT64,
     order_g: INT64,
@@ -164,18 +164,15 @@ def TreeAttentionPlanned(
     e = op.Exp(op.Sub(scores, op.ReduceMax(scores, op.Constant(value_ints=[-1]), keepdims=1)))
     v1 = op.Concat(v, ones, axis=-1)
     zero = op.Constant(value_ints=[0])
+    one = op.Constant(value_ints=[1])
     last = op.Constant(value_ints=[-1])
-    if short:
-        one = op.Constant(value_ints=[1])
-        end = op.Constant(value_ints=[9223372036854775807])
-        head = op.MatMul(op.Slice(e, zero, b0, last), op.Slice(v1, zero, b0, one))
-        e_rows = op.GatherElements(op.Slice(e, b0, end, last), order_g, axis=2)  # [KVH, groups * N, T]
-        v_rows = op.Gather(op.Slice(v1, b0, end, one), order, axis=1)  # [KVH, N, T, hd + 1]
-        e_rows = op.Transpose(op.Reshape(e_rows, tail_shape), perm=[0, 2, 1, 3])
-        tail = op.Transpose(op.MatMul(e_rows, v_rows), perm=[0, 2, 1, 3])  # [KVH, groups, N, hd + 1]
-        acc = op.Add(head, op.Reshape(tail, acc_shape))
-    else:
-        acc = op.MatMul(e, v1)
+    end = op.Constant(value_ints=[9223372036854775807])
+    head = op.MatMul(op.Slice(e, zero, b0, last), op.Slice(v1, zero, b0, one))
+    e_rows = op.GatherElements(op.Slice(e, b0, end, last), order_g, axis=2)  # [KVH, groups * N, T]
+    v_rows = op.Gather(op.Slice(v1, b0, end, one), order, axis=1)  # [KVH, N, T, hd + 1]
+    e_rows = op.Transpose(op.Reshape(e_rows, tail_shape, allowzero=1), perm=[0, 2, 1, 3])
+    tail = op.Transpose(op.MatMul(e_rows, v_rows), perm=[0, 2, 1, 3])  # [KVH, groups, N, hd + 1]
+    acc = op.Add(head, op.Reshape(tail, acc_shape))
     num = op.Slice(acc, zero, hd, last)
     den = op.Slice(acc, hd, hd1, last)
     return op.Reshape(op.Div(num, den), out_shape)
