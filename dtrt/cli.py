@@ -611,7 +611,17 @@ def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, a
 @click.option("--batch", type=int, default=TrainConfig.batch, show_default=True)
 @click.option("--anchors", type=int, default=TrainConfig.anchors, show_default=True, help="blocks per row")
 @click.option("--lr", type=float, default=TrainConfig.lr, show_default=True)
-@click.option("--slot-decay", type=float, default=TrainConfig.slot_decay, show_default=True)
+@click.option(
+    "--slot-decay", type=float, default=TrainConfig.slot_decay, show_default=True, help="decay: weight exp(-d / this)"
+)
+@click.option(
+    "--slot-weighting",
+    type=click.Choice(["decay", "tau"]),
+    default=TrainConfig.slot_weighting,
+    show_default=True,
+    help="the loss weight of draft depth d: exp(-d / --slot-decay), or tau: how much a better acceptance at d adds "
+    "to a chain's tau, from the running per-depth accuracy",
+)
 @click.option(
     "--candidates",
     type=int,

@@ -16,7 +16,7 @@ import torch
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import load_drafter, load_target
 from dtrt.train import distributed, store
-from dtrt.train.distill import block_loss, draw_candidates, needed_ids, sample_anchors, slot_weights
+from dtrt.train.distill import block_loss, draw_candidates, needed_ids, sample_anchors, slot_weights, tau_weights
 from dtrt.train.trainer import LossModel, TrainConfig, train_drafter
 from dtrt.zoo import tiny as tiny_mod
 
@@ -158,9 +158,28 @@ def drafter_tensors(run: Path) -> dict:
     return torch.load(run / ".train" / "state.pt", weights_only=False)["drafter"]
 
 
-def test_an_interrupted_run_resumes_to_the_same_state(tiny, corpus, tmp_path):
+def test_tau_weights_are_the_gradient_of_a_chains_tau():
+    """--slot-weighting tau weighs depth k by d tau / d a_k, tau = 1 + sum_d prod_{j<=d} a_j (finite differences)."""
+
+    def tau(a):
+        return 1 + sum(math.prod(a[: d + 1]) for d in range(len(a)))
+
+    acc = [0.8, 0.6, 0.5, 0.3, 0.7, 0.2, 0.4]
+    eps = 1e-6
+    want = [(tau(acc[:k] + [acc[k] + eps] + acc[k + 1 :]) - tau(acc)) / eps for k in range(len(acc))]
+    assert torch.allclose(tau_weights(acc), torch.tensor(want), rtol=1e-4)
+    assert tau_weights([1.0] * 3).tolist() == [3.0, 2.0, 1.0]  # every depth reached: what each opens after it
+    assert tau_weights([0.0] * 3).tolist() == [1.0, 0.0, 0.0]  # nothing accepted: only the first depth counts
+    anchors = torch.tensor([[0, 13]])
+    w = slot_weights(anchors, torch.tensor([16]), 3, 16, 4.0, tau_weights([0.5, 0.5, 0.5]))
+    assert w.tolist() == [[[1.75, 0.75, 0.25], [1.75, 0.75, 0.0]]]  # and no label past the row's end
+
+
+@pytest.mark.parametrize("weighting", ["decay", "tau"])
+def test_an_interrupted_run_resumes_to_the_same_state(tiny, corpus, tmp_path, weighting):
+    cfg = TrainConfig(**{**SMALL.__dict__, "slot_weighting": weighting})
     straight = tmp_path / "straight"
-    train_drafter(tiny.target, straight, SMALL, corpus=[corpus], log=lambda *a: None)
+    state = train_drafter(tiny.target, straight, cfg, corpus=[corpus], log=lambda *a: None)
 
     def interrupt_at_5(what):
         def bar(step, total, text=""):
@@ -171,10 +190,10 @@ def test_an_interrupted_run_resumes_to_the_same_state(tiny, corpus, tmp_path):
 
     run = tmp_path / "run"
     with pytest.raises(DtrtError, match="interrupted at step 5: --resume"):
-        train_drafter(tiny.target, run, SMALL, corpus=[corpus], log=lambda *a: None, progress=interrupt_at_5)
+        train_drafter(tiny.target, run, cfg, corpus=[corpus], log=lambda *a: None, progress=interrupt_at_5)
     assert torch.load(run / ".train" / "state.pt", weights_only=False)["state"]["step"] == 5
-    state = train_drafter(tiny.target, run, SMALL, corpus=[corpus], resume=True, log=lambda *a: None)
-    assert state["step"] == 8
+    resumed = train_drafter(tiny.target, run, cfg, corpus=[corpus], resume=True, log=lambda *a: None)
+    assert resumed["step"] == 8 and resumed["slot_acc"] == state["slot_acc"] != [0.5] * len(state["slot_acc"])
     a, b = drafter_tensors(straight), drafter_tensors(run)
     for n in a:
         assert torch.equal(a[n], b[n]), n

@@ -63,10 +63,25 @@ def draw_candidates(needed, vocab: int, size: int, gen) -> Candidates:
     return Candidates(torch.cat((needed, drawn)), torch.cat((torch.zeros(needed.numel()), weight)))
 
 
-def slot_weights(anchors, lengths, K: int, T: int, slot_decay: float):
-    """[b, A, K]: the loss weight of every drafted slot: exp(-d / slot_decay) at depth d where a label exists."""
+def slot_weights(anchors, lengths, K: int, T: int, slot_decay: float, depth=None):
+    """[b, A, K]: the loss weight of every drafted slot where a label exists: exp(-d / slot_decay) at depth d, or
+    `depth` [K] (tau_weights) when given."""
     valid = label_positions(anchors, K) < (T if lengths is None else lengths[:, None, None])
-    return torch.exp(-torch.arange(K, dtype=torch.float32, device=anchors.device) / slot_decay) * valid
+    if depth is None:
+        return torch.exp(-torch.arange(K, dtype=torch.float32, device=anchors.device) / slot_decay) * valid
+    return depth.to(device=anchors.device, dtype=torch.float32) * valid
+
+
+def tau_weights(acc) -> torch.Tensor:
+    """[K]: each drafted slot weighted by what it adds to a chain's tau. With per-slot acceptance a_1..a_K, tau =
+    1 + sum_d prod_{j<=d} a_j, so d tau / d a_k = prod_{j<k} a_j * (1 + sum_{d>k} prod_{k<j<=d} a_j): how often slot
+    k is reached, times what its acceptance opens after it. exp(-d / slot_decay) is a fixed guess at the same."""
+    a = torch.as_tensor(acc, dtype=torch.float32).clamp(0.0, 1.0)
+    reach = torch.cumprod(torch.cat((a.new_ones(1), a[:-1])), 0)
+    after = torch.ones_like(a)
+    for k in range(len(a) - 2, -1, -1):
+        after[k] = 1 + a[k + 1] * after[k + 1]
+    return reach * after
 
 
 def block_loss(
@@ -81,13 +96,14 @@ def block_loss(
     *,
     candidates: Candidates | None = None,
     normalizer=None,
+    depth_weights=None,
 ):
     """tokens [b, T], feats [b, T, taps*H] (target taps), anchors [b, A] block start positions; labels [b, T]
     the target's greedy token for each position (default: the tokens themselves, i.e. the target's own text);
     lengths [b] the valid prefix of each row. `candidates`: score only these vocabulary entries (default: all).
     `normalizer`: what the weighted sum is divided by (default: its own total weight; data-parallel ranks pass the
-    global batch's share). Returns (loss, per-depth argmax accuracy [K] of the final scores, among the scored
-    entries)."""
+    global batch's share). `depth_weights` [K]: the slots' weights in place of exp(-d / slot_decay). Returns (loss,
+    per-depth argmax accuracy [K] of the final scores, among the scored entries)."""
     cfg = drafter.cfg
     b, T = tokens.shape
     A, B, K = anchors.shape[1], cfg.block_size, cfg.k_draft
@@ -106,7 +122,7 @@ def block_loss(
     label_pos = label_positions(anchors, K)
     labels = (tokens if labels is None else labels).gather(1, label_pos.clamp(max=T - 1).reshape(b, -1))
     labels = labels.reshape(b, A, K)
-    weight = slot_weights(anchors, lengths, K, T, slot_decay)
+    weight = slot_weights(anchors, lengths, K, T, slot_decay, depth_weights)
     valid = weight > 0
     W = target.lm_head.weight
     columns, bias, targets = None, 0.0, labels.flatten()

@@ -74,6 +74,17 @@ def barrier(ranks: Ranks):
         dist.barrier()
 
 
+def mean(t: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """`t` averaged over the ranks (itself with one)."""
+    if ranks.world == 1:
+        return t
+    import torch.distributed as dist
+
+    t = t.clone()
+    dist.all_reduce(t)
+    return t / ranks.world
+
+
 def stop(ranks: Ranks, finished: bool = True):
     """Leave the process group: after every rank is done when `finished` (tearing gloo down under a rank still
     working aborts it), at once after a failure (the other ranks may never arrive; torchrun stops them)."""

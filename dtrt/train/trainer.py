@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -32,7 +33,13 @@ from dtrt.models.tokenizer import load_tokenizer
 from dtrt.train import distributed, store
 from dtrt.train.data import continuations, read_corpus, text_rows, windows
 from dtrt.train.datagen import check_data, load_rows
-from dtrt.train.distill import block_loss, draw_candidates, needed_ids, sample_anchors, slot_weights
+from dtrt.train.distill import block_loss, draw_candidates, needed_ids, sample_anchors, slot_weights, tau_weights
+
+# the running per-depth accuracy (what --slot-weighting tau weighs by): a mean over about 1 / (1 - SLOT_EMA) steps,
+# starting where a drafter that has learnt little stands rather than at zero (which would leave the later depths
+# untrained at the start)
+SLOT_EMA = 0.99
+SLOT_ACC_START = 0.5
 
 
 @dataclass
@@ -52,6 +59,9 @@ class TrainConfig:
     anchors: int = 8
     lr: float = 1e-3
     slot_decay: float = 4.0
+    # the loss weight of draft depth d: decay, exp(-d / slot_decay); tau, d tau / d (acceptance at d) from the running
+    # per-depth accuracy (dtrt.train.distill.tau_weights)
+    slot_weighting: Literal["decay", "tau"] = "decay"
     candidates: int = 4096  # vocabulary entries the loss scores per step (labels, target top-k, negatives); 0: all
     eval_every: int = 300
     save_every: int = 50  # steps between resumable checkpoints (every evaluation also saves one)
@@ -301,13 +311,14 @@ def _train(
     model = distributed.wrap(LossModel(drafter, target), ranks, device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(cfg.seed)
-    state = {"step": 0, "best": None, "history": []}
+    K = drafter.cfg.k_draft
+    state = {"step": 0, "best": None, "history": [], "slot_acc": [SLOT_ACC_START] * K}
     if resume and (work / "state.pt").is_file():
         saved = torch.load(work / "state.pt", weights_only=False, map_location=device)
         drafter.load_state_dict(saved["drafter"])
         opt.load_state_dict(saved["optimizer"])
         gen.set_state(saved["generator"].cpu())
-        state = saved["state"]
+        state = {"slot_acc": [SLOT_ACC_START] * K, **saved["state"]}  # runs saved before slot_acc existed
         log(f"resumed at step {state['step']} (best held-out tau {state['best']})")
 
     def checkpoint():
@@ -324,7 +335,7 @@ def _train(
         )
         os.replace(work / "state.pt.tmp", work / "state.pt")
 
-    K, T, V = drafter.cfg.k_draft, cfg.seq_len, target.cfg.vocab_size
+    T, V = cfg.seq_len, target.cfg.vocab_size
     mine = distributed.shard(cfg.batch, ranks)
     bar = progress("train")
     t0 = time.perf_counter()
@@ -342,7 +353,8 @@ def _train(
                 labels = torch.from_numpy(data.labels[idx.numpy()].astype("int64"))
                 topk = torch.from_numpy(data.topk[idx.numpy()].astype("int64"))
                 candidates = draw_candidates(needed_ids(labels, topk, anchors, K), V, cfg.candidates, gen)
-            normalizer = slot_weights(anchors, lengths, K, T, cfg.slot_decay).sum() / ranks.world
+            depth = tau_weights(state["slot_acc"]) if cfg.slot_weighting == "tau" else None
+            normalizer = slot_weights(anchors, lengths, K, T, cfg.slot_decay, depth).sum() / ranks.world
             batch = data.rows(idx[mine], device)
             loss, acc = model(
                 batch["tokens"],
@@ -353,11 +365,14 @@ def _train(
                 batch["lengths"],
                 candidates=candidates,
                 normalizer=normalizer.to(device),
+                depth_weights=depth,
             )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             opt.step()
+            mean = distributed.mean(acc.detach().float(), ranks).cpu()  # every rank's, so the ranks weigh alike
+            state["slot_acc"] = [SLOT_EMA * s + (1 - SLOT_EMA) * float(a) for s, a in zip(state["slot_acc"], mean)]
             state["step"] = step = step + 1
             if bar:
                 bar(step, cfg.steps, f"loss {loss.item():.3f} acc@1 {acc[0]:.2f}")
@@ -381,6 +396,7 @@ def evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, wo
         "step": state["step"],
         "loss": loss.item(),
         "acc": [round(a, 3) for a in acc.tolist()[:4]],
+        "slot_acc": [round(a, 3) for a in state["slot_acc"]],  # the running per-depth accuracy
         "tau": tau,
         "elapsed_s": round(time.perf_counter() - t0, 1),
     }
