@@ -9,7 +9,16 @@ from helpers import PROMPTS, pipe_for, spec
 
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.tree import CostCurve
-from dtrt.tree.adaptive import LOGW_EDGES, AcceptanceMap, AdaptiveStop, NodeCost, SpeculationGate
+from dtrt.tree.adaptive import (
+    LOGW_EDGES,
+    SCALE_RANGE,
+    AcceptanceMap,
+    AdaptiveStop,
+    NodeCost,
+    RoundClock,
+    SpeculationGate,
+    TreeEstimate,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,18 +75,45 @@ def test_the_stop_never_admits_a_node_that_does_not_pay():
 
 
 def test_the_gate_drafts_while_trees_pay_and_probes_otherwise():
-    gate = SpeculationGate(probe=4)
-    assert gate.drafts(ar_theta=100.0)  # nothing known yet
-    gate.observe_tree(50.0)
+    gate, clock = SpeculationGate(probe=4), RoundClock()
+    root = 0.010  # a root-alone round: 100 tokens/s
+    assert gate.drafts(clock, root)  # nothing known yet
+    poor = TreeEstimate(gain=1.0, own_s=0.008, verify_s=0.012)  # 50 tokens/s
+    gate.observe_tree(poor)
     decisions = []
     for _ in range(8):
-        decisions.append(gate.drafts(100.0))
+        decisions.append(gate.drafts(clock, root))
         if decisions[-1]:  # the probe round's tree
-            gate.observe_tree(50.0)
+            gate.observe_tree(poor)
     assert decisions == [False, False, False, True] * 2
-    gate.observe_tree(500.0)
-    gate.observe_tree(500.0)
-    assert gate.drafts(100.0)
+    good = TreeEstimate(gain=10.0, own_s=0.004, verify_s=0.016)  # 500 tokens/s
+    gate.observe_tree(good)
+    gate.observe_tree(good)
+    assert gate.drafts(clock, root)
+
+
+def test_the_clock_prices_what_the_curve_leaves_out():
+    """A round's fixed seconds (commit, the drafter's context, the loop) and the loop's verify over the curve's,
+    learnt from the rounds: they make a root-alone round dearer, and a tree kept by the gate is priced again by
+    the clock of now, not the one it was built under."""
+    clock = RoundClock()
+    assert clock.round_cost(0.010) == 0.010  # nothing learnt: the curve as measured
+    clock.observe_rest(0.004)
+    clock.observe_verify(0.012, 0.010)
+    assert clock.overhead == pytest.approx(0.004) and clock.scale == pytest.approx(1.2)
+    for _ in range(100):
+        clock.observe_rest(0.002)
+        clock.observe_verify(0.013, 0.010)
+    assert clock.overhead == pytest.approx(0.002, rel=1e-3) and clock.scale == pytest.approx(1.3, rel=1e-3)
+    clock.observe_verify(1.0, 0.010)  # a stall, or a curve of another machine: the correction stays bounded
+    assert clock.scale <= 0.9 * 1.3 + 0.1 * SCALE_RANGE[1] + 1e-9
+    tree = TreeEstimate(gain=1.4, own_s=0.004, verify_s=0.011)
+    bare, learnt = RoundClock(), RoundClock(overhead=0.006, scale=1.2)
+    # apart from the curve a 1.4-token tree loses to the root alone; with the round's fixed costs it wins
+    assert tree.theta(bare) < 1 / bare.round_cost(0.010) and tree.theta(learnt) > 1 / learnt.round_cost(0.010)
+    gate = SpeculationGate()
+    gate.observe_tree(tree)
+    assert not gate.drafts(bare, 0.010) and gate.drafts(learnt, 0.010)
 
 
 NOTHING_PAYS = CostCurve.fit({0: [(0, 1.0), (32, 200.0)]}, draft_cost=2.0)

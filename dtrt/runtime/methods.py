@@ -17,7 +17,7 @@ import torch
 from dtrt.runtime.calibrate import measure_cost_curve
 from dtrt.runtime.spec import RunSpec
 from dtrt.tree import CostAwareStop, Round, Tree, build_ddtree, build_heap
-from dtrt.tree.adaptive import AcceptanceMap, AdaptiveStop, NodeCost, SpeculationGate
+from dtrt.tree.adaptive import AcceptanceMap, AdaptiveStop, NodeCost, RoundClock, SpeculationGate
 
 
 class Method:
@@ -129,34 +129,48 @@ class DominoTree(Method):
 
 class CaDominoTree(CostAware, DominoTree):
     """DominoTree whose tree size maximises expected tokens per second (dtrt.tree.adaptive): CostAware's measured
-    curve with its own stop. What it learns (the acceptance map, the costs of drafting and of each node) carries
-    over between generations of this method object."""
+    curve with its own stop. What it learns (the acceptance map, the costs of drafting, of each node and of the
+    rest of a round) carries over between generations of this method object."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.acceptance, self.node_cost, self.gate = AcceptanceMap(), NodeCost(), SpeculationGate()
+        self.clock = RoundClock()
         self.draft_s = None
         self._stop = self._built = None
+        self._drafted = self._verified = None  # this round's clock when its tree was ready, and when it was verified
 
     def prepare(self, backend, max_depth):
         super().prepare(backend, max_depth)  # measures the curve on first use
         if self.draft_s is None:
             self.draft_s = self.curve.draft_cost
+        self._drafted = self._verified = None  # the time between generations is no round's
 
     def stop(self, backend):
-        self._stop = AdaptiveStop(self.curve, backend.past, self.acceptance, self.draft_s, self.node_cost.per_node)
+        self._stop = AdaptiveStop(
+            self.curve, backend.past, self.acceptance, self.draft_s, self.node_cost.per_node, self.clock
+        )
         return self._stop
 
     def draft(self, backend, root, start):
-        if not self.gate.drafts(1.0 / self.curve.verify_cost(0, start)):
-            return Tree.chain([], root=root), time.perf_counter()
         t0 = time.perf_counter()
+        if self._verified is not None:  # the last round's commit, drafter context and loop
+            self.clock.observe_rest(t0 - self._verified)
+        self._start = start
+        if not self.gate.drafts(self.clock, self.curve.verify_cost(0, start)):
+            self._drafted = time.perf_counter()
+            return Tree.chain([], root=root), self._drafted
         tree, drafted = super().draft(backend, root, start)
-        self._built = (drafted - t0, time.perf_counter() - drafted, tree.num_nodes)
-        self.gate.observe_tree(self._stop.theta)
+        self._drafted = time.perf_counter()
+        self._built = (drafted - t0, self._drafted - drafted, tree.num_nodes)
+        self.gate.observe_tree(self._stop.tree())
         return tree, drafted
 
     def observe(self, tree, accepted):
+        self._verified = time.perf_counter()
+        if self._drafted is not None:
+            predicted = self.curve.verify_cost(tree.num_nodes, self._start)
+            self.clock.observe_verify(self._verified - self._drafted, predicted)
         if self._built is None:  # a root-alone round: nothing drafted
             return
         draft_s, build_s, nodes = self._built

@@ -2,17 +2,19 @@
 backend's measured costs, with an acceptance map calibrated online from the rounds' accepted paths.
 
     E[tokens](n) = 1 + sum_{i <= n} a(logw_i)       a: calibrated P(node accepted | its cumulative log score)
-    cost(n)      = C_d + c * n + C_v(n; l)           C_d the drafter's block, c the builder's cost per node (the
-                                                     scorer's children and GRU steps), C_v the verify-cost curve
+    cost(n)      = C_d + c * n + s * C_v(n; l) + o   C_d the drafter's block, c the builder's cost per node (the
+                                                     scorer's children and GRU steps), C_v the verify-cost curve,
+                                                     s and o learnt from the rounds (RoundClock)
     theta(n)     = E[tokens](n) / cost(n)            nodes are admitted best-first while theta rises
 
-A round drafts at all only while the trees lately built promise more than AR's 1 / C_v(0; l); otherwise the round
-is the root alone (one AR step, no drafter call), and every `probe`-th round drafts again to keep the estimates
-current. Any tree gives exactly the target's tokens, so none of this can change the output, only its speed.
+A round drafts at all only while the trees lately built promise more than a root-alone round, 1 / (s * C_v(0; l) +
+o); otherwise the round is the root alone (one AR step, no drafter call), and every `probe`-th round drafts again
+to keep the estimates current. Any tree gives exactly the target's tokens, so none of this can change the output,
+only its speed.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from dtrt.tree.caddtree import CostCurve, _isotonic
 
@@ -98,6 +100,41 @@ class NodeCost:
         return max(0.0, (self.sxy - self.sx * self.sy / self.n) / var)
 
 
+# the verify seconds in the loop over the curve's, as RoundClock corrects the curve: what the loop adds to a call
+# timed alone (about 1.2x), not a replacement for the curve, which stays the measure of how the cost grows with n
+SCALE_RANGE = (0.5, 2.0)
+
+
+@dataclass
+class RoundClock:
+    """What the rounds as they run teach the cost model, beyond the curve measured apart: `overhead` (o), the
+    seconds of a round outside drafting, building and verifying (commit, the drafter's context, the loop), which
+    every round pays whatever it verifies; `scale` (s), the verify seconds in the loop over the curve's (a call
+    there, between other work and over a past that grows, costs more than one timed alone at a fixed past).
+    Without them a round's fixed costs are missed and the root alone looks cheaper than it is. Running means."""
+
+    decay: float = 0.9
+    overhead: float = 0.0
+    scale: float = 1.0
+    _seen: tuple[bool, bool] = (False, False)
+
+    def observe_rest(self, seconds: float):
+        first = not self._seen[0]
+        self.overhead = seconds if first else self.decay * self.overhead + (1 - self.decay) * seconds
+        self._seen = (True, self._seen[1])
+
+    def observe_verify(self, seconds: float, predicted: float):
+        if predicted <= 0:
+            return
+        ratio = min(max(seconds / predicted, SCALE_RANGE[0]), SCALE_RANGE[1])
+        self.scale = ratio if not self._seen[1] else self.decay * self.scale + (1 - self.decay) * ratio
+        self._seen = (self._seen[0], True)
+
+    def round_cost(self, verify_s: float) -> float:
+        """A round's seconds apart from drafting and building, for a verify the curve puts at `verify_s`."""
+        return self.overhead + self.scale * verify_s
+
+
 @dataclass
 class AdaptiveStop:
     """The `stop` of the heap builder: admit a node only while theta rises (see the module's formulas)."""
@@ -107,14 +144,16 @@ class AdaptiveStop:
     acceptance: AcceptanceMap
     draft_s: float
     node_s: float
+    clock: RoundClock = field(default_factory=RoundClock)
     gain: float = 1.0
     theta: float = 0.0
+    nodes: int = 0  # admitted so far
 
     def cost(self, n: int) -> float:
-        return self.draft_s + self.node_s * n + self.curve.verify_cost(n, self.context_len)
+        return self.draft_s + self.node_s * n + self.clock.round_cost(self.curve.verify_cost(n, self.context_len))
 
     def start(self):
-        self.gain = 1.0
+        self.gain, self.nodes = 1.0, 0
         self.theta = 1.0 / self.cost(0)
 
     def admit(self, n_nodes: int, logw: float) -> bool:
@@ -122,26 +161,49 @@ class AdaptiveStop:
         theta = gain / self.cost(n_nodes + 1)
         if theta <= self.theta:
             return False
-        self.gain, self.theta = gain, theta
+        self.gain, self.theta, self.nodes = gain, theta, n_nodes + 1
         return True
+
+    def tree(self) -> "TreeEstimate":
+        """The tree admitted, as the gate keeps it."""
+        n = self.nodes
+        return TreeEstimate(self.gain, self.draft_s + self.node_s * n, self.curve.verify_cost(n, self.context_len))
+
+
+@dataclass(frozen=True)
+class TreeEstimate:
+    """A built tree as the model saw it: expected tokens, seconds of drafting and building, the curve's verify
+    seconds (before RoundClock's correction, so that a later clock can price it again)."""
+
+    gain: float
+    own_s: float
+    verify_s: float
+
+    def theta(self, clock: RoundClock) -> float:
+        return self.gain / (self.own_s + clock.round_cost(self.verify_s))
 
 
 @dataclass
 class SpeculationGate:
-    """Whether the next round drafts: while the recent trees' theta beats AR's rate, and every `probe`-th round
-    regardless."""
+    """Whether the next round drafts: while the recent trees, priced by the current clock, beat a root-alone
+    round's rate, and every `probe`-th round regardless."""
 
     probe: int = 16
     decay: float = 0.8
-    spec_theta: float | None = None  # running theta of the trees built
+    trees: TreeEstimate | None = None  # running mean of the trees built
     since_draft: int = 0
 
-    def observe_tree(self, theta: float):
-        self.spec_theta = theta if self.spec_theta is None else self.decay * self.spec_theta + (1 - self.decay) * theta
+    def observe_tree(self, tree: TreeEstimate):
+        if self.trees is not None:
+            old, d = self.trees, self.decay
+            tree = TreeEstimate(*(d * a + (1 - d) * b for a, b in zip(astuple(old), astuple(tree))))
+        self.trees = tree
         self.since_draft = 0
 
-    def drafts(self, ar_theta: float) -> bool:
-        if self.spec_theta is None or self.spec_theta > ar_theta or self.since_draft + 1 >= self.probe:
+    def drafts(self, clock: RoundClock, root_verify_s: float) -> bool:
+        """`root_verify_s`: the curve's verify seconds of the root alone at this round's context."""
+        spec = None if self.trees is None else self.trees.theta(clock)
+        if spec is None or spec > 1.0 / clock.round_cost(root_verify_s) or self.since_draft + 1 >= self.probe:
             return True
         self.since_draft += 1
         return False
