@@ -36,8 +36,10 @@ def chain_feeds(exp, n: int, past: int, rng) -> dict:
     rows = (exp.manifest.get("ordered_attention") or {}).get("min_rows", 1)
     if n < rows:
         ids, positions, mask = (x.numpy() for x in pad_rows(*map(torch.from_numpy, (ids, positions, mask)), rows))
-    kv = rng.standard_normal((t["num_layers"], t["num_kv_heads"], past, t["head_dim"])).astype(np.float32)
-    return {"ids": ids, "positions": positions, "mask": mask, "past_k": kv, "past_v": kv.copy()}
+    # the runtime's cache: room for the new tokens after the past
+    kv = rng.standard_normal((t["num_layers"], t["num_kv_heads"], past + n, t["head_dim"])).astype(np.float32)
+    feeds = {"ids": ids, "positions": positions, "mask": mask, "past_k": kv, "past_v": kv.copy()}
+    return feeds | {"past_positions": np.arange(past)}
 
 
 def measure(exports: dict, ns, pasts, threads, repeats: int, warmup: int, seed: int) -> list[dict]:

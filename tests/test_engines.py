@@ -32,8 +32,9 @@ STAGES = {
             "ids": ("INT64", ["N"]),
             "positions": ("INT64", ["N"]),
             "mask": ("BOOL", ["N", "N"]),
-            "past_k": ("FLOAT", [4, 2, "P", 24]),
-            "past_v": ("FLOAT", [4, 2, "P", 24]),
+            "past_k": ("FLOAT", [4, 2, "C", 24]),
+            "past_v": ("FLOAT", [4, 2, "C", 24]),
+            "past_positions": ("INT64", ["P"]),
         },
         {
             "logits": ("FLOAT", ["N", 128]),
@@ -128,7 +129,8 @@ def test_profiles_per_stage(export_dir):
     target = {p["name"]: p["shapes"] for p in stages["target"]["profiles"]}
     assert list(target) == ["decode", "prefill"]
     assert target["decode"]["mask"] == [[1, 1], [17, 17], [17, 17]]  # N: 1 .. budget + 1
-    assert target["decode"]["past_k"] == [[4, 2, 0, 24], [4, 2, 256, 24], [4, 2, 512, 24]]  # P: 0 .. max context
+    assert target["decode"]["past_positions"] == [[0], [256], [512]]  # P: 0 .. max context
+    assert target["decode"]["past_k"] == [[4, 2, 1, 24], [4, 2, 256, 24], [4, 2, 512, 24]]  # C: 1 .. max context
     assert target["prefill"]["ids"] == [[1], [256], [512]]
     assert [p["name"] for p in stages["domino.context"]["profiles"]] == ["decode", "prefill"]
     block = stages["domino.block"]["profiles"]
@@ -154,9 +156,10 @@ def test_select_profile(export_dir):
     from dtrt.engines.profiles import Profile
 
     profiles = [Profile.from_json(p) for p in plan_stages(load_export(export_dir), BuildConfig())["target"]["profiles"]]
-    verify = {"ids": (17,), "positions": (17,), "mask": (17, 17), "past_k": (4, 2, 300, 24), "past_v": (4, 2, 300, 24)}
+    cache = {"past_k": (4, 2, 400, 24), "past_v": (4, 2, 400, 24)}
+    verify = {"ids": (17,), "positions": (17,), "mask": (17, 17), **cache, "past_positions": (300,)}
     assert select_profile(profiles, verify) == 0
-    prompt = {**verify, "ids": (300,), "positions": (300,), "mask": (300, 300), "past_k": (4, 2, 0, 24)}
+    prompt = {**verify, "ids": (300,), "positions": (300,), "mask": (300, 300), "past_positions": (0,)}
     assert select_profile(profiles, prompt) == 1
     with pytest.raises(ValueError, match=r"input past_k of shape \[4, 2, 600, 24\] is outside"):
         select_profile(profiles, {**verify, "past_k": (4, 2, 600, 24)})

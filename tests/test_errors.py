@@ -65,12 +65,11 @@ def test_the_runner_wraps_only_library_errors(tiny_export):
     from dtrt.runtime.backends.onnxruntime import OrtBackend
 
     runner = OrtBackend(tiny_export, "domino", threads=1).runner
-    feeds = dict(
-        ids=[1], positions=[0], mask=[[True]], past_k=torch.zeros(4, 2, 0, 24), past_v=torch.zeros(4, 2, 0, 24)
-    )
+    cache = dict(past_k=torch.zeros(4, 2, 1, 24), past_v=torch.zeros(4, 2, 1, 24), past_positions=torch.arange(0))
+    feeds = dict(ids=[1], positions=[0], mask=[[True]], **cache)
     assert runner("target", **feeds)["logits"].shape == (1, 128)
     with pytest.raises(BackendFault, match=r"^stage target: onnxruntime failed to run it \(\w+"):
-        runner("target", **(feeds | {"past_k": torch.zeros(4, 2, 0, 23)}))  # a shape ONNX Runtime rejects
+        runner("target", **(feeds | {"past_k": torch.zeros(4, 2, 1, 23)}))  # a shape ONNX Runtime rejects
     for err in (DtrtError("a user's error"), BackendFault("already a fault")):
 
         def raising(self, stage, feeds, err=err):

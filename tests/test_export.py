@@ -19,7 +19,11 @@ def test_graphs_have_dtrt_nodes_with_functions_and_dynamic_dims(tiny_export):
     assert sum(n.domain == "dtrt" and n.op_type == "TreeAttention" for n in m.graph.node) == 4
     assert [(f.domain, f.name) for f in m.functions] == [("dtrt", "TreeAttention")]
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
-    assert dims["ids"] == ["N"] and dims["mask"] == ["N", "N"] and dims["past_k"][2] == "P"
+    assert dims["ids"] == ["N"] and dims["mask"] == ["N", "N"] and dims["past_k"][2] == "C"
+    assert dims["past_positions"] == ["P"]
+    # each layer reads its past with one Slice of the cache (layer and positions), never a copy of the whole past
+    reads = [n for n in m.graph.node if {"past_k", "past_v"} & set(n.input)]
+    assert len(reads) == 2 * 4 and {n.op_type for n in reads} == {"Slice"}
     manifest = tiny_export.manifest
     assert manifest["op_flavour"] == "dtrt-functions" and manifest["opset"] == 20
     assert {"target", "dflash.context", "dflash.block", "domino.context", "domino.block"} <= manifest["stages"].keys()

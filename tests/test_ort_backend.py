@@ -16,7 +16,7 @@ from dtrt.artifacts.export import load_export
 from dtrt.artifacts.files import write_manifest
 from dtrt.errors import DtrtError
 from dtrt.exporter.stages import random_tree_mask
-from dtrt.runtime.backends.kv import PackedKV
+from dtrt.runtime.backends.kv import PackedKV, TargetKV
 from dtrt.runtime.backends.onnxruntime import OrtBackend
 from dtrt.runtime.backends.stages import SCORER_STAGES
 from dtrt.tree import CostCurve
@@ -101,8 +101,8 @@ def test_stages_and_caches_match_torch(tiny, tiny_export):
     def caches_equal():
         p, c = ref.cache.past, ref.draft_cache.length
         assert ort.past == p and ort.draft_cache.length == c
-        for a, b in zip((ref.cache.k, ref.cache.v), ort.cache.view()):
-            same(a[:, :, :p], b)
+        for a, b in zip((ref.cache.k, ref.cache.v), (ort.cache.k, ort.cache.v)):
+            same(a[:, :, :p], b[:, :, :p])
         for a, b in zip((ref.draft_cache.k, ref.draft_cache.v), ort.draft_cache.view()):
             same(a[:, :, :c], b)
 
@@ -137,6 +137,30 @@ def test_stages_and_caches_match_torch(tiny, tiny_export):
         b.time_draft()
     caches_equal()
     forward_both(torch.tensor([3, 4]), ref.past + torch.arange(2), torch.ones(2, 2, dtype=torch.bool).tril())
+
+
+def test_target_kv_appends_in_place():
+    rng = np.random.default_rng(0)
+    cache = TargetKV(3, 2, 4, capacity=40, dtype=torch.float32)
+    ref_k, ref_v = torch.zeros((3, 2, 0, 4)), torch.zeros((3, 2, 0, 4))
+    first = None
+    for n in (5, 1, 0, 3, 7, 2, 22):
+        k, v = torch.from_numpy(rng.standard_normal((2, 3, 2, n, 4), dtype=np.float32))
+        cache.append(k, v)
+        ref_k, ref_v = torch.cat((ref_k, k), dim=2), torch.cat((ref_v, v), dim=2)
+        feeds = cache.feeds()
+        # the stage gets the whole buffer, unmoved, and the past's length
+        assert feeds["past_k"].data_ptr() == cache.k.data_ptr() and feeds["past_k"].shape == (3, 2, 40, 4)
+        assert torch.equal(feeds["past_positions"], torch.arange(ref_k.shape[2]))
+        assert torch.equal(cache.k[:, :, : cache.length], ref_k) and torch.equal(cache.v[:, :, : cache.length], ref_v)
+        first = cache.k[2, 1, 0].clone() if first is None else first
+        assert torch.equal(cache.k[2, 1, 0], first)  # an append never moves what is stored
+    assert cache.feeds(length=38)["past_positions"].shape == (38,)  # the cost probes' longer past
+    with pytest.raises(RuntimeError, match="overflow"):
+        cache.append(k[:, :, :1], v[:, :, :1])
+    cache.reset()
+    cache.append(k[:, :, :2], v[:, :, :2])
+    assert cache.feeds()["past_positions"].tolist() == [0, 1] and torch.equal(cache.k[:, :, :2], k[:, :, :2])
 
 
 def test_packed_kv_appends():

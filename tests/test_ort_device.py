@@ -150,13 +150,11 @@ def test_io_binding_stage_outputs_equal_plain_run(tiny_export):
     outs = {}
     for name, b in (("plain", plain), ("bound", bound)):
         b.reset(32)
-        first = b.runner("target", ids=ids, positions=torch.arange(n), mask=mask, past_k=b.cache.view()[0],
-                         past_v=b.cache.view()[1])  # fmt: skip
+        first = b.runner("target", ids=ids, positions=torch.arange(n), mask=mask, **b.cache.feeds())
         kept = {k: v.clone() for k, v in first.items()}
         b.target_forward(ids, torch.arange(n), mask)
         b.commit(torch.arange(n))
-        second = b.runner("target", ids=ids[:2], positions=n + torch.arange(2), mask=mask[:2, :2],
-                          past_k=b.cache.view()[0], past_v=b.cache.view()[1])  # fmt: skip
+        second = b.runner("target", ids=ids[:2], positions=n + torch.arange(2), mask=mask[:2, :2], **b.cache.feeds())
         assert all(torch.equal(first[k], kept[k]) for k in first)  # not overwritten by the later calls
         outs[name] = (first, second)
     for a, b in zip(outs["plain"], outs["bound"]):

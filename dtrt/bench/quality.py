@@ -58,6 +58,7 @@ def score(sess, exp: Export, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         "mask": np.tril(np.ones((n, n), bool)),
         "past_k": empty,
         "past_v": empty,
+        "past_positions": np.zeros(0, np.int64),
     }
     logits = torch.from_numpy(sess.run(["logits"], feeds)[0][:-1]).double()
     nll = -torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]

@@ -1,9 +1,10 @@
 """Optimization profiles: for every stage, (min, opt, max) of each input shape, from the export's graphs.
 
 The dynamic dims of an export are named (dtrt.exporter.onnx_export): N new tokens or tree nodes, P past
-positions, bs requests. A decode profile covers what a round needs (N up to the largest tree, P up to the
-context); the stages that also read a prompt (the target, the drafters' context) get a second, prefill profile
-with N up to the whole context. The runtime picks the first profile that holds the shapes of a call.
+positions, C the target's cache capacity (its K/V buffer, of which the past is the first P positions), bs
+requests. A decode profile covers what a round needs (N up to the largest tree, P and C up to the context); the
+stages that also read a prompt (the target, the drafters' context) get a second, prefill profile with N up to the
+whole context. The runtime picks the first profile that holds the shapes of a call.
 """
 
 from dataclasses import dataclass
@@ -44,10 +45,15 @@ def dim_ranges(stage: str, limits: Limits) -> dict[str, dict[str, tuple[int, int
     n_max = max(limits.tree, limits.node_topk) if kind.startswith("scorer") else limits.tree
     n_opt = {"scorer_children": 1, "scorer_advance": limits.node_topk}.get(kind, limits.budget + 1)
     ctx = limits.max_context
-    decode = {"N": (1, min(n_opt, n_max), n_max), "P": (0, ctx // 2, ctx), "bs": (1, 1, limits.max_batch)}
+    decode = {
+        "N": (1, min(n_opt, n_max), n_max),
+        "P": (0, ctx // 2, ctx),
+        "C": (1, ctx // 2, ctx),
+        "bs": (1, 1, limits.max_batch),
+    }
     ranges = {"decode": decode}
     if reads_prompt(stage):
-        ranges["prefill"] = {"N": (1, min(PREFILL_OPT, ctx), ctx), "P": (0, 0, ctx)}
+        ranges["prefill"] = {"N": (1, min(PREFILL_OPT, ctx), ctx), "P": (0, 0, ctx), "C": (1, ctx // 2, ctx)}
     return ranges
 
 
@@ -66,7 +72,7 @@ def stage_profiles(stage: str, inputs: dict[str, dict], limits: Limits) -> list[
                 else:
                     raise DtrtError(
                         f"stage {stage}: input {inp} has a dynamic dim {d!r} that no profile covers "
-                        f"(known: N, P, bs); re-export it with this dtrt's `dtrt export`"
+                        f"(known: N, P, C, bs); re-export it with this dtrt's `dtrt export`"
                     )
             shapes[inp] = tuple(tuple(r[i] for r in rng) for i in range(3))
         profile = Profile(name, shapes)

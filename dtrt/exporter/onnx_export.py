@@ -9,6 +9,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from dtrt.exporter.graph_passes import slice_past
 from dtrt.exporter.stages import Stage
 from dtrt.ops import DOMAIN, onnx_functions
 
@@ -22,6 +23,7 @@ def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int, ma
     dims = {
         "N": torch.export.Dim("N", min=1, max=max_tokens),
         "P": torch.export.Dim("P", min=0, max=max_context),
+        "C": torch.export.Dim("C", min=1, max=max_context + max_tokens),
         "bs": torch.export.Dim("bs", min=1, max=max_batch),
     }
     example = stage.example(3, 5, torch.Generator().manual_seed(0))
@@ -44,6 +46,7 @@ def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int, ma
     data = path.with_suffix(".onnx.data")
     program.save(str(path), external_data=True)
     model = onnx.load(str(path), load_external_data=False)
+    slice_past(model)
     used = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
     model.functions.extend(onnx_functions(used))
     onnx.save_model(model, str(path))

@@ -2,7 +2,8 @@
 
 These wrappers are what gets exported and what `dtrt parity` compares ONNX Runtime against, on the same inputs.
 
-    target          ids [N], positions [N], mask [N, N], past_k/past_v [L, KVH, P, HD]
+    target          ids [N], positions [N], mask [N, N], past_k/past_v [L, KVH, C, HD] (the cache, capacity C),
+                    past_positions [P] (P <= C: the past is the cache's first P positions; only its length is read)
                     -> logits [N, V] fp32, hidden [N, taps*H], new_k/new_v [L, KVH, N, HD]
                     hybrid: L counts the full-attention layers; also parents [N] (-1 for the root),
                     state [R, Hv, dk, dv] fp32, conv [R, C, K-1] in (R Gated-DeltaNet layers)
@@ -22,11 +23,14 @@ from dtrt.models.target import Target
 
 
 class ConcatCache:
-    """The cache seen by an exported target: past K/V come in as inputs, only the new K/V go out."""
+    """The cache seen by an exported target: the runtime's whole cache buffer comes in (its past the first P
+    positions, P the length of past_positions), only the new K/V go out. The runtime appends in place, so no call
+    re-spaces the cache; each layer reads its past with one Slice (dtrt.exporter.graph_passes.slice_past)."""
 
-    def __init__(self, past_k, past_v):
-        self.past_k, self.past_v = past_k, past_v
-        self.past = past_k.shape[-2]
+    def __init__(self, past_k, past_v, past_positions):
+        self.past = past_positions.shape[0]
+        torch._check(self.past <= past_k.shape[2])
+        self.past_k, self.past_v = past_k.narrow(2, 0, self.past), past_v.narrow(2, 0, self.past)
         self.new_k, self.new_v = [], []
 
     def update(self, layer, k, v):
@@ -43,8 +47,8 @@ class TargetStage(nn.Module):
         super().__init__()
         self.target, self.taps = target, tuple(taps)
 
-    def forward(self, ids, positions, mask, past_k, past_v):
-        cache = ConcatCache(past_k, past_v)
+    def forward(self, ids, positions, mask, past_k, past_v, past_positions):
+        cache = ConcatCache(past_k, past_v, past_positions)
         logits, hidden = self.target(ids, positions, mask, cache, taps=self.taps)
         return logits, hidden, torch.stack(cache.new_k), torch.stack(cache.new_v)
 
@@ -53,8 +57,8 @@ class ConcatHybridCache(ConcatCache):
     """A hybrid target's exported cache: also the committed recurrent states and conv windows come in, and every
     node's state and window go out (the runtime's commit picks the last accepted node's)."""
 
-    def __init__(self, past_k, past_v, state, conv):
-        super().__init__(past_k, past_v)
+    def __init__(self, past_k, past_v, past_positions, state, conv):
+        super().__init__(past_k, past_v, past_positions)
         self.state, self.conv = state, conv
         self.node_states, self.node_windows = [], []
 
@@ -67,8 +71,8 @@ class ConcatHybridCache(ConcatCache):
 
 
 class HybridTargetStage(TargetStage):
-    def forward(self, ids, positions, mask, parents, past_k, past_v, state, conv):
-        cache = ConcatHybridCache(past_k, past_v, state, conv)
+    def forward(self, ids, positions, mask, parents, past_k, past_v, past_positions, state, conv):
+        cache = ConcatHybridCache(past_k, past_v, past_positions, state, conv)
         logits, hidden = self.target(ids, positions, mask, cache, parents, taps=self.taps)
         return (
             logits,
@@ -139,13 +143,15 @@ def _target_example(stage, n, p, gen, kv_layers: int | None = None):
     t = stage.module.target
     cfg, dtype = t.cfg, t.dtype
     depth, mask = random_tree_mask(n, gen)
-    kv = (cfg.num_layers if kv_layers is None else kv_layers, cfg.num_kv_heads, p, cfg.head_dim)
+    # a cache with room to spare: the stage reads only its first p positions
+    kv = (cfg.num_layers if kv_layers is None else kv_layers, cfg.num_kv_heads, p + n + 2, cfg.head_dim)
     return {
         "ids": torch.randint(0, cfg.vocab_size, (n,), generator=gen),
         "positions": p + depth,
         "mask": mask,
         "past_k": torch.randn(kv, generator=gen).to(dtype),
         "past_v": torch.randn(kv, generator=gen).to(dtype),
+        "past_positions": torch.arange(p),
     }
 
 
@@ -187,24 +193,32 @@ def target_stage(target: Target, taps: tuple[int, ...]) -> Stage:
         return Stage(
             "target",
             HybridTargetStage(target, taps),
-            ["ids", "positions", "mask", "parents", "past_k", "past_v", "state", "conv"],
+            ["ids", "positions", "mask", "parents", "past_k", "past_v", "past_positions", "state", "conv"],
             ["logits", "hidden", "new_k", "new_v", "states", "windows"],
             {
                 "ids": {0: "N"},
                 "positions": {0: "N"},
                 "mask": {0: "N", 1: "N"},
                 "parents": {0: "N"},
-                "past_k": {2: "P"},
-                "past_v": {2: "P"},
+                "past_k": {2: "C"},
+                "past_v": {2: "C"},
+                "past_positions": {0: "P"},
             },
             _hybrid_target_example,
         )
     return Stage(
         "target",
         TargetStage(target, taps),
-        ["ids", "positions", "mask", "past_k", "past_v"],
+        ["ids", "positions", "mask", "past_k", "past_v", "past_positions"],
         ["logits", "hidden", "new_k", "new_v"],
-        {"ids": {0: "N"}, "positions": {0: "N"}, "mask": {0: "N", 1: "N"}, "past_k": {2: "P"}, "past_v": {2: "P"}},
+        {
+            "ids": {0: "N"},
+            "positions": {0: "N"},
+            "mask": {0: "N", 1: "N"},
+            "past_k": {2: "C"},
+            "past_v": {2: "C"},
+            "past_positions": {0: "P"},
+        },
         _target_example,
     )
 

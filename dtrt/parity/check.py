@@ -199,13 +199,13 @@ class Recorder(TorchBackend):
             self.calls[stage].append({k: v.detach().clone() for k, v in inputs.items()})
 
     def target_forward(self, ids, positions, mask):
-        p = self.cache.past
-        inputs = {
+        inputs = {  # the whole cache buffer, as the runtime hands it over: stale entries after the past included
             "ids": ids,
             "positions": positions,
             "mask": mask,
-            "past_k": self.cache.k[:, :, :p],
-            "past_v": self.cache.v[:, :, :p],
+            "past_k": self.cache.k,
+            "past_v": self.cache.v,
+            "past_positions": torch.arange(self.cache.past),
         }
         if isinstance(self.cache, HybridCache):
             inputs.update(parents=tree_parents(mask), state=self.cache.state, conv=self.cache.conv)

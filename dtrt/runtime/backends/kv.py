@@ -1,16 +1,47 @@
-"""K/V caches of the export backends, kept dense for the current length: [layers, kv_heads, length, head_dim]
-each for K and V, stored as one flat buffer so a stage reads the past as a view of its first
-layers*kv_heads*length*head_dim elements. A strided [.., capacity, ..] buffer would instead need a contiguous copy
-of the whole past on every stage call.
+"""K/V caches of the export backends.
 
-PackedKV (host memory) re-spaces the (layer, head) rows in place on every append: one memmove per row, last row
-first so no row overwrites one not yet moved. DevicePackedKV (device memory, where overlapping moves are not a
-primitive) writes the re-spaced entries into a second buffer and swaps the two.
+TargetKV holds the target's K/V as [layers, kv_heads, capacity, head_dim] and appends in place: the target stage
+takes the whole buffer and the past length (past_positions, DESIGN.md section 2), and slices each layer's past
+itself, so no append moves what is already stored. (A dense [.., length, ..] cache re-spaced every (layer, head)
+row on every append: a copy of the whole past per token, as costly as a quarter of a small target's decode step
+at a past of a few hundred positions, and growing with it.)
+
+The drafter block stages read their cache dense, [layers, kv_heads, length, head_dim] each for K and V, stored as
+one flat buffer so a stage reads it as a view of its first layers*kv_heads*length*head_dim elements. PackedKV (host
+memory) re-spaces the (layer, head) rows in place on every append: one memmove per row, last row first so no row
+overwrites one not yet moved. DevicePackedKV (device memory, where overlapping moves are not a primitive) writes the
+re-spaced entries into a second buffer and swaps the two. A drafter has a layer or two: its rows are few.
 """
 
 import ctypes
 
 import torch
+
+
+class TargetKV:
+    def __init__(self, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device="cpu"):
+        self.capacity = capacity
+        self.k, self.v = (torch.zeros(layers, heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(2))
+        self._positions = torch.arange(capacity, device=device)
+        self.length = 0
+
+    def feeds(self, length: int | None = None) -> dict[str, torch.Tensor]:
+        """The target stage's cache inputs for a past of `length` positions (default: the stored ones; a longer
+        one reads stale entries, as the cost probes do)."""
+        n = self.length if length is None else length
+        return {"past_k": self.k, "past_v": self.v, "past_positions": self._positions[:n]}
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Add k, v [layers, kv_heads, n, head_dim] after the stored entries."""
+        p, q = self.length, self.length + k.shape[2]
+        if q > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {q} > capacity {self.capacity}")
+        self.k[:, :, p:q] = k
+        self.v[:, :, p:q] = v
+        self.length = q
+
+    def reset(self):
+        self.length = 0
 
 
 class PackedKV:

@@ -15,7 +15,7 @@ from dtrt.artifacts.machine import first_line
 from dtrt.errors import BackendFault, DtrtError
 from dtrt.models.hybrid import recurrent_parents
 from dtrt.runtime.backends.base import Backend
-from dtrt.runtime.backends.kv import kv_cache_for
+from dtrt.runtime.backends.kv import TargetKV, kv_cache_for
 from dtrt.runtime.backends.stage_scorer import StageDominoScorer
 from dtrt.scoring import greedy_chain_tables
 from dtrt.tree import FrontierTrees, MarginalScorer, Round, TableScorer, build_frontier
@@ -125,9 +125,9 @@ def drafter_dims(exp: Export, kind: str) -> DrafterDims:
 
 
 class ExportedBackend(Backend):
-    """The backend contract over a StageRunner: one generation's target and draft K/V in PackedKV layout on the
-    runner's device, a hybrid target's recurrent state and conv window carried between rounds, Domino's scores
-    from the scorer stages and the frontier tree from the frontier stage."""
+    """The backend contract over a StageRunner: one generation's target K/V (TargetKV) and draft K/V (PackedKV
+    layout) on the runner's device, a hybrid target's recurrent state and conv window carried between rounds,
+    Domino's scores from the scorer stages and the frontier tree from the frontier stage."""
 
     flatten_tree = False  # the negative control for hybrid targets (tests and benchmarks only): dtrt.models.hybrid
 
@@ -141,6 +141,11 @@ class ExportedBackend(Backend):
         for stage in ["target"] + ([f"{kind}.context", f"{kind}.block"] if kind else []):
             runner.open(stage)
         target_inputs = runner.inputs("target")
+        if "past_positions" not in target_inputs:
+            raise DtrtError(
+                f"{self.export.path}: its target stage takes a dense past (an export of an older dtrt); this dtrt "
+                f"hands the target its whole K/V cache: re-export with `{self.export.fix_hint()}`"
+            )
         self.dtype = target_inputs["past_k"]
         self.recurrent = "state" in target_inputs
         self.kv_cache = kv_cache_for(self.device)
@@ -175,7 +180,7 @@ class ExportedBackend(Backend):
         if self.cache is None or self.cache.capacity < capacity:
             t, dev = self.target_dims, self.device
             layers = t.get("kv_layers", t["num_layers"])
-            self.cache = self.kv_cache(layers, t["num_kv_heads"], t["head_dim"], capacity, self.dtype, dev)
+            self.cache = TargetKV(layers, t["num_kv_heads"], t["head_dim"], capacity, self.dtype, dev)
             if self.drafter is not None:
                 d = self.drafter.cfg
                 self.draft_cache = self.kv_cache(d.num_layers, d.num_kv_heads, d.head_dim, capacity, self.dtype, dev)
@@ -196,8 +201,7 @@ class ExportedBackend(Backend):
         n = len(ids)
         if n < self.min_rows:  # a quantized target: repeat the last row, seeing only itself, and drop its outputs
             ids, positions, mask = pad_rows(ids, positions, mask, self.min_rows)
-        past_k, past_v = self.cache.view(past)
-        feeds = dict(ids=ids, positions=positions, mask=mask, past_k=past_k, past_v=past_v)
+        feeds = dict(ids=ids, positions=positions, mask=mask, **self.cache.feeds(past))
         if self.recurrent:  # the tree's parents, read on the host from its ancestor mask
             parents = recurrent_parents(torch.as_tensor(mask).cpu(), self.flatten_tree)
             feeds.update(parents=parents, state=self.state, conv=self.conv)

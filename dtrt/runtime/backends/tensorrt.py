@@ -2,9 +2,9 @@
 commit, scorers and the frontier are ExportedBackend's, as on ONNX Runtime.
 
 One execution context per stage, created once; every output lands in a device buffer sized from the stage's
-optimization profiles and reused on every call. The target and draft K/V stay on the device in PackedKV's
-dense layout (DevicePackedKV). A stage whose shapes repeat round after round (the Domino scorer stages, the
-frontier) is captured in a CUDA graph per shape and replayed.
+optimization profiles and reused on every call. The target K/V stay on the device in TargetKV's buffer, appended
+in place; the draft K/V in PackedKV's dense layout (DevicePackedKV). A stage whose shapes repeat round after round
+(the Domino scorer stages, the frontier) is captured in a CUDA graph per shape and replayed.
 """
 
 import numpy as np
@@ -28,9 +28,9 @@ MAX_GRAPHS = 8  # CUDA graphs kept per stage (one per distinct shape)
 
 
 def graph_key(meta: dict, shapes: dict[str, tuple[int, ...]]) -> tuple | None:
-    """The CUDA-graph key of a call: its shapes, for a stage whose shapes repeat (no past length P, no
-    prompt-sized profile); None for the others, which run eagerly."""
-    if len(meta["profiles"]) > 1 or any("P" in m["dims"] for m in meta["inputs"].values()):
+    """The CUDA-graph key of a call: its shapes, for a stage whose shapes repeat (no past length P or cache
+    capacity C, no prompt-sized profile); None for the others, which run eagerly."""
+    if len(meta["profiles"]) > 1 or any({"P", "C"} & set(m["dims"]) for m in meta["inputs"].values()):
         return None
     return tuple(sorted((n, tuple(s)) for n, s in shapes.items()))
 
