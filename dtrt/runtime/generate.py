@@ -171,10 +171,17 @@ def generate(
     produced += len(tokens)
     lps = token_logprobs(logits[-1:], tokens, logprobs) if logprobs is not None else None
     yield Step(tokens, prefill_s=time.perf_counter() - t0, end=end, logprobs=lps)
+    # the committed rows the drafter has not read yet: its context is brought up to date only in a round that
+    # drafts, in one call, so rounds that verify the root alone (cadominotree's gate) cost what an AR step costs
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     while end is None:
         t0 = time.perf_counter()
         start = backend.past
-        if drafter is not None:
+        if drafter is not None and method.drafts(start):
+            if pending:
+                hidden_rows, positions = (torch.cat(x) for x in zip(*pending)) if len(pending) > 1 else pending[0]
+                backend.draft_context(hidden_rows, positions)
+                pending.clear()
             tree, t1 = method.draft(backend, root, start)
         else:
             t1 = time.perf_counter()
@@ -188,7 +195,7 @@ def generate(
         t3 = time.perf_counter()
         backend.commit(accepted)
         if drafter is not None:
-            backend.draft_context(hidden[torch.tensor(accepted)], start + torch.arange(len(accepted)))
+            pending.append((hidden[torch.tensor(accepted)], start + torch.arange(len(accepted))))
         t4 = time.perf_counter()
         stats = RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
         tokens, end = cut(tree.tokens[accepted[1:]].tolist() + [bonus])

@@ -33,6 +33,11 @@ class Method:
     def build(self, backend, rnd: Round) -> Tree:
         raise NotImplementedError
 
+    def drafts(self, start: int) -> bool:
+        """Whether the round at position `start` drafts (else it verifies the root alone); asked once per round,
+        before the loop brings the drafter's context up to date for `draft`."""
+        return True
+
     def draft(self, backend, root: int, start: int) -> tuple[Tree, float]:
         """This round's tree from the drafter block rooted at `root` (position `start`), and the clock when the
         drafting part ended (the rest built the tree)."""
@@ -137,7 +142,7 @@ class CaDominoTree(CostAware, DominoTree):
         self.acceptance, self.node_cost, self.gate = AcceptanceMap(), NodeCost(), SpeculationGate()
         self.clock = RoundClock()
         self.draft_s = None
-        self._stop = self._built = None
+        self._stop = self._built = self._round = None
         self._drafted = self._verified = None  # this round's clock when its tree was ready, and when it was verified
 
     def prepare(self, backend, max_depth):
@@ -152,17 +157,22 @@ class CaDominoTree(CostAware, DominoTree):
         )
         return self._stop
 
-    def draft(self, backend, root, start):
-        t0 = time.perf_counter()
-        if self._verified is not None:  # the last round's commit, drafter context and loop
+    def drafts(self, start):
+        self._round = t0 = time.perf_counter()
+        if self._verified is not None:  # the last round's commit and loop
             self.clock.observe_rest(t0 - self._verified)
         self._start = start
-        if not self.gate.drafts(self.clock, self.curve.verify_cost(0, start)):
-            self._drafted = time.perf_counter()
-            return Tree.chain([], root=root), self._drafted
+        if self.gate.drafts(self.clock, self.curve.verify_cost(0, start)):
+            return True
+        self._drafted = time.perf_counter()
+        return False
+
+    def draft(self, backend, root, start):
+        # the drafting seconds count from the round's start: they include bringing the drafter's context up to
+        # date, which a round that drafts pays for the rounds that did not
         tree, drafted = super().draft(backend, root, start)
         self._drafted = time.perf_counter()
-        self._built = (drafted - t0, self._drafted - drafted, tree.num_nodes)
+        self._built = (drafted - self._round, self._drafted - drafted, tree.num_nodes)
         self.gate.observe_tree(self._stop.tree())
         return tree, drafted
 

@@ -108,10 +108,11 @@ SCALE_RANGE = (0.5, 2.0)
 @dataclass
 class RoundClock:
     """What the rounds as they run teach the cost model, beyond the curve measured apart: `overhead` (o), the
-    seconds of a round outside drafting, building and verifying (commit, the drafter's context, the loop), which
-    every round pays whatever it verifies; `scale` (s), the verify seconds in the loop over the curve's (a call
-    there, between other work and over a past that grows, costs more than one timed alone at a fixed past).
-    Without them a round's fixed costs are missed and the root alone looks cheaper than it is. Running means."""
+    seconds of a round outside drafting, building and verifying (commit, the loop), which every round pays whatever
+    it verifies (the drafter's context is caught up by the next round that drafts, in its drafting); `scale` (s),
+    the verify seconds in the loop over the curve's (a call there, between other work and over a past that grows,
+    costs more than one timed alone at a fixed past). Without them a round's fixed costs are missed and the root
+    alone looks cheaper than it is. Running means."""
 
     decay: float = 0.9
     overhead: float = 0.0
