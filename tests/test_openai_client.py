@@ -102,7 +102,26 @@ def endpoint(request, tiny, tiny_chat, local_pipe):  # noqa: F811
     finally:
         code = server.stop()
     assert code == 0 and "dtrt serve: stopped" in server.log, server.log
-    assert "Traceback" not in server.log, server.log
+    assert not unexpected_tracebacks(server.log), server.log
+
+
+def unexpected_tracebacks(log: str) -> list[str]:
+    """The exceptions of the tracebacks in a server's log, but for Ray Serve's router reporting a replica actor
+    that died while the cluster shut down (Ray's own asyncio task, logged at SIGTERM under load)."""
+    errors = []
+    for block in log.split("Traceback (most recent call last):")[1:]:
+        lines = block.split("\n")[1:]
+        error = next((line for line in lines if line and not line[0].isspace()), "")
+        if not error.startswith("ray.exceptions.ActorDiedError"):
+            errors.append(error)
+    return errors
+
+
+def test_unexpected_tracebacks_spare_only_ray_replicas_dying_at_shutdown():
+    ray_shutdown = 'Traceback (most recent call last):\n  File "r.py", line 1\nray.exceptions.ActorDiedError: died'
+    ours = 'Traceback (most recent call last):\n  File "dtrt/serve.py", line 3, in g\nValueError: bad'
+    assert unexpected_tracebacks(f"start\n{ray_shutdown}\nstopped") == []
+    assert unexpected_tracebacks(f"{ray_shutdown}\n{ours}\n") == ["ValueError: bad"]
 
 
 def client(url, key=KEY, **kw):

@@ -187,6 +187,17 @@ def _block_example(stage, n, p, gen):
     }
 
 
+# the target's dynamic dims: N new tokens, C the cache's capacity, P the past's length
+TARGET_DIMS = {
+    "ids": {0: "N"},
+    "positions": {0: "N"},
+    "mask": {0: "N", 1: "N"},
+    "past_k": {2: "C"},
+    "past_v": {2: "C"},
+    "past_positions": {0: "P"},
+}
+
+
 def target_stage(target: Target, taps: tuple[int, ...]) -> Stage:
     """The target's stage, returning the outputs of the decoder layers `taps` as its hidden states."""
     if isinstance(target, HybridTarget):
@@ -195,15 +206,7 @@ def target_stage(target: Target, taps: tuple[int, ...]) -> Stage:
             HybridTargetStage(target, taps),
             ["ids", "positions", "mask", "parents", "past_k", "past_v", "past_positions", "state", "conv"],
             ["logits", "hidden", "new_k", "new_v", "states", "windows"],
-            {
-                "ids": {0: "N"},
-                "positions": {0: "N"},
-                "mask": {0: "N", 1: "N"},
-                "parents": {0: "N"},
-                "past_k": {2: "C"},
-                "past_v": {2: "C"},
-                "past_positions": {0: "P"},
-            },
+            TARGET_DIMS | {"parents": {0: "N"}},
             _hybrid_target_example,
         )
     return Stage(
@@ -211,14 +214,7 @@ def target_stage(target: Target, taps: tuple[int, ...]) -> Stage:
         TargetStage(target, taps),
         ["ids", "positions", "mask", "past_k", "past_v", "past_positions"],
         ["logits", "hidden", "new_k", "new_v"],
-        {
-            "ids": {0: "N"},
-            "positions": {0: "N"},
-            "mask": {0: "N", 1: "N"},
-            "past_k": {2: "C"},
-            "past_v": {2: "C"},
-            "past_positions": {0: "P"},
-        },
+        TARGET_DIMS,
         _target_example,
     )
 
