@@ -2,9 +2,10 @@
 backend's measured costs, with an acceptance map calibrated online from the rounds' accepted paths.
 
     E[tokens](n) = 1 + sum_{i <= n} a(logw_i)       a: calibrated P(node accepted | its cumulative log score)
-    cost(n)      = C_d + c * n + s * C_v(n; l) + o   C_d the drafter's block, c the builder's cost per node (the
-                                                     scorer's children and GRU steps), C_v the verify-cost curve,
-                                                     s and o learnt from the rounds (RoundClock)
+    cost(n)      = C_d + c * n + s * C_v(n; l) + o   C_d the drafter's block and its context catch-up, c the
+                                                     builder's cost per node (the scorer's children and GRU
+                                                     steps), C_v the verify-cost curve, s and o learnt from the
+                                                     rounds (RoundClock)
     theta(n)     = E[tokens](n) / cost(n)            nodes are admitted best-first while theta rises
 
 A round drafts at all only while the trees lately built promise more than a root-alone round, 1 / (s * C_v(0; l) +
