@@ -24,7 +24,7 @@ from dtrt.runtime.spec import ARMS, BACKENDS, BUILDERS, DTYPES, METHODS
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
 from dtrt.train.datagen import DataGenConfig
 from dtrt.train.trainer import TrainConfig
-from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, names, quant_help
+from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, method_help, names, quant_help
 
 MODEL_DIR_HELP = "where registry checkpoints are looked up before the Hugging Face cache"
 QUANT_HELP = (
@@ -96,7 +96,7 @@ def source_options(f, *, quant_sweep: bool = False):
 def method_options(f):
     """The flags that choose the method and its tree, shared by `run` and `serve`."""
     opts = [
-        click.option("--method", type=click.Choice(METHODS), default="dominotree", show_default=True),
+        click.option("--method", type=click.Choice(METHODS), help=f"default {method_help()}"),
         click.option(
             "--builder",
             type=click.Choice(BUILDERS),

@@ -23,6 +23,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def cost_store(tmp_path, monkeypatch):
+    """Where this test's cost-aware methods keep their measured cost curves: its own, so none is read from
+    another test or an earlier run."""
+    from dtrt.runtime import calibrate
+
+    monkeypatch.setattr(calibrate, "store_root", lambda: tmp_path / "cost")
+    return tmp_path / "cost"
+
+
 @contextmanager
 def torch_threads(n: int):
     """torch's intra-op threads set to `n` inside the block, restored after it."""

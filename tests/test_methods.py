@@ -8,7 +8,6 @@ import pytest
 from helpers import PROMPTS, generate_all, pipe_for, spec
 
 from dtrt import cli
-from dtrt.runtime.calibrate import measure_cost_curve
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.tree import CostCurve
 
@@ -58,7 +57,7 @@ def test_cost_aware_methods_measure_their_cost_curve_and_adapt_the_budget(tiny, 
     pipe = pipe_for(tiny, spec(method, budget=32))
     ids = pipe.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
     pipe.generate(ids, 4, SamplingConfig())
-    curve = pipe.method.curve  # measured on this backend during the first generation
+    curve = pipe.method.curve  # measured on this backend before the first generation
     costs = [curve.verify_cost(n, 20) for n in (0, 4, 16, 32)]
     assert costs == sorted(costs) and costs[0] > 0 and curve.draft_cost > 0
     sizes = {}
@@ -72,7 +71,6 @@ def test_cost_aware_methods_measure_their_cost_curve_and_adapt_the_budget(tiny, 
     # are): the typical round tells the two apart
     assert statistics.median(sizes["steep"]) <= 2 < statistics.median(sizes["cheap"]), sizes
     assert max(sizes["cheap"]) <= 33
-    assert measure_cost_curve(pipe.backend, 8).contexts[0] >= len(ids)
 
 
 def test_tree_methods_beat_chains(tiny):

@@ -427,3 +427,20 @@ def test_frontier_stage_has_the_exports_budget(tiny_export):
         ort_pipeline(tiny_export, spec("dominotree", builder="frontier", budget=8))
     pipe = ort_pipeline(tiny_export, spec("dominotree", builder="frontier", budget=8, arm="marg"))
     assert not pipe.backend.frontier_stage  # the ablation arms build on the host, at any budget
+
+
+def test_cost_curve_kept_per_export_and_threads(tiny_export, cost_store, monkeypatch):
+    from dtrt.runtime import calibrate
+    from dtrt.runtime.sampling import SamplingConfig
+
+    draft = spec("cadominotree", budget=8)
+    first = ort_pipeline(tiny_export, draft)
+    prompt = first.tokenizer.encode("def add(a, b):", add_special_tokens=False)
+    first.generate(prompt, 4, SamplingConfig())
+    assert len(list(cost_store.glob("*.json"))) == 1
+    monkeypatch.setattr(calibrate, "measure_cost_curve", lambda *a: pytest.fail("measured again"))
+    again = ort_pipeline(tiny_export, draft)  # another process on this machine, in effect
+    again.generate(prompt, 4, SamplingConfig())
+    assert again.method.curve == first.method.curve and again.backend.cost_key() == first.backend.cost_key()
+    other = pipe_for(None, draft, backend="onnxruntime", export=tiny_export.path, threads=2)
+    assert other.backend.cost_key() != first.backend.cost_key()

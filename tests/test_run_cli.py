@@ -320,10 +320,19 @@ def test_budget_defaults_to_the_models_measured_one(tiny, monkeypatch, capsys):
     # the embedded default on ONNX Runtime runs its int8 target, at that quantization's budget
     from dtrt.launch import resolve_spec
 
-    default, on_torch = resolve_spec(), resolve_spec(model="smollm2-135m")
-    assert (default.backend, default.quant, default.budget) == ("onnxruntime", "int8", 2)
+    default, on_torch = resolve_spec(), resolve_spec(model="smollm2-135m", method="dominotree")
+    # the embedded default runs cadominotree, whose budget is a cap; a fixed budget is the measured one
+    assert (default.backend, default.quant, default.method, default.budget) == (
+        "onnxruntime",
+        "int8",
+        "cadominotree",
+        16,
+    )
+    assert resolve_spec(method="dominotree").budget == 2
     assert (on_torch.backend, on_torch.quant, on_torch.budget) == ("torch", None, 4)
-    assert resolve_spec(quant="none").budget == 4 and resolve_spec(quant="int4").budget == 2
+    assert resolve_spec(method="ddtree", quant="none").budget == 4
+    assert resolve_spec(method="dominotree", quant="int4").budget == 2
+    assert resolve_spec(model="tiny").method == "dominotree" and registry.default_method("qwen3-4b") == "dominotree"
     assert run_json(monkeypatch, capsys, "--max-new-tokens", "4", PROMPT)["budget"] == 16
     monkeypatch.setitem(registry.MODELS, "tiny", replace(registry.MODELS["tiny"], budget=3))
     out = run_json(monkeypatch, capsys, "--max-new-tokens", "24", PROMPT)

@@ -1,4 +1,5 @@
 import itertools
+import json
 import math
 
 import pytest
@@ -99,8 +100,27 @@ def test_cost_curve_interpolation_and_extrapolation():
     assert curve.verify_cost(50, 250) == pytest.approx(0.75 * 1.5 + 0.25 * 3.0)
     assert curve.verify_cost(200, 0) == pytest.approx(3.0)  # past the last knot: the last slope continues
     assert curve.verify_cost(200, 1000) == pytest.approx(6.0)
-    assert curve.verify_cost(50, 5000) == curve.verify_cost(50, 1000)  # contexts are clamped
+    # past the last context the cost keeps growing as between the last two; below the first it is flat
+    assert curve.verify_cost(50, 2000) == pytest.approx(4.5)
+    assert curve.verify_cost(200, 3000) == pytest.approx(6.0 + 2 * 3.0)
     assert curve.verify_cost(50, -10) == curve.verify_cost(50, 0)
+
+
+def test_cost_curve_never_gets_cheaper_past_its_last_context():
+    curve = CostCurve.fit({0: [(0, 2.0), (8, 3.0)], 100: [(0, 1.0), (8, 2.0)]}, draft_cost=0.0)  # a noisy far read
+    assert curve.verify_cost(8, 1000) == curve.verify_cost(8, 100) == pytest.approx(2.0)
+    assert CostCurve.fit({7: [(0, 1.0)]}, 0.0).verify_cost(0, 9000) == 1.0  # one context: flat in it
+
+
+def test_cost_curve_json_round_trip():
+    curve = CostCurve.fit({0: [(0, 1.0), (4, 2.0)], 512: [(0, 1.5), (4, 3.0)]}, draft_cost=0.25)
+    again = CostCurve.from_json(json.loads(json.dumps(curve.to_json())))
+    assert again == curve
+    for bad in ({}, {**curve.to_json(), "draft_cost": -1.0}, {**curve.to_json(), "seconds": [[1.0, "x"], [1.0]]}):
+        with pytest.raises(ValueError):
+            CostCurve.from_json(bad)
+    with pytest.raises(ValueError):
+        CostCurve.from_json({**curve.to_json(), "seconds": [[1.0, float("nan")], [1.5, 3.0]]})
 
 
 def test_cost_curve_fit_by_hand():

@@ -28,6 +28,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DTRT_CACHE", Path.home() / ".cache" / "dtrt"))
 
 
+def write_cache_file(path: Path, text: str) -> bool:
+    """`text` into `path` whole or not at all (a temporary file renamed over it); False where it cannot be written,
+    which for a cache only means the work is done again next time."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        return False
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -8,10 +8,9 @@ that state right after writing, so the first load hashes nothing. `dtrt verify D
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
-from dtrt.artifacts.files import MANIFEST, cache_dir, sha256
+from dtrt.artifacts.files import MANIFEST, cache_dir, sha256, write_cache_file
 from dtrt.errors import DtrtError
 
 
@@ -37,17 +36,7 @@ def record_verified(root: Path, files: dict[str, dict]):
     """Remember that `files` (name -> {"size", "sha256"}) under `root` are verified as they are now. A cache that
     cannot be written only means the next load hashes again."""
     state = {"root": str(root.resolve()), "files": {n: [*_stamp(root / n), m["sha256"]] for n, m in files.items()}}
-    path = _state_path(root)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+    write_cache_file(_state_path(root), json.dumps(state))
 
 
 def _entry(meta) -> bool:

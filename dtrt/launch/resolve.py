@@ -5,8 +5,10 @@ no --model, --target or --export     the embedded default model (zoo.registry.DE
 --model / --target, or --device cuda the torch backend, unless --backend says otherwise
 --quant                              the model's entry in the registry table for its first-use ONNX Runtime export
                                      (none for the torch backend and for an --export, which carries its own)
+--method                             the model's entry in the registry table (dominotree where it says nothing,
+                                     and under --cuda-graph)
 --budget                             the model's entry in the registry table for that quantization (16 where it
-                                     says nothing)
+                                     says nothing; the cap of the cost-aware methods: 16)
 --builder                            frontier on a CUDA torch backend or under --cuda-graph, else heap
                                      (cadominotree always grows its tree on the host heap)
 """
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from dtrt.errors import DtrtError
 from dtrt.runtime.spec import RunSpec, device_kind
-from dtrt.zoo.registry import DEFAULT_MODEL, default_budget, default_quant
+from dtrt.zoo.registry import DEFAULT_MODEL, default_budget, default_method, default_quant
 
 
 def default_backend(named: bool, export, device: str) -> str:
@@ -54,7 +56,7 @@ def resolve_spec(
     dtype: str | None = None,
     quant: str | None = None,
     threads: int | None = None,
-    method: str = "dominotree",
+    method: str | None = None,
     budget: int | None = None,
     builder: str | None = None,
     arm: str = "dominotree",
@@ -74,6 +76,8 @@ def resolve_spec(
         model = DEFAULT_MODEL
     if quant is None and backend == "onnxruntime" and export is None:
         quant = default_quant(model)
+    if method is None:
+        method = "dominotree" if cuda_graph else default_method(model)
     spec = RunSpec(
         model=model,
         target=Path(target) if target is not None else None,

@@ -148,6 +148,7 @@ def generate(
         raise ValueError(f"logprobs {logprobs}: must be in [0, {MAX_TOP_LOGPROBS}]")
     drafter = backend.drafter if method.uses_drafter else None
     block = drafter.cfg.block_size if drafter is not None else 1
+    method.calibrate(backend)
     backend.reset(capacity_for(len(prompt), max_new_tokens, budget, block))
     gen = torch.Generator(backend.device).manual_seed(sampling.seed)  # samples are drawn where the logits are
     produced = 0

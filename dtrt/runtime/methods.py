@@ -4,7 +4,7 @@ ar          no draft; the tree is the root alone
 dflash      chain of the drafter's marginal argmax (one child per node)
 domino      chain of Domino's corrected argmax over the full vocabulary
 ddtree      best-first over the marginals (lazy sibling/child heap), fixed budget
-caddtree    ddtree with the cost-aware stopping rule on this backend's measured verify-cost curve
+caddtree    ddtree with the cost-aware stopping rule on this backend's verify-cost curve (measured once per machine)
 dominotree  best-first over corrected scores, per realized path (`--arm` condstatic / marg for ablations)
 cadominotree  dominotree with the adaptive budget (dtrt.tree.adaptive: calibrated acceptance, every per-node cost,
             the root alone when drafting does not pay; heap builder; --budget is the cap)
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from dtrt.runtime.calibrate import measure_cost_curve
+from dtrt.runtime.calibrate import cost_curve
 from dtrt.runtime.spec import RunSpec
 from dtrt.tree import CostAwareStop, Round, Tree, build_ddtree, build_heap
 from dtrt.tree.adaptive import AcceptanceMap, AdaptiveStop, NodeCost, RoundClock, SpeculationGate
@@ -25,6 +25,10 @@ class Method:
 
     def __init__(self, cfg: RunSpec):
         self.cfg = cfg
+
+    def calibrate(self, backend):
+        """Called once per generation before the backend's caches are reset for it: a method that measures the
+        backend does it here."""
 
     def prepare(self, backend, max_depth: int):
         """Called once per generation, after prefill."""
@@ -87,14 +91,14 @@ class DDTree(Method):
 
 class CostAware:
     """CaDDTree's stopping rule for a best-first builder: admit a node only while it raises the expected tokens
-    per second on the verify-cost curve measured on the first generation's backend (then reused)."""
+    per second on the backend's verify-cost curve (dtrt.runtime.calibrate: stored per machine, or measured before
+    the first generation)."""
 
     curve = None
 
-    def prepare(self, backend, max_depth):
-        super().prepare(backend, max_depth)
+    def calibrate(self, backend):
         if self.curve is None:
-            self.curve = measure_cost_curve(backend, self.cfg.budget)
+            self.curve = cost_curve(backend, self.cfg.budget)
 
     def stop(self, backend):
         return CostAwareStop(self.curve, backend.past)
@@ -146,7 +150,7 @@ class CaDominoTree(CostAware, DominoTree):
         self._drafted = self._verified = None  # this round's clock when its tree was ready, and when it was verified
 
     def prepare(self, backend, max_depth):
-        super().prepare(backend, max_depth)  # measures the curve on first use
+        super().prepare(backend, max_depth)
         if self.draft_s is None:
             self.draft_s = self.curve.draft_cost
         self._drafted = self._verified = None  # the time between generations is no round's

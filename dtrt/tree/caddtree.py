@@ -50,15 +50,36 @@ class CostCurve:
         return cls(contexts, nodes, seconds, float(draft_cost))
 
     def verify_cost(self, n: float, context_len: int) -> float:
-        """C_v(n; ℓ): linear in n between knots and beyond the last, linear in ℓ, clamped at the ends of ℓ."""
+        """C_v(n; ℓ): linear in n between knots and beyond the last; linear in ℓ between the measured contexts and
+        beyond the last (attention reads the past: a verify never gets cheaper with it), flat below the first."""
         ctx = self.contexts
-        if context_len <= ctx[0]:
-            return self._at(0, n)
-        if context_len >= ctx[-1]:
-            return self._at(len(ctx) - 1, n)
-        i = bisect.bisect_right(ctx, context_len) - 1
+        if context_len <= ctx[0] or len(ctx) == 1:
+            return self._at(0 if context_len <= ctx[0] else len(ctx) - 1, n)
+        i = min(bisect.bisect_right(ctx, context_len), len(ctx) - 1) - 1  # segment [i, i+1]; past the end, the last
         a = (context_len - ctx[i]) / (ctx[i + 1] - ctx[i])
-        return (1 - a) * self._at(i, n) + a * self._at(i + 1, n)
+        lo, hi = self._at(i, n), self._at(i + 1, n)
+        return hi + max(hi - lo, 0.0) * (a - 1) if a > 1 else (1 - a) * lo + a * hi
+
+    def to_json(self) -> dict:
+        return {"contexts": self.contexts, "nodes": self.nodes, "seconds": self.seconds, "draft_cost": self.draft_cost}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostCurve":
+        """The curve `to_json` wrote; ValueError for anything else."""
+        try:
+            curve = cls(
+                [int(c) for c in data["contexts"]],
+                [[float(x) for x in ns] for ns in data["nodes"]],
+                [[float(x) for x in ts] for ts in data["seconds"]],
+                float(data["draft_cost"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a cost curve: {e}") from None
+        if not all(math.isfinite(t) and t >= 0 for ts in curve.seconds for t in ts) or not (
+            math.isfinite(curve.draft_cost) and curve.draft_cost >= 0
+        ):
+            raise ValueError("a cost curve's seconds are finite and non-negative")
+        return curve
 
     def _at(self, i: int, n: float) -> float:
         ns, ts = self.nodes[i], self.seconds[i]

@@ -29,6 +29,9 @@ class ModelEntry:
     """The target quantization of its first-use ONNX Runtime export where `--quant` is not given."""
     quant_budgets: tuple[tuple[str, int], ...] = ()
     """(quantization, budget) where a quantized target's verify-cost curve wants another budget than `budget`."""
+    method: str = "dominotree"
+    """The method where `--method` is not given: cadominotree where `dtrt bench` found it faster than the fixed
+    budgets."""
 
     def budget_for(self, quant: str | None) -> int:
         return dict(self.quant_budgets).get(quant or "none", self.budget)
@@ -41,7 +44,14 @@ MODELS = {
         # tokens a round, so 4 nodes beat 16 (T=0: 1.07x AR vs 0.86x; README, dtrt bench). Its first-use export
         # has an int8 target: 1.26x fp32's AR with 94-96% greedy agreement (int4: 1.79x, but 63-74%); a quantized
         # verify is steeper in N (benchmarks/verify_cost.py: 3 tokens cost 1.0-1.2x one, 5 cost 1.2-1.5x), so 2 nodes.
-        ModelEntry("smollm2-135m", budget=4, quant="int8", quant_budgets=(("int8", 2), ("int4", 2))),
+        # cadominotree beat those fixed budgets at T=0 and T=1 (int8: 1.02x / 0.99x AR vs 0.95x / 0.81x; README).
+        ModelEntry(
+            "smollm2-135m",
+            budget=4,
+            quant="int8",
+            quant_budgets=(("int8", 2), ("int4", 2)),
+            method="cadominotree",
+        ),
         ModelEntry("tiny"),
         ModelEntry("tiny-hybrid"),
         ModelEntry(
@@ -73,6 +83,16 @@ def default_budget(model: str | None, quant: str | None = None, method: str | No
     if method in COST_AWARE:
         return DEFAULT_BUDGET
     return MODELS[model].budget_for(quant) if model in MODELS else DEFAULT_BUDGET
+
+
+def default_method(model: str | None) -> str:
+    return MODELS[model].method if model in MODELS else "dominotree"
+
+
+def method_help() -> str:
+    """`--method`'s default as the table has it, for help texts."""
+    special = ", ".join(f"{e.name}: {e.method}" for e in MODELS.values() if e.method != "dominotree")
+    return "dominotree" + (f" ({special})" if special else "")
 
 
 def default_quant(model: str | None) -> str:

@@ -95,6 +95,11 @@ class Backend(ABC):
     def time_verify(self, n: int, past: int) -> None:
         """One verify of `n` nodes over `past` positions, for the cost probes; leaves the caches as they were."""
 
+    def cost_key(self) -> dict | None:
+        """What decides this backend's costs apart from the machine (JSON values), under which the cost-aware
+        methods keep its measured verify-cost curve (dtrt.runtime.calibrate); None: measured in each process."""
+        return None
+
     def max_depth(self, past: int) -> int | None:
         """The deepest tree this backend verifies exactly with `past` committed positions (None: any). A quantized
         export keeps trees inside the aligned attention block of their past (dtrt.ops.tree_attention)."""

@@ -147,6 +147,12 @@ class OrtRunner(StageRunner):
         self.types: dict[str, dict[str, torch.dtype]] = {}
         self.outputs: dict[str, list[str]] = {}
 
+    def cost_key(self) -> dict:
+        import onnxruntime as ort
+
+        providers = [p if isinstance(p, str) else p[0] for p in self.providers]
+        return {"runner": self.name, "onnxruntime": ort.__version__, "threads": self.threads, "providers": providers}
+
     def open(self, stage: str):
         if stage in self.sessions:
             return

@@ -3,6 +3,8 @@ it) on one device, and ExportedBackend implements the backend contract over any 
 how a stage runs (an InferenceSession, a TensorRT execution context); the caches, commit and the scorers are
 written once, here, over torch tensors on the runner's device."""
 
+import hashlib
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 
@@ -59,6 +61,10 @@ class StageRunner(ABC):
 
     def has(self, stage: str) -> bool:
         return stage in self.export.manifest["stages"]
+
+    def cost_key(self) -> dict:
+        """What, besides the export and the machine, decides how fast this runner runs its stages."""
+        return {"runner": self.name}
 
     @abstractmethod
     def open(self, stage: str) -> None:
@@ -155,6 +161,11 @@ class ExportedBackend(Backend):
         self.frontier_stage = False
         order = self.export.manifest.get("ordered_attention") or {}
         self.min_rows, self.order_align = order.get("min_rows", 1), order.get("align")
+
+    def cost_key(self) -> dict:
+        manifest = json.dumps(self.export.manifest, sort_keys=True).encode()  # its files' sha256 included
+        export = hashlib.sha256(manifest).hexdigest()
+        return {**self.runner.cost_key(), "export": export, "drafter": self.kind, "device": str(self.device)}
 
     def max_depth(self, past: int) -> int | None:
         return None if self.order_align is None else self.order_align - 1 - past % self.order_align

@@ -7,6 +7,9 @@ in place; the draft K/V in PackedKV's dense layout (DevicePackedKV). A stage who
 (the Domino scorer stages, the frontier) is captured in a CUDA graph per shape and replayed.
 """
 
+import hashlib
+import json
+
 import numpy as np
 import torch
 
@@ -150,6 +153,10 @@ class TrtRunner(StageRunner):
 
     def has(self, stage: str) -> bool:
         return stage in self.engine.manifest["stages"]
+
+    def cost_key(self) -> dict:
+        plans = json.dumps(self.engine.manifest, sort_keys=True).encode()  # the machine key and plans' sha256
+        return {"runner": self.name, "engine": hashlib.sha256(plans).hexdigest()}
 
     def open(self, stage: str):
         if stage not in self.stages:
