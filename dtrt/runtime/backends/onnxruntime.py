@@ -78,11 +78,17 @@ DISABLED_OPTIMIZERS = ["MatMulAddFusion"]
 
 
 def make_session(
-    path, threads: int | None = None, providers: list | None = None, accuracy: int = MATMUL_ACCURACY, optimized=None
+    path,
+    threads: int | None = None,
+    providers: list | None = None,
+    accuracy: int = MATMUL_ACCURACY,
+    optimized=None,
+    profile: str | None = None,
 ):
     """An InferenceSession configured as every dtrt stage runs (on the CPU also what `dtrt parity` measures);
     `accuracy`: the fused MatMulNBits kernels' accuracy level (0: fp32 activations, what parity checks weights with);
-    `optimized`: a path to write the graph as ONNX Runtime optimized it."""
+    `optimized`: a path to write the graph as ONNX Runtime optimized it; `profile`: a file prefix for ONNX Runtime's
+    per-node profile (`end_profiling()` names the file)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -97,6 +103,9 @@ def make_session(
         opts.intra_op_num_threads = threads
     if optimized is not None:
         opts.optimized_model_filepath = str(optimized)
+    if profile is not None:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = str(profile)
     return ort.InferenceSession(
         str(path), opts, providers=providers or ["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
     )
