@@ -29,3 +29,15 @@ def test_import_layers():
     out = run(sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "1 kept, 0 broken" in out.stdout
+
+
+def test_running_imports_no_exporter():
+    """`dtrt run` and `dtrt serve` import neither onnx nor onnxscript (seconds of a one-shot run's start): the
+    exporter and the ops' ONNX functions are imported only to export."""
+    code = (
+        "import sys; import dtrt.cli, dtrt.launch, dtrt.runtime.pipeline, dtrt.runtime.backends.onnxruntime, "
+        "dtrt.runtime.backends.tensorrt, dtrt.serve.server, dtrt.launch.first_use; "
+        "print(sorted({'onnx', 'onnxscript'} & set(sys.modules)))"
+    )
+    out = run(sys.executable, "-c", code)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

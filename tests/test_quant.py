@@ -161,6 +161,10 @@ def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_exp
     plans = [n for n in graph.node if n.op_type == "TreeAttentionOrderPlan"]
     assert len(planned) == m["target"]["num_layers"] and len(plans) == 1  # the plan once, read by every layer
     assert all(list(n.input[3:]) == list(plans[0].output) for n in planned)
+    # the head's values are read where they lie: the only Concat a layer runs is the tail's ones column
+    body = next(f for f in onnx.load(str(int4_export.stage("target")), load_external_data=False).functions
+                if f.name == "TreeAttentionPlanned")  # fmt: skip
+    assert [n.op_type for n in body.node].count("Concat") == 1 and "ReduceSum" in {n.op_type for n in body.node}
     locations = {e.value for n in dq for e in inits[n.input[0]].external_data if e.key == "location"}
     assert locations == {"weights.data"} and not (int4_export.path / ("target.onnx" + DATA_SUFFIX)).exists()
 

@@ -12,6 +12,15 @@ from dtrt.models.quant import QuantSpec
 
 FORMAT = "dtrt-export"
 
+# what this dtrt's exports hold beyond what the manifest's other fields say: 2 = one shared weights file and the
+# domino.chain stage; 3 = a quantized target's ordered attention planned once per call (TreeAttentionOrderPlan);
+# 4 = RoPE as one gather per rotation, a quantized target's products of one activation merged (q/k/v, gate/up);
+# 5 = a quantized target's ordered attention without an If per layer (prefills: an empty tail); 6 = the target
+# reads its past from the runtime's whole K/V buffer (past_positions gives the past's length); 7 = a quantized
+# target's ordered attention sums the head's weights with a ReduceSum (no ones column on the whole past).
+# The export made on first use is made again when it is older.
+LAYOUT = 7
+
 
 @dataclass
 class Export:

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from dtrt import __version__
-from dtrt.artifacts.export import FORMAT, Export, load_export
+from dtrt.artifacts.export import FORMAT, LAYOUT, Export, load_export
 from dtrt.artifacts.files import checkpoint_hashes, staging, write_manifest
 from dtrt.artifacts.verify import record_verified
 from dtrt.errors import DtrtError
@@ -23,13 +23,6 @@ from dtrt.models.quant import QuantSpec, weight_names
 
 EXPORT_DTYPES = ("fp32", "fp16", "bf16")  # bf16: for TensorRT (ONNX Runtime's CPU provider has no bf16 kernels)
 DRAFTER_KINDS = ("dflash", "domino")
-# what this dtrt's exports hold beyond what the manifest's other fields say: 2 = one shared weights file and the
-# domino.chain stage; 3 = a quantized target's ordered attention planned once per call (TreeAttentionOrderPlan);
-# 4 = RoPE as one gather per rotation, a quantized target's products of one activation merged (q/k/v, gate/up);
-# 5 = a quantized target's ordered attention without an If per layer (prefills: an empty tail); 6 = the target
-# reads its past from the runtime's whole K/V buffer (past_positions gives the past's length).
-# The export made on first use is made again when it is older.
-LAYOUT = 6
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -6,10 +6,9 @@ unchanged), checked against the checkpoints on every load and made again when th
 from pathlib import Path
 
 from dtrt import __version__
-from dtrt.artifacts.export import Export, check_source, load_export
+from dtrt.artifacts.export import LAYOUT, Export, check_source, load_export
 from dtrt.artifacts.files import MANIFEST, cache_dir
 from dtrt.errors import DtrtError
-from dtrt.exporter.export import LAYOUT, export_pair
 from dtrt.launch.memory import check_first_use
 from dtrt.models.checkpoint import Pair
 from dtrt.models.quant import quant_spec
@@ -39,4 +38,6 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none") -> Expo
             log(f"{path}: out of date ({e}); exporting again")
     check_first_use(pair, model, quant=quant)
     log(f"exporting {model} to ONNX in {path} (first use only)")
+    from dtrt.exporter.export import export_pair  # the exporter (onnx, torch.onnx) is imported only to export
+
     return export_pair(pair, Path(path), model, force=True, drafter_quant=DRAFTER_QUANT, quant=qspec, log=log)

@@ -1,22 +1,17 @@
-"""Plumbing shared by the dtrt ops: emitting a `dtrt` node during export and collecting the function bodies."""
+"""Plumbing shared by the dtrt ops: emitting a `dtrt` node during export and collecting the function bodies
+(dtrt.ops.functions, imported here only when an export asks for them)."""
 
-import onnxscript
+import importlib
+
 import torch
 
 from dtrt.plugins import DOMAIN, VERSION
 
-OPSET = onnxscript.values.Opset(DOMAIN, VERSION)
-_FUNCTIONS: dict[str, onnxscript.OnnxFunction] = {}
-
-
-def register_function(fn: onnxscript.OnnxFunction) -> onnxscript.OnnxFunction:
-    _FUNCTIONS[fn.name] = fn
-    return fn
-
 
 def onnx_functions(names) -> list:
     """FunctionProtos for the dtrt op types `names`, to attach to an exported model."""
-    protos = [_FUNCTIONS[n].to_function_proto() for n in sorted(set(names))]
+    functions = importlib.import_module("dtrt.ops.functions").FUNCTIONS
+    protos = [functions[n].to_function_proto() for n in sorted(set(names))]
     for proto in protos:
         del proto.value_info[:]  # onnxscript records every input as a scalar FLOAT; shapes come from the graph
     return protos

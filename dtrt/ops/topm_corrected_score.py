@@ -9,13 +9,10 @@ w2c [bs, M, E] fp32 (W2 rows of the candidates) -> logprobs [bs, n, M] fp32:
 W1s . s runs in the model dtype and everything after it in fp32, as DominoScorer does.
 """
 
-import onnxscript
 import torch
 import torch.nn.functional as F
-from onnxscript import FLOAT
-from onnxscript import opset20 as op
 
-from dtrt.ops.base import OPSET, emit, register_function
+from dtrt.ops.base import emit
 from dtrt.ops.kernels import kernel
 
 
@@ -38,14 +35,3 @@ def topm_corrected_score(zproj, states, w1s, basec, w2c):
     if (run := kernel("topm_corrected_score", states, zproj, w1s, basec, w2c)) is not None:
         return run(zproj, states, w1s, basec, w2c)
     return topm_corrected_score_ref(zproj, states, w1s, basec, w2c)
-
-
-@register_function
-@onnxscript.script(OPSET, default_opset=op)
-def TopMCorrectedScore(zproj: FLOAT, states: FLOAT, w1s: FLOAT, basec: FLOAT, w2c: FLOAT) -> FLOAT:
-    sp = op.Cast(op.MatMul(op.CastLike(states, w1s), op.Transpose(w1s, perm=[1, 0])), to=FLOAT.dtype)
-    x = op.Add(op.Unsqueeze(zproj, [1]), sp)
-    h = op.Mul(x, op.Sigmoid(x))
-    corrected = op.Add(op.Unsqueeze(basec, [1]), op.MatMul(h, op.Transpose(w2c, perm=[0, 2, 1])))
-    out = op.LogSoftmax(corrected, axis=-1)
-    return out

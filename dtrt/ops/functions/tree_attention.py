@@ -1,0 +1,121 @@
+"""`dtrt::TreeAttention`, `dtrt::TreeAttentionOrderPlan`, `dtrt::TreeAttentionPlanned` as ONNX functions of standard
+ops (the eager op: dtrt.ops.tree_attention)."""
+
+import onnxscript
+from onnxscript import BOOL, FLOAT, INT64
+from onnxscript import opset20 as op
+
+from dtrt.ops.functions.registry import OPSET, register_function
+from dtrt.ops.tree_attention import ORDER_ALIGN, ORDER_ROWS
+
+
+@register_function
+@onnxscript.script(OPSET, default_opset=op)
+def TreeAttention(q: FLOAT, k: FLOAT, v: FLOAT, mask: BOOL) -> FLOAT:
+    heads = op.Shape(q, start=0, end=1)
+    kv_heads = op.Shape(k, start=0, end=1)
+    groups = op.Div(heads, kv_heads)
+    expanded = op.Concat(kv_heads, groups, op.Shape(k, start=1), axis=0)
+    merged = op.Concat(heads, op.Shape(k, start=1), axis=0)
+    kk = op.Reshape(op.Expand(op.Unsqueeze(k, [1]), expanded), merged)
+    vv = op.Reshape(op.Expand(op.Unsqueeze(v, [1]), expanded), merged)
+    head_dim = op.CastLike(op.Shape(q, start=2, end=3), q)
+    scale = op.Div(op.CastLike(op.Constant(value_float=1.0), q), op.Sqrt(head_dim))
+    scores = op.Mul(op.MatMul(q, op.Transpose(kk, perm=[0, 2, 1])), scale)
+    scores = op.Where(op.Unsqueeze(mask, [0]), scores, op.CastLike(op.Constant(value_float=-1e30), q))
+    out = op.MatMul(op.Softmax(scores, axis=-1), vv)
+    return out
+
+
+@register_function
+@onnxscript.script(OPSET, default_opset=op)
+def TreeAttentionOrderPlan(q: FLOAT, k: FLOAT, mask: BOOL):
+    heads = op.Shape(q, start=0, end=1)
+    n = op.Shape(q, start=1, end=2)
+    hd = op.Shape(q, start=2, end=3)
+    kv_heads = op.Shape(k, start=0, end=1)
+    m = op.Shape(k, start=1, end=2)
+    groups = op.Div(heads, kv_heads)
+    rows = op.Mul(groups, n)
+    one = op.Constant(value_ints=[1])
+    qg_shape = op.Concat(kv_heads, rows, hd, axis=0)
+    out_shape = op.Concat(heads, n, hd, axis=0)
+    scale = op.Div(op.CastLike(op.Constant(value_float=1.0), q), op.Sqrt(op.CastLike(hd, q)))
+    mask_g = op.Reshape(op.Expand(op.Unsqueeze(mask, [0]), op.Concat(groups, n, m, axis=0)), op.Concat(rows, m, axis=0))
+    hd1 = op.Add(hd, one)
+    acc_shape = op.Concat(kv_heads, rows, hd1, axis=0)
+    short = op.Squeeze(op.LessOrEqual(n, op.Constant(value_ints=[ORDER_ROWS])))
+    if short:
+        align = op.Constant(value_ints=[ORDER_ALIGN])
+        b0 = op.Mul(op.Div(op.Sub(m, n), align), align)
+    else:
+        b0 = m
+    t = op.Sub(m, b0)
+    unit = op.CastLike(op.Constant(value_float=1.0), k)
+    ones_tail = op.Expand(unit, op.Concat(kv_heads, t, one, axis=0))
+    tail_mask = op.Slice(mask, b0, m, one)  # [N, T]
+    j = op.Cast(op.Range(op.Constant(value_int=0), op.Squeeze(t), op.Constant(value_int=1)), to=1)
+    tf = op.Cast(t, to=1)
+    key = op.Where(tail_mask, op.Sub(op.Add(tf, tf), j), op.Sub(tf, j))
+    _, order = op.TopK(key, t, axis=-1, largest=1, sorted=1)  # [N, T]: attended columns first, in index order
+    tail_shape = op.Concat(kv_heads, groups, n, t, axis=0)
+    # allowzero: a prefill's T is 0, which Reshape would otherwise read as "keep the input's dimension"
+    order_g = op.Reshape(
+        op.Expand(op.Unsqueeze(order, [0, 1]), tail_shape), op.Concat(kv_heads, rows, t, axis=0), allowzero=1
+    )
+    return (
+        mask_g,
+        qg_shape,
+        out_shape,
+        ones_tail,
+        scale,
+        b0,
+        order,
+        order_g,
+        tail_shape,
+        acc_shape,
+        hd,
+        hd1,
+    )
+
+
+@register_function
+@onnxscript.script(OPSET, default_opset=op)
+def TreeAttentionPlanned(
+    q: FLOAT,
+    k: FLOAT,
+    v: FLOAT,
+    mask_g: BOOL,
+    qg_shape: INT64,
+    out_shape: INT64,
+    ones_tail: FLOAT,
+    scale: FLOAT,
+    b0: INT64,
+    order: INT64,
+    order_g: INT64,
+    tail_shape: INT64,
+    acc_shape: INT64,
+    hd: INT64,
+    hd1: INT64,
+) -> FLOAT:
+    qg = op.Reshape(q, qg_shape)
+    scores = op.Mul(op.MatMul(qg, op.Transpose(k, perm=[0, 2, 1])), scale)
+    scores = op.Where(mask_g, scores, op.CastLike(op.Constant(value_float=-1e30), q))
+    e = op.Exp(op.Sub(scores, op.ReduceMax(scores, op.Constant(value_ints=[-1]), keepdims=1)))
+    zero = op.Constant(value_ints=[0])
+    one = op.Constant(value_ints=[1])
+    last = op.Constant(value_ints=[-1])
+    end = op.Constant(value_ints=[9223372036854775807])
+    # the head: the values read where they lie, the weights summed row by row over the same columns
+    e_head = op.Slice(e, zero, b0, last)
+    num = op.MatMul(e_head, op.Slice(v, zero, b0, one))  # [KVH, groups * N, hd]
+    den = op.ReduceSum(e_head, last, keepdims=1)  # [KVH, groups * N, 1]
+    # the tail: its few columns gathered per row, values and sums in one product (the ones column appended)
+    v1 = op.Concat(op.Slice(v, b0, end, one), ones_tail, axis=-1)  # [KVH, T, hd + 1]
+    e_rows = op.GatherElements(op.Slice(e, b0, end, last), order_g, axis=2)  # [KVH, groups * N, T]
+    v_rows = op.Gather(v1, order, axis=1)  # [KVH, N, T, hd + 1]
+    e_rows = op.Transpose(op.Reshape(e_rows, tail_shape, allowzero=1), perm=[0, 2, 1, 3])
+    tail = op.Reshape(op.Transpose(op.MatMul(e_rows, v_rows), perm=[0, 2, 1, 3]), acc_shape)  # [.., hd + 1]
+    num = op.Add(num, op.Slice(tail, zero, hd, last))
+    den = op.Add(den, op.Slice(tail, hd, hd1, last))
+    return op.Reshape(op.Div(num, den), out_shape)
