@@ -16,12 +16,8 @@ import time
 
 import numpy as np
 import onnx
-from verify_cost import chain_feeds
+from verify_cost import add_export_args, chain_feeds, exports_from
 
-from dtrt.artifacts.export import load_export
-from dtrt.launch import resolve_spec
-from dtrt.launch.first_use import cached_export
-from dtrt.launch.sources import load_pair
 from dtrt.runtime.backends.onnxruntime import make_session
 
 
@@ -76,9 +72,7 @@ def report(name: str, r: dict) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="registry model whose first-use exports to profile")
-    ap.add_argument("--quant", default="int8,int4", help="comma list of quantizations (with --model)")
-    ap.add_argument("--export", action="append", help="an export directory to profile instead (repeatable)")
+    add_export_args(ap, "int8,int4")
     ap.add_argument("--n", type=int, default=2, help="new tokens per call (2: a quantized target's AR step)")
     ap.add_argument("--past", type=int, default=256)
     ap.add_argument("--calls", type=int, default=40)
@@ -86,11 +80,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    if args.export:
-        exports = {f"{(e := load_export(p)).quant_name} ({e.path.name})": e for p in args.export}
-    else:
-        pair = load_pair(resolve_spec(model=args.model, backend="onnxruntime"))
-        exports = {q: cached_export(pair, args.model, print, q) for q in args.quant.split(",")}
+    exports = exports_from(args)
     results = {
         name: profile(exp, args.n, args.past, args.calls, args.threads, args.seed) for name, exp in exports.items()
     }

@@ -78,11 +78,28 @@ def table(rows: list[dict], ns) -> str:
     return "\n".join(lines)
 
 
+def add_export_args(ap, quants: str):
+    """--model/--quant (a registry model's first-use exports) or --export (repeatable): what a benchmark times."""
+    ap.add_argument("--model", default="smollm2-135m", help="registry model whose first-use exports to time")
+    ap.add_argument("--quant", default=quants, help="comma list of quantizations (with --model)")
+    ap.add_argument("--export", action="append", help="an export directory to time instead (repeatable)")
+
+
+def exports_from(args) -> dict:
+    """Name -> Export for add_export_args' flags; exports of one quantization are told apart by their paths."""
+    if not args.export:
+        pair = load_pair(resolve_spec(model=args.model, backend="onnxruntime"))
+        return {q: cached_export(pair, args.model, print, q) for q in args.quant.split(",")}
+    exports = [load_export(path) for path in args.export]
+    names = [f"{e.quant_name} ({e.path.name})" for e in exports]
+    if len(set(names)) < len(names):
+        names = [f"{e.quant_name} ({e.path})" for e in exports]
+    return dict(zip(names, exports))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="registry model whose first-use exports to time")
-    ap.add_argument("--quant", default="none,int8,int4", help="comma list of quantizations (with --model)")
-    ap.add_argument("--export", action="append", help="an export directory to time instead (repeatable)")
+    add_export_args(ap, "none,int8,int4")
     ap.add_argument("--n", default=",".join(map(str, NS)), help="new tokens per call")
     ap.add_argument("--past", default=",".join(map(str, PASTS)), help="past lengths")
     ap.add_argument("--threads", default="1,2")
@@ -92,14 +109,7 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    if args.export:
-        exports = {}
-        for path in args.export:
-            exp = load_export(path)
-            exports[f"{exp.quant_name} ({exp.path.name})"] = exp
-    else:
-        pair = load_pair(resolve_spec(model=args.model, backend="onnxruntime"))
-        exports = {q: cached_export(pair, args.model, print, q) for q in args.quant.split(",")}
+    exports = exports_from(args)
     rows = measure(exports, ints(args.n), ints(args.past), ints(args.threads), args.repeats, args.warmup, args.seed)
     print("milliseconds per target call (ratio to the same export's N=1)")
     print(table(rows, ints(args.n)))
