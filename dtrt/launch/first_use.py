@@ -16,6 +16,13 @@ from dtrt.models.quant import quant_spec
 DRAFTER_QUANT = "int8"
 
 
+def export_pair(*args, **kwargs) -> Export:
+    """dtrt.exporter's export_pair, imported only to export (onnx and torch.onnx take seconds to import)."""
+    from dtrt.exporter.export import export_pair as export
+
+    return export(*args, **kwargs)
+
+
 def cached_export(pair: Pair, model: str, log=None, quant: str = "none") -> Export:
     """`quant`: the target's quantization (`dtrt export --quant`, its default block and method); each has its own
     directory."""
@@ -38,6 +45,4 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none") -> Expo
             log(f"{path}: out of date ({e}); exporting again")
     check_first_use(pair, model, quant=quant)
     log(f"exporting {model} to ONNX in {path} (first use only)")
-    from dtrt.exporter.export import export_pair  # the exporter (onnx, torch.onnx) is imported only to export
-
     return export_pair(pair, Path(path), model, force=True, drafter_quant=DRAFTER_QUANT, quant=qspec, log=log)
