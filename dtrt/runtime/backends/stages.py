@@ -3,14 +3,13 @@ it) on one device, and ExportedBackend implements the backend contract over any 
 how a stage runs (an InferenceSession, a TensorRT execution context); the caches, commit and the scorers are
 written once, here, over torch tensors on the runner's device."""
 
-import hashlib
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
+from dtrt.artifacts.engine import export_digest
 from dtrt.artifacts.export import Export
 from dtrt.artifacts.files import MANIFEST
 from dtrt.artifacts.machine import first_line
@@ -163,8 +162,7 @@ class ExportedBackend(Backend):
         self.min_rows, self.order_align = order.get("min_rows", 1), order.get("align")
 
     def cost_key(self) -> dict:
-        manifest = json.dumps(self.export.manifest, sort_keys=True).encode()  # its files' sha256 included
-        export = hashlib.sha256(manifest).hexdigest()
+        export = export_digest(self.export)  # the manifest's sha256: its files' sha256 included
         return {**self.runner.cost_key(), "export": export, "drafter": self.kind, "device": str(self.device)}
 
     def max_depth(self, past: int) -> int | None:
