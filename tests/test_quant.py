@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import onnx
+import onnxscript
 import pytest
 import torch
 from helpers import PROMPTS, generate_all, pipe_for, run_cli, spec
@@ -160,11 +161,15 @@ def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_exp
     planned = [n for n in graph.node if n.op_type == "TreeAttentionPlanned"]
     plans = [n for n in graph.node if n.op_type == "TreeAttentionOrderPlan"]
     assert len(planned) == m["target"]["num_layers"] and len(plans) == 1  # the plan once, read by every layer
-    assert all(list(n.input[3:]) == list(plans[0].output) for n in planned)
-    # the head's values are read where they lie: the only Concat a layer runs is the tail's ones column
+    assert all(list(n.input[6:]) == list(plans[0].output) for n in planned)
+    # no layer joins its past with the new tokens: each reads the V cache itself, at its own layer
+    assert {n.op_type for n in graph.node if "past_v" in n.input} == {"TreeAttentionPlanned"}
+    assert sorted(int(onnx.numpy_helper.to_array(inits[n.input[4]])[0]) for n in planned) == list(range(layers))
+    producers = {o: n.op_type for n in graph.node for o in n.output}
+    assert all(producers.get(n.input[1]) != "Concat" and producers.get(n.input[5]) != "Concat" for n in planned)
     body = next(f for f in onnx.load(str(int4_export.stage("target")), load_external_data=False).functions
                 if f.name == "TreeAttentionPlanned")  # fmt: skip
-    assert [n.op_type for n in body.node].count("Concat") == 1 and "ReduceSum" in {n.op_type for n in body.node}
+    assert "ReduceSum" in {n.op_type for n in body.node}  # the head's weights summed over its columns
     locations = {e.value for n in dq for e in inits[n.input[0]].external_data if e.key == "location"}
     assert locations == {"weights.data"} and not (int4_export.path / ("target.onnx" + DATA_SUFFIX)).exists()
 
@@ -270,18 +275,30 @@ def test_prefills_take_the_whole_row_as_their_head(int4_export):
 
 
 def test_order_check_catches_plain_attention(int4_export, tmp_path):
+    """The same layers with the plain formulation (the past and new values joined, one Softmax) in place of the
+    ordered attention: its tree rows differ from plain decoding's, and the order check says so."""
+    from onnxscript import opset20 as op
+
+    from dtrt.ops.functions.registry import OPSET
+
+    @onnxscript.script(OPSET, default_opset=op)
+    def TreeAttentionPlanned(q, k_past, k_new, v_cache, layer, v_new, mask_g, qg_shape, out_shape, ones_tail, scale,
+                             b0, b0p, hnew, head_end, tail_start, tail_end, order, order_g, tail_shape, acc_shape, hd,
+                             hd1):  # fmt: skip
+        past = op.Slice(v_cache, layer, op.Add(tail_end, layer), op.Constant(value_ints=[0, 2]))
+        v_past = op.Squeeze(past, op.Constant(value_ints=[0]))
+        k = op.Concat(k_past, k_new, axis=1)
+        scores = op.Mul(op.MatMul(op.Reshape(q, qg_shape), op.Transpose(k, perm=[0, 2, 1])), scale)
+        scores = op.Where(mask_g, scores, op.CastLike(op.Constant(value_float=-1e30), q))
+        return op.Reshape(op.MatMul(op.Softmax(scores, axis=-1), op.Concat(v_past, v_new, axis=1)), out_shape)
+
     plain = tmp_path / "plain"
     shutil.copytree(int4_export.path, plain)
     model = onnx.load(str(plain / "target.onnx"), load_external_data=False)
-    (plan,) = [n for n in model.graph.node if n.op_type == "TreeAttentionOrderPlan"]
-    for n in model.graph.node:
-        if n.op_type == "TreeAttentionPlanned":
-            n.op_type = "TreeAttention"
-            n.input[:] = [*n.input[:3], plan.input[2]]
-    model.graph.node.remove(plan)
-    from dtrt.ops import onnx_functions
-
-    model.functions.extend(onnx_functions({"TreeAttention"}))
+    body = TreeAttentionPlanned.to_function_proto()
+    del body.value_info[:]
+    (i,) = [i for i, f in enumerate(model.functions) if f.name == "TreeAttentionPlanned"]
+    model.functions[i].CopyFrom(body)
     onnx.save_model(model, str(plain / "target.onnx"))
     write_manifest(plain, json.loads((plain / MANIFEST).read_text()))
     diffs = [np.abs(want - got).max() for _, _, want, got in order_check(load_export(plain))]

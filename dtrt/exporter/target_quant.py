@@ -24,7 +24,8 @@ from onnx import TensorProto, helper
 from dtrt.exporter.weights import external
 from dtrt.models.quant import QuantSpec, quantize
 from dtrt.ops import DOMAIN, onnx_functions
-from dtrt.ops.tree_attention import ORDER_ALIGN, ORDER_PLAN, ORDER_ROWS
+from dtrt.exporter.ordered_attention import ordered_attention_nodes
+from dtrt.ops.tree_attention import ORDER_ALIGN, ORDER_ROWS
 
 QUANT_OPSET = 21  # int4 tensors and blocked DequantizeLinear
 # what the runtime must do for a quantized target (manifest "ordered_attention"): pad every target call to at least
@@ -183,7 +184,9 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     if missing:
         (root / (path.name + DATA_SUFFIX)).unlink(missing_ok=True)
         raise ValueError(f"{path.name}: no linear product reads {missing[0]} ({len(missing)} weights not found)")
-    nodes = ordered_attention_nodes(nodes)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    nodes = ordered_attention_nodes(graph)
     del graph.node[:]
     graph.node.extend(nodes)
     used_ops = {n.op_type for n in graph.node if n.domain == DOMAIN}
@@ -223,29 +226,6 @@ def _product_nodes(group: list, qname: str, sname: str, widths: list[int], spec:
     for n, b, end in zip(group, biases, ends):
         if b:
             out.append(helper.make_node("Add", [end, b], [n.output[0]], name=f"{n.name or n.output[0]}.bias"))
-    return out
-
-
-def ordered_attention_nodes(nodes: list) -> list:
-    """Every TreeAttention as the ordered attention (tree rows equal plain decoding's rows bit for bit, see
-    dtrt.ops.tree_attention): one TreeAttentionOrderPlan per distinct mask, before the first layer that reads it (a
-    target's layers share one), and TreeAttentionPlanned per layer."""
-    att = [n for n in nodes if n.domain == DOMAIN and n.op_type == "TreeAttention"]
-    first = {}  # mask -> the first attention node reading it
-    for n in att:
-        first.setdefault(n.input[3], n)
-    plans = {mask: [f"attention_plan{i or ''}.{name}" for name in ORDER_PLAN] for i, mask in enumerate(first)}
-    out = []
-    for n in nodes:
-        if n.domain != DOMAIN or n.op_type != "TreeAttention":
-            out.append(n)
-            continue
-        q, k, v, mask = n.input
-        plan = plans[mask]
-        if first[mask] is n:
-            name = plan[0].split(".")[0]
-            out.append(helper.make_node("TreeAttentionOrderPlan", [q, k, mask], plan, name, domain=DOMAIN))
-        out.append(helper.make_node("TreeAttentionPlanned", [q, k, v, *plan], list(n.output), n.name, domain=DOMAIN))
     return out
 
 

@@ -58,10 +58,14 @@ def tree_attention(q, k, v, mask=None):
 # The head reads the values where they lie (a ones column appended to all of them, as layout 6 had it, copied every
 # layer's past once more per call; a product of the head's weights with a ones column of its own was not exact on
 # SmolLM2: ONNX Runtime's one-column product differs with the number of rows, caught by the order check).
-# Calls of more than ORDER_ROWS rows (prefills) take one product, as plain and speculative decoding share their
-# prefill: their plan puts b0 at the last column, so the head product is all of it and the tail is empty. One path
-# for every call keeps the layers free of an If, whose subgraph costs each layer more than its nodes (6% of an int4
-# SmolLM2 call).
+# The past is never joined with the new keys and values (layout 8): the scores of the past keys and of the new ones
+# are two products side by side, the head's values are sliced straight from the layer's cache (the export's
+# past_v input) and the tail's from the cache and the new values. Joining them copied every layer's whole past
+# twice more per call (the joined keys, the joined values, then the head's values out of them).
+# Calls of more than ORDER_ROWS rows (prefills) share one path with the others, as plain and speculative decoding
+# share their prefill: their plan puts b0 at the last column, so the head is the whole row (the past's columns and
+# the new ones, hnew = N, two products) and the tail is empty. One path for every call keeps the layers free of an
+# If, whose subgraph costs each layer more than its nodes (6% of an int4 SmolLM2 call).
 # It comes in two parts with the arithmetic in this order: what depends only on the mask and the shapes (the grouped
 # mask, the tail's gather order, the shapes of every reshape) is computed once per call by TreeAttentionOrderPlan,
 # and each layer's TreeAttentionPlanned reads it. Every layer of a target shares its mask, so the per-layer part is
@@ -76,6 +80,11 @@ ORDER_PLAN = (
     "ones_tail",  # [KVH, T, 1]: the tail values' appended column that sums the weights
     "scale",  # 1 / sqrt(hd)
     "b0",  # the end of the head product: ORDER_ALIGN-aligned; the last column when N > ORDER_ROWS (prefills)
+    "b0p",  # [min(b0, P)]: the head's columns in the past (read from the cache)
+    "hnew",  # [b0 - b0p]: the head's new columns (N for a prefill, 0 for every other call)
+    "head_end",  # [1, b0p]: the head's end in a [layer, position] slice of the cache, before the layer's offset
+    "tail_start",  # [0, b0p]: the tail's past, likewise (it ends at [1, P], tail_end)
+    "tail_end",
     "order",  # [N, T]: each row's tail columns, attended first, in index order (T = M - b0)
     "order_g",  # [KVH, groups * N, T]
     "tail_shape",  # [KVH, groups, N, T]

@@ -23,6 +23,7 @@ from dtrt.runtime.backends.onnxruntime import NUMPY_TYPES, ORT_TYPES, cpu_sessio
 from dtrt.runtime.backends.stages import first_rows, pad_rows
 
 ORDER_DEPTH = 6  # chain tokens per order case
+CACHE_SPARE = 5  # positions of the cache after the past (NaN: a stage that reads them fails the check)
 
 
 def order_cases(exp: Export) -> list[int]:
@@ -44,7 +45,10 @@ def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, 
     past_type = NUMPY_TYPES[next(ORT_TYPES[i.type] for i in sess.get_inputs() if i.name == "past_k")]
 
     def run(ids, positions, mask, past_k, past_v):
-        past = np.arange(past_k.shape[2])  # a dense past: the cache holds exactly it
+        past = np.arange(past_k.shape[2])
+        # as the runtime's cache: the past in the first positions of a bigger buffer, the rest not zeros
+        spare = [(0, 0), (0, 0), (0, CACHE_SPARE), (0, 0)]
+        past_k, past_v = (np.pad(c, spare, constant_values=np.nan) for c in (past_k, past_v))
         feeds = {"ids": ids, "positions": positions, "mask": mask, "past_k": past_k, "past_v": past_v}
         out = sess.run(None, feeds | {"past_positions": past})
         return dict(zip(names, out))

@@ -29,12 +29,13 @@ def TreeAttention(q: FLOAT, k: FLOAT, v: FLOAT, mask: BOOL) -> FLOAT:
 
 @register_function
 @onnxscript.script(OPSET, default_opset=op)
-def TreeAttentionOrderPlan(q: FLOAT, k: FLOAT, mask: BOOL):
+def TreeAttentionOrderPlan(q: FLOAT, k_past: FLOAT, mask: BOOL):
     heads = op.Shape(q, start=0, end=1)
     n = op.Shape(q, start=1, end=2)
     hd = op.Shape(q, start=2, end=3)
-    kv_heads = op.Shape(k, start=0, end=1)
-    m = op.Shape(k, start=1, end=2)
+    kv_heads = op.Shape(k_past, start=0, end=1)
+    p = op.Shape(k_past, start=1, end=2)
+    m = op.Add(p, n)
     groups = op.Div(heads, kv_heads)
     rows = op.Mul(groups, n)
     one = op.Constant(value_ints=[1])
@@ -47,11 +48,17 @@ def TreeAttentionOrderPlan(q: FLOAT, k: FLOAT, mask: BOOL):
     short = op.Squeeze(op.LessOrEqual(n, op.Constant(value_ints=[ORDER_ROWS])))
     if short:
         align = op.Constant(value_ints=[ORDER_ALIGN])
-        b0 = op.Mul(op.Div(op.Sub(m, n), align), align)
+        b0 = op.Mul(op.Div(p, align), align)
     else:
         b0 = m
+    b0p = op.Min(b0, p)
+    hnew = op.Sub(b0, b0p)
+    zero = op.Constant(value_ints=[0])
+    head_end = op.Concat(one, b0p, axis=0)  # the cache's [layer, position] bounds, offset by each layer's [l, 0]
+    tail_start = op.Concat(zero, b0p, axis=0)
+    tail_end = op.Concat(one, p, axis=0)
     t = op.Sub(m, b0)
-    unit = op.CastLike(op.Constant(value_float=1.0), k)
+    unit = op.CastLike(op.Constant(value_float=1.0), k_past)
     ones_tail = op.Expand(unit, op.Concat(kv_heads, t, one, axis=0))
     tail_mask = op.Slice(mask, b0, m, one)  # [N, T]
     j = op.Cast(op.Range(op.Constant(value_int=0), op.Squeeze(t), op.Constant(value_int=1)), to=1)
@@ -70,6 +77,11 @@ def TreeAttentionOrderPlan(q: FLOAT, k: FLOAT, mask: BOOL):
         ones_tail,
         scale,
         b0,
+        b0p,
+        hnew,
+        head_end,
+        tail_start,
+        tail_end,
         order,
         order_g,
         tail_shape,
@@ -83,14 +95,22 @@ def TreeAttentionOrderPlan(q: FLOAT, k: FLOAT, mask: BOOL):
 @onnxscript.script(OPSET, default_opset=op)
 def TreeAttentionPlanned(
     q: FLOAT,
-    k: FLOAT,
-    v: FLOAT,
+    k_past: FLOAT,
+    k_new: FLOAT,
+    v_cache: FLOAT,
+    layer: INT64,
+    v_new: FLOAT,
     mask_g: BOOL,
     qg_shape: INT64,
     out_shape: INT64,
     ones_tail: FLOAT,
     scale: FLOAT,
     b0: INT64,
+    b0p: INT64,
+    hnew: INT64,
+    head_end: INT64,
+    tail_start: INT64,
+    tail_end: INT64,
     order: INT64,
     order_g: INT64,
     tail_shape: INT64,
@@ -98,20 +118,30 @@ def TreeAttentionPlanned(
     hd: INT64,
     hd1: INT64,
 ) -> FLOAT:
-    qg = op.Reshape(q, qg_shape)
-    scores = op.Mul(op.MatMul(qg, op.Transpose(k, perm=[0, 2, 1])), scale)
-    scores = op.Where(mask_g, scores, op.CastLike(op.Constant(value_float=-1e30), q))
-    e = op.Exp(op.Sub(scores, op.ReduceMax(scores, op.Constant(value_ints=[-1]), keepdims=1)))
     zero = op.Constant(value_ints=[0])
     one = op.Constant(value_ints=[1])
     last = op.Constant(value_ints=[-1])
     end = op.Constant(value_ints=[9223372036854775807])
-    # the head: the values read where they lie, the weights summed row by row over the same columns
-    e_head = op.Slice(e, zero, b0, last)
-    num = op.MatMul(e_head, op.Slice(v, zero, b0, one))  # [KVH, groups * N, hd]
-    den = op.ReduceSum(e_head, last, keepdims=1)  # [KVH, groups * N, 1]
+    cache_axes = op.Constant(value_ints=[0, 2])
+    qg = op.Reshape(q, qg_shape)
+    # the scores of the past and of the new keys side by side: the keys are never copied into one tensor (a cache
+    # narrower than fp32 passes them joined as k_past and no k_new: dtrt.exporter.ordered_attention)
+    past_scores = op.MatMul(qg, op.Transpose(k_past, perm=[0, 2, 1]))
+    new_scores = op.MatMul(qg, op.Transpose(k_new, perm=[0, 2, 1]))
+    scores = op.Mul(op.Concat(past_scores, new_scores, axis=-1), scale)
+    scores = op.Where(mask_g, scores, op.CastLike(op.Constant(value_float=-1e30), q))
+    e = op.Exp(op.Sub(scores, op.ReduceMax(scores, last, keepdims=1)))
+    # the head: the past's values read from the layer's cache (`layer`: [l, 0], where its past starts), the weights
+    # summed row by row over the same columns; a prefill's head also holds the new columns (hnew = N; a decode's
+    # hnew = 0 and that product is all zeros)
+    v_head = op.Slice(v_cache, layer, op.Add(head_end, layer), cache_axes)  # [1, KVH, b0p, hd]
+    num = op.MatMul(op.Slice(e, zero, b0p, last), v_head)  # [1, KVH, groups * N, hd]
+    num = op.Add(num, op.MatMul(op.Slice(e, b0p, b0, last), op.Slice(v_new, zero, hnew, one)))
+    den = op.ReduceSum(op.Slice(e, zero, b0, last), last, keepdims=1)  # [KVH, groups * N, 1]
     # the tail: its few columns gathered per row, values and sums in one product (the ones column appended)
-    v1 = op.Concat(op.Slice(v, b0, end, one), ones_tail, axis=-1)  # [KVH, T, hd + 1]
+    v_past_tail = op.Squeeze(op.Slice(v_cache, op.Add(tail_start, layer), op.Add(tail_end, layer), cache_axes), zero)
+    v_tail = op.Concat(v_past_tail, op.Slice(v_new, hnew, end, one), axis=1)
+    v1 = op.Concat(v_tail, ones_tail, axis=-1)  # [KVH, T, hd + 1]
     e_rows = op.GatherElements(op.Slice(e, b0, end, last), order_g, axis=2)  # [KVH, groups * N, T]
     v_rows = op.Gather(v1, order, axis=1)  # [KVH, N, T, hd + 1]
     e_rows = op.Transpose(op.Reshape(e_rows, tail_shape, allowzero=1), perm=[0, 2, 1, 3])

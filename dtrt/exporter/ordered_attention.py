@@ -1,0 +1,90 @@
+"""A quantized target's attention as the ordered attention (dtrt.ops.tree_attention): tree rows equal plain
+decoding's rows bit for bit.
+
+The torch export writes each layer's attention as TreeAttention(q, Concat(past K, new K), Concat(past V, new V),
+mask), the past V read from the cache with the Slice that dtrt.exporter.graph_passes.slice_past makes. Here every
+layer becomes TreeAttentionPlanned over the parts themselves: the past keys, the new keys, the whole V cache with
+the layer's index and the new values, so no layer joins its past with the new tokens (each join is a copy of the
+whole past). The mask-only part is computed once per call by one TreeAttentionOrderPlan per distinct mask, before
+the first layer that reads it (a target's layers share one). What only the joins read is dropped.
+
+A cache narrower than fp32 keeps the keys' join: ONNX Runtime's CPU provider computes an fp16 layer in fp32 and
+drops the round trip through fp16 where no fp16 kernel sits between, so the new keys would score at fp32 while the
+same keys read back from the cache score at fp16, and a tree's rows would no longer be plain decoding's. The join
+(an fp16 Concat) rounds them; the layer then scores the joined keys and an empty set of new ones.
+"""
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from dtrt.ops import DOMAIN
+from dtrt.ops.tree_attention import ORDER_PLAN
+
+
+def ordered_attention_nodes(graph: onnx.GraphProto) -> list:
+    """The graph's nodes with every TreeAttention rewritten (its initializers gain each layer's index)."""
+    nodes = list(graph.node)
+    producer = {o: n for n in nodes for o in n.output}
+    inits = {i.name: i for i in graph.initializer}
+    att = [n for n in nodes if n.domain == DOMAIN and n.op_type == "TreeAttention"]
+    if not att:
+        return nodes
+    first = {}  # mask -> the first attention node reading it
+    for n in att:
+        first.setdefault(n.input[3], n)
+    plans = {mask: [f"attention_plan{i or ''}.{name}" for name in ORDER_PLAN] for i, mask in enumerate(first)}
+    cache_type = next(i.type.tensor_type.elem_type for i in graph.input if i.name == "past_v")
+    out = []
+    for n in nodes:
+        if n.domain != DOMAIN or n.op_type != "TreeAttention":
+            out.append(n)
+            continue
+        q, k, v, mask = n.input
+        k_past, k_new = _joined(producer, k, n)
+        v_past, v_new = _joined(producer, v, n)
+        v_cache, layer = _cache_slice(producer, inits, v_past, n)
+        layer_name = f"{n.name or n.output[0]}.layer"
+        graph.initializer.append(numpy_helper.from_array(np.array([layer, 0], np.int64), layer_name))
+        plan = plans[mask]
+        if first[mask] is n:
+            name = plan[0].split(".")[0]
+            out.append(helper.make_node("TreeAttentionOrderPlan", [q, k_past, mask], plan, name, domain=DOMAIN))
+        keys = [k_past, k_new]
+        if cache_type != onnx.TensorProto.FLOAT:
+            keys = [k, f"{k_new}.none"]
+            graph.initializer.append(numpy_helper.from_array(np.array([0], np.int64), f"{k_new}.zero"))
+            graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), f"{k_new}.axis"))
+            args = [k_new, f"{k_new}.zero", f"{k_new}.zero", f"{k_new}.axis"]
+            out.append(helper.make_node("Slice", args, keys[1:], f"{k_new}.none"))
+        inputs = [q, *keys, v_cache, layer_name, v_new, *plan]
+        out.append(helper.make_node("TreeAttentionPlanned", inputs, list(n.output), n.name, domain=DOMAIN))
+    return _live(out, {o.name for o in graph.output})
+
+
+def _joined(producer: dict, name: str, att) -> tuple[str, str]:
+    """(past, new) of the Concat that joins a layer's past K or V with the new tokens'."""
+    node = producer.get(name)
+    if node is None or node.op_type != "Concat" or len(node.input) != 2:
+        raise ValueError(f"{att.name}: its keys/values {name!r} are not a Concat of the past and the new tokens")
+    return node.input[0], node.input[1]
+
+
+def _cache_slice(producer: dict, inits: dict, v_past: str, att) -> tuple[str, int]:
+    """(the cache input, the layer) that a layer's past V is sliced from: Squeeze(Slice(cache, [l, 0], ...))."""
+    squeeze = producer.get(v_past)
+    sliced = producer.get(squeeze.input[0]) if squeeze is not None and squeeze.op_type == "Squeeze" else None
+    starts = inits.get(sliced.input[1]) if sliced is not None and sliced.op_type == "Slice" else None
+    if starts is None:
+        raise ValueError(f"{att.name}: its past values {v_past!r} are not a slice of the cache (graph_passes.slice_past)")
+    return sliced.input[0], int(numpy_helper.to_array(starts)[0])
+
+
+def _live(nodes: list, outputs: set[str]) -> list:
+    """The nodes that a graph output depends on, in their order."""
+    needed, keep = set(outputs), []
+    for node in reversed(nodes):
+        if any(o in needed for o in node.output):
+            keep.append(node)
+            needed.update(i for i in node.input if i)
+    return keep[::-1]
