@@ -76,7 +76,7 @@ def _cache_slice(producer: dict, inits: dict, v_past: str, att) -> tuple[str, in
     sliced = producer.get(squeeze.input[0]) if squeeze is not None and squeeze.op_type == "Squeeze" else None
     starts = inits.get(sliced.input[1]) if sliced is not None and sliced.op_type == "Slice" else None
     if starts is None:
-        raise ValueError(f"{att.name}: its past values {v_past!r} are not a slice of the cache (graph_passes.slice_past)")
+        raise ValueError(f"{att.name}: its past values {v_past!r} are not a slice of the cache (see slice_past)")
     return sliced.input[0], int(numpy_helper.to_array(starts)[0])
 
 

@@ -21,10 +21,10 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
+from dtrt.exporter.ordered_attention import ordered_attention_nodes
 from dtrt.exporter.weights import external
 from dtrt.models.quant import QuantSpec, quantize
 from dtrt.ops import DOMAIN, onnx_functions
-from dtrt.exporter.ordered_attention import ordered_attention_nodes
 from dtrt.ops.tree_attention import ORDER_ALIGN, ORDER_ROWS
 
 QUANT_OPSET = 21  # int4 tensors and blocked DequantizeLinear
