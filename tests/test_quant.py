@@ -161,7 +161,7 @@ def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_exp
     planned = [n for n in graph.node if n.op_type == "TreeAttentionPlanned"]
     plans = [n for n in graph.node if n.op_type == "TreeAttentionOrderPlan"]
     assert len(planned) == m["target"]["num_layers"] and len(plans) == 1  # the plan once, read by every layer
-    assert all(list(n.input[6:]) == list(plans[0].output) for n in planned)
+    assert all(list(n.input[7:]) == list(plans[0].output) and n.input[6] == "attention.scale" for n in planned)
     # no layer joins its past with the new tokens: each reads the V cache itself, at its own layer
     assert {n.op_type for n in graph.node if "past_v" in n.input} == {"TreeAttentionPlanned"}
     assert sorted(int(onnx.numpy_helper.to_array(inits[n.input[4]])[0]) for n in planned) == list(range(layers))
@@ -170,6 +170,9 @@ def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_exp
     body = next(f for f in onnx.load(str(int4_export.stage("target")), load_external_data=False).functions
                 if f.name == "TreeAttentionPlanned")  # fmt: skip
     assert "ReduceSum" in {n.op_type for n in body.node}  # the head's weights summed over its columns
+    # every rotation (q and k, after the per-head norms) one RotaryEmbedding; no half-turn Gather left
+    assert [n.op_type for n in graph.node].count("RotaryEmbedding") == 2 * layers
+    assert all(n.input[0] in inits for n in graph.node if n.op_type == "Gather")  # the embedding lookup only
     locations = {e.value for n in dq for e in inits[n.input[0]].external_data if e.key == "location"}
     assert locations == {"weights.data"} and not (int4_export.path / ("target.onnx" + DATA_SUFFIX)).exists()
 
@@ -282,7 +285,7 @@ def test_order_check_catches_plain_attention(int4_export, tmp_path):
     from dtrt.ops.functions.registry import OPSET
 
     @onnxscript.script(OPSET, default_opset=op)
-    def TreeAttentionPlanned(q, k_past, k_new, v_cache, layer, v_new, mask_g, qg_shape, out_shape, ones_tail, scale,
+    def TreeAttentionPlanned(q, k_past, k_new, v_cache, layer, v_new, scale, mask_g, qg_shape, out_shape, ones_tail,
                              b0, b0p, hnew, head_end, tail_start, tail_end, order, order_g, tail_shape, acc_shape, hd,
                              hd1):  # fmt: skip
         past = op.Slice(v_cache, layer, op.Add(tail_end, layer), op.Constant(value_ints=[0, 2]))

@@ -18,9 +18,10 @@ FORMAT = "dtrt-export"
 # 5 = a quantized target's ordered attention without an If per layer (prefills: an empty tail); 6 = the target
 # reads its past from the runtime's whole K/V buffer (past_positions gives the past's length); 7 = a quantized
 # target's ordered attention sums the head's weights with a ReduceSum (no ones column on the whole past); 8 = its
-# layers never join their past with the new tokens (scores side by side, values read from the cache).
+# layers never join their past with the new tokens (scores side by side, values read from the cache); 9 = its
+# rotations as ONNX RotaryEmbedding (opset 23).
 # The export made on first use is made again when it is older.
-LAYOUT = 8
+LAYOUT = 9
 
 
 @dataclass

@@ -14,7 +14,8 @@ from onnx import helper, numpy_helper
 PAST_INPUTS = ("past_k", "past_v")
 
 
-def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+def constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """Every initializer held in the model file and every Constant node's value, by name."""
     values = {  # the weights (external data) are never an index or a slice bound
         t.name: numpy_helper.to_array(t) for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL
     }
@@ -29,7 +30,7 @@ def slice_past(model: onnx.ModelProto) -> int:
     -> Squeeze(0), in place; return how many Gathers were rewritten. A Slice of the past that does not match
     this pattern (or a non-constant layer index) is left as it is."""
     graph = model.graph
-    consts = _constants(graph)
+    consts = constant_values(graph)
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
@@ -78,3 +79,13 @@ def slice_past(model: onnx.ModelProto) -> int:
 
 def constant(graph: onnx.GraphProto, name: str, values: list[int]):
     graph.initializer.append(numpy_helper.from_array(np.array(values, np.int64), name))
+
+
+def live_nodes(nodes: list, outputs: set[str]) -> list:
+    """The nodes that a graph output depends on, in their order."""
+    needed, keep = set(outputs), []
+    for node in reversed(nodes):
+        if any(o in needed for o in node.output):
+            keep.append(node)
+            needed.update(i for i in node.input if i)
+    return keep[::-1]

@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from dtrt.exporter.graph_passes import live_nodes
 from dtrt.ops import DOMAIN
 from dtrt.ops.tree_attention import ORDER_PLAN
 
@@ -34,7 +35,12 @@ def ordered_attention_nodes(graph: onnx.GraphProto) -> list:
     for n in att:
         first.setdefault(n.input[3], n)
     plans = {mask: [f"attention_plan{i or ''}.{name}" for name in ORDER_PLAN] for i, mask in enumerate(first)}
-    cache_type = next(i.type.tensor_type.elem_type for i in graph.input if i.name == "past_v")
+    cache = next(i.type.tensor_type for i in graph.input if i.name == "past_v")
+    cache_type, hd = cache.elem_type, cache.shape.dim[-1].dim_value
+    if hd <= 0:
+        raise ValueError("past_v: its head dimension is not static")
+    scale = float(np.float32(1) / np.sqrt(np.float32(hd)))  # a constant: ONNX Runtime folds it into the products
+    graph.initializer.append(helper.make_tensor("attention.scale", cache_type, [], [scale]))
     out = []
     for n in nodes:
         if n.domain != DOMAIN or n.op_type != "TreeAttention":
@@ -57,9 +63,9 @@ def ordered_attention_nodes(graph: onnx.GraphProto) -> list:
             graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), f"{k_new}.axis"))
             args = [k_new, f"{k_new}.zero", f"{k_new}.zero", f"{k_new}.axis"]
             out.append(helper.make_node("Slice", args, keys[1:], f"{k_new}.none"))
-        inputs = [q, *keys, v_cache, layer_name, v_new, *plan]
+        inputs = [q, *keys, v_cache, layer_name, v_new, "attention.scale", *plan]
         out.append(helper.make_node("TreeAttentionPlanned", inputs, list(n.output), n.name, domain=DOMAIN))
-    return _live(out, {o.name for o in graph.output})
+    return live_nodes(out, {o.name for o in graph.output})
 
 
 def _joined(producer: dict, name: str, att) -> tuple[str, str]:
@@ -78,13 +84,3 @@ def _cache_slice(producer: dict, inits: dict, v_past: str, att) -> tuple[str, in
     if starts is None:
         raise ValueError(f"{att.name}: its past values {v_past!r} are not a slice of the cache (see slice_past)")
     return sliced.input[0], int(numpy_helper.to_array(starts)[0])
-
-
-def _live(nodes: list, outputs: set[str]) -> list:
-    """The nodes that a graph output depends on, in their order."""
-    needed, keep = set(outputs), []
-    for node in reversed(nodes):
-        if any(o in needed for o in node.output):
-            keep.append(node)
-            needed.update(i for i in node.input if i)
-    return keep[::-1]

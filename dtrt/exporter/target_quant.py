@@ -22,12 +22,13 @@ import torch
 from onnx import TensorProto, helper
 
 from dtrt.exporter.ordered_attention import ordered_attention_nodes
+from dtrt.exporter.rotary import ROTARY_OPSET, rotary_nodes
 from dtrt.exporter.weights import external
 from dtrt.models.quant import QuantSpec, quantize
 from dtrt.ops import DOMAIN, onnx_functions
 from dtrt.ops.tree_attention import ORDER_ALIGN, ORDER_ROWS
 
-QUANT_OPSET = 21  # int4 tensors and blocked DequantizeLinear
+QUANT_OPSET = ROTARY_OPSET  # int4 tensors and blocked DequantizeLinear (21), RotaryEmbedding (23)
 # what the runtime must do for a quantized target (manifest "ordered_attention"): pad every target call to at least
 # MIN_ROWS rows (one row takes other kernels than two or more, which agree with each other bit for bit) and keep a
 # tree inside its past's ALIGN-aligned block (dtrt.ops.tree_attention: the ordered attention)
@@ -187,6 +188,9 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     del graph.node[:]
     graph.node.extend(nodes)
     nodes = ordered_attention_nodes(graph)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    nodes, _ = rotary_nodes(graph, root)
     del graph.node[:]
     graph.node.extend(nodes)
     used_ops = {n.op_type for n in graph.node if n.domain == DOMAIN}

@@ -78,7 +78,6 @@ ORDER_PLAN = (
     "qg_shape",  # [KVH, groups * N, hd]
     "out_shape",  # [H, N, hd]
     "ones_tail",  # [KVH, T, 1]: the tail values' appended column that sums the weights
-    "scale",  # 1 / sqrt(hd)
     "b0",  # the end of the head product: ORDER_ALIGN-aligned; the last column when N > ORDER_ROWS (prefills)
     "b0p",  # [min(b0, P)]: the head's columns in the past (read from the cache)
     "hnew",  # [b0 - b0p]: the head's new columns (N for a prefill, 0 for every other call)

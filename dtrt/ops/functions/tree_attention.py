@@ -41,7 +41,6 @@ def TreeAttentionOrderPlan(q: FLOAT, k_past: FLOAT, mask: BOOL):
     one = op.Constant(value_ints=[1])
     qg_shape = op.Concat(kv_heads, rows, hd, axis=0)
     out_shape = op.Concat(heads, n, hd, axis=0)
-    scale = op.Div(op.CastLike(op.Constant(value_float=1.0), q), op.Sqrt(op.CastLike(hd, q)))
     mask_g = op.Reshape(op.Expand(op.Unsqueeze(mask, [0]), op.Concat(groups, n, m, axis=0)), op.Concat(rows, m, axis=0))
     hd1 = op.Add(hd, one)
     acc_shape = op.Concat(kv_heads, rows, hd1, axis=0)
@@ -75,7 +74,6 @@ def TreeAttentionOrderPlan(q: FLOAT, k_past: FLOAT, mask: BOOL):
         qg_shape,
         out_shape,
         ones_tail,
-        scale,
         b0,
         b0p,
         hnew,
@@ -100,11 +98,11 @@ def TreeAttentionPlanned(
     v_cache: FLOAT,
     layer: INT64,
     v_new: FLOAT,
+    scale: FLOAT,
     mask_g: BOOL,
     qg_shape: INT64,
     out_shape: INT64,
     ones_tail: FLOAT,
-    scale: FLOAT,
     b0: INT64,
     b0p: INT64,
     hnew: INT64,
@@ -128,7 +126,8 @@ def TreeAttentionPlanned(
     # narrower than fp32 passes them joined as k_past and no k_new: dtrt.exporter.ordered_attention)
     past_scores = op.MatMul(qg, op.Transpose(k_past, perm=[0, 2, 1]))
     new_scores = op.MatMul(qg, op.Transpose(k_new, perm=[0, 2, 1]))
-    scores = op.Mul(op.Concat(past_scores, new_scores, axis=-1), scale)
+    # `scale` (1 / sqrt(hd)) is a constant of the graph: ONNX Runtime folds it into each product
+    scores = op.Concat(op.Mul(past_scores, scale), op.Mul(new_scores, scale), axis=-1)
     scores = op.Where(mask_g, scores, op.CastLike(op.Constant(value_float=-1e30), q))
     e = op.Exp(op.Sub(scores, op.ReduceMax(scores, last, keepdims=1)))
     # the head: the past's values read from the layer's cache (`layer`: [l, 0], where its past starts), the weights
