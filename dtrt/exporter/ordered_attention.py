@@ -24,7 +24,8 @@ from dtrt.ops.tree_attention import ORDER_PLAN
 
 
 def ordered_attention_nodes(graph: onnx.GraphProto) -> list:
-    """The graph's nodes with every TreeAttention rewritten (its initializers gain each layer's index)."""
+    """The graph's nodes with every TreeAttention rewritten (its initializers gain each layer's cache offset and the
+    attention's scale)."""
     nodes = list(graph.node)
     producer = {o: n for n in nodes for o in n.output}
     inits = {i.name: i for i in graph.initializer}
