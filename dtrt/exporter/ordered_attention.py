@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dtrt.exporter.graph_passes import live_nodes
+from dtrt.exporter.graph_passes import constant, live_nodes
 from dtrt.ops import DOMAIN
 from dtrt.ops.tree_attention import ORDER_PLAN
 
@@ -42,6 +42,10 @@ def ordered_attention_nodes(graph: onnx.GraphProto) -> list:
         raise ValueError("past_v: its head dimension is not static")
     scale = float(np.float32(1) / np.sqrt(np.float32(hd)))  # a constant: ONNX Runtime folds it into the products
     graph.initializer.append(helper.make_tensor("attention.scale", cache_type, [], [scale]))
+    narrow = cache_type != onnx.TensorProto.FLOAT
+    if narrow:  # the bounds of the empty set of new keys
+        constant(graph, "attention.no_keys", [0])
+        constant(graph, "attention.key_axis", [1])
     out = []
     for n in nodes:
         if n.domain != DOMAIN or n.op_type != "TreeAttention":
@@ -52,17 +56,15 @@ def ordered_attention_nodes(graph: onnx.GraphProto) -> list:
         v_past, v_new = _joined(producer, v, n)
         v_cache, layer = _cache_slice(producer, inits, v_past, n)
         layer_name = f"{n.name or n.output[0]}.layer"
-        graph.initializer.append(numpy_helper.from_array(np.array([layer, 0], np.int64), layer_name))
+        constant(graph, layer_name, [layer, 0])
         plan = plans[mask]
         if first[mask] is n:
             name = plan[0].split(".")[0]
             out.append(helper.make_node("TreeAttentionOrderPlan", [q, k_past, mask], plan, name, domain=DOMAIN))
         keys = [k_past, k_new]
-        if cache_type != onnx.TensorProto.FLOAT:
+        if narrow:
             keys = [k, f"{k_new}.none"]
-            graph.initializer.append(numpy_helper.from_array(np.array([0], np.int64), f"{k_new}.zero"))
-            graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), f"{k_new}.axis"))
-            args = [k_new, f"{k_new}.zero", f"{k_new}.zero", f"{k_new}.axis"]
+            args = [k_new, "attention.no_keys", "attention.no_keys", "attention.key_axis"]
             out.append(helper.make_node("Slice", args, keys[1:], f"{k_new}.none"))
         inputs = [q, *keys, v_cache, layer_name, v_new, "attention.scale", *plan]
         out.append(helper.make_node("TreeAttentionPlanned", inputs, list(n.output), n.name, domain=DOMAIN))

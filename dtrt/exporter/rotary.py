@@ -1,12 +1,11 @@
 """A quantized target's RoPE as ONNX's RotaryEmbedding (opset 23): one node per rotation where the torch export
 writes four (dtrt.models.layers.apply_rope: x * cos + Gather(x, half turn) * signed sin, then the Add).
 
-At SmolLM2's size a node costs more than its arithmetic: two rotations a layer in one node each took 5% off an
-int4 decode step. The rotation reads the projection's output as [1, N, heads * head_dim] (the op's 3-D form,
-`num_heads`) with the halves of the call's cos and sin (`interleaved` 0: the rotate-half convention), before the
-reshape into heads; the same arithmetic up to the kernel's fused multiply-adds. A rotation that does not match the
-pattern exactly (a per-head norm between the projection and the rotation, as Qwen3's q_norm/k_norm) is left as it
-is.
+At SmolLM2's size a node costs more than its arithmetic. The rotation reads the heads as [1, N, heads * head_dim]
+(the op's 3-D form, `num_heads`) with the halves of the call's cos and sin (`interleaved` 0: the rotate-half
+convention): the projection's output itself where the heads are its reshape (Llama), else the heads as they are
+(after Qwen3's per-head norms; their shape from the graph's value_info). The same arithmetic up to the kernel's
+fused multiply-adds. A rotation that does not match the pattern exactly is left as it is.
 """
 
 from pathlib import Path
@@ -15,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from dtrt.exporter.graph_passes import constant_values, live_nodes
+from dtrt.exporter.graph_passes import constant, constant_values, live_nodes
 
 ROTARY_OPSET = 23
 
@@ -35,7 +34,7 @@ def rotary_nodes(graph: onnx.GraphProto, base_dir: Path | None = None) -> tuple[
 
     def init(name: str, values: list[int]) -> str:
         if name not in names:
-            graph.initializer.append(numpy_helper.from_array(np.array(values, np.int64), name))
+            constant(graph, name, values)
             names.add(name)
         return name
 

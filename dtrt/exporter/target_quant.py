@@ -185,14 +185,9 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     if missing:
         (root / (path.name + DATA_SUFFIX)).unlink(missing_ok=True)
         raise ValueError(f"{path.name}: no linear product reads {missing[0]} ({len(missing)} weights not found)")
-    del graph.node[:]
-    graph.node.extend(nodes)
-    nodes = ordered_attention_nodes(graph)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    nodes, _ = rotary_nodes(graph, root)
-    del graph.node[:]
-    graph.node.extend(nodes)
+    _set_nodes(graph, nodes)
+    _set_nodes(graph, ordered_attention_nodes(graph))
+    _set_nodes(graph, rotary_nodes(graph, root)[0])
     used_ops = {n.op_type for n in graph.node if n.domain == DOMAIN}
     functions = [f for f in model.functions if f.name in used_ops]
     functions += [f for f in onnx_functions(used_ops) if f.name not in {g.name for g in functions}]
@@ -231,6 +226,11 @@ def _product_nodes(group: list, qname: str, sname: str, widths: list[int], spec:
         if b:
             out.append(helper.make_node("Add", [end, b], [n.output[0]], name=f"{n.name or n.output[0]}.bias"))
     return out
+
+
+def _set_nodes(graph: onnx.GraphProto, nodes: list):
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _set_opset(model: onnx.ModelProto, version: int):
