@@ -75,21 +75,32 @@ def test_the_stop_never_admits_a_node_that_does_not_pay():
 
 
 def test_the_gate_drafts_while_trees_pay_and_probes_otherwise():
-    gate, clock = SpeculationGate(probe=4), RoundClock()
+    """Probes that find nothing that pays come half as often each time, up to the gate's limit; one that pays
+    brings the first interval back."""
+    gate, clock = SpeculationGate(probe=4, max_probe=16), RoundClock()
     root = 0.010  # a root-alone round: 100 tokens/s
     assert gate.drafts(clock, root)  # nothing known yet
     poor = TreeEstimate(gain=1.0, own_s=0.008, verify_s=0.012)  # 50 tokens/s
     gate.observe_tree(poor)
-    decisions = []
-    for _ in range(8):
-        decisions.append(gate.drafts(clock, root))
-        if decisions[-1]:  # the probe round's tree
-            gate.observe_tree(poor)
-    assert decisions == [False, False, False, True] * 2
+
+    def rounds(n, probe_tree):
+        decisions = []
+        for _ in range(n):
+            decisions.append(gate.drafts(clock, root))
+            if decisions[-1]:  # the probe round's tree
+                gate.observe_tree(probe_tree)
+        return decisions
+
+    probes = [i for i, d in enumerate(rounds(4 + 8 + 16 + 16, poor)) if d]
+    assert probes == [3, 11, 27, 43]  # every 4th round, then 8th, then 16th, and no further apart
     good = TreeEstimate(gain=10.0, own_s=0.004, verify_s=0.016)  # 500 tokens/s
-    gate.observe_tree(good)
+    assert [i for i, d in enumerate(rounds(16, good)) if d] == [15]  # a probe that pays ...
+    assert gate.interval == 4 and gate.drafts(clock, root)  # ... and the trees drafted now pay on average
     gate.observe_tree(good)
     assert gate.drafts(clock, root)
+    for _ in range(20):  # the trees stop paying: the first interval again
+        gate.observe_tree(poor)
+    assert [i for i, d in enumerate(rounds(8, poor)) if d] == [3]
 
 
 def test_the_clock_prices_what_the_curve_leaves_out():

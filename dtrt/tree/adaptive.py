@@ -9,9 +9,9 @@ backend's measured costs, with an acceptance map calibrated online from the roun
     theta(n)     = E[tokens](n) / cost(n)            nodes are admitted best-first while theta rises
 
 A round drafts at all only while the trees lately built promise more than a root-alone round, 1 / (s * C_v(0; l) +
-o); otherwise the round is the root alone (one AR step, no drafter call), and every `probe`-th round drafts again
-to keep the estimates current. Any tree gives exactly the target's tokens, so none of this can change the output,
-only its speed.
+o); otherwise the round is the root alone (one AR step, no drafter call), and a probe round drafts now and then
+to keep the estimates current, less often while probes keep finding nothing that pays. Any tree gives exactly the
+target's tokens, so none of this can change the output, only its speed.
 """
 
 import math
@@ -188,14 +188,25 @@ class TreeEstimate:
 @dataclass
 class SpeculationGate:
     """Whether the next round drafts: while the recent trees, priced by the current clock, beat a root-alone
-    round's rate, and every `probe`-th round regardless."""
+    round's rate; otherwise a probe round drafts once every `interval` rounds to keep the estimates current. The
+    interval starts at `probe` and doubles, up to `max_probe`, after each probe whose tree does not beat the root
+    alone either (a probe pays for the drafter's catch-up over every round since the last draft, so on a target
+    where nothing pays, a fixed interval is a fixed loss); it falls back to `probe` when one does."""
 
     probe: int = 16
+    max_probe: int = 256
     decay: float = 0.8
     trees: TreeEstimate | None = None  # running mean of the trees built
     since_draft: int = 0
+    interval: int = 0  # rounds between probes now; 0 until the first probe: `probe`
+    _probing: tuple[RoundClock, float] | None = None  # a probe round's clock and root-alone rate, until its tree
 
     def observe_tree(self, tree: TreeEstimate):
+        if self._probing is not None:
+            clock, root = self._probing
+            pays = tree.theta(clock) > root
+            self.interval = self.probe if pays else min(2 * (self.interval or self.probe), self.max_probe)
+            self._probing = None
         if self.trees is not None:
             old, d = self.trees, self.decay
             tree = TreeEstimate(*(d * a + (1 - d) * b for a, b in zip(astuple(old), astuple(tree))))
@@ -204,8 +215,11 @@ class SpeculationGate:
 
     def drafts(self, clock: RoundClock, root_verify_s: float) -> bool:
         """`root_verify_s`: the curve's verify seconds of the root alone at this round's context."""
-        spec = None if self.trees is None else self.trees.theta(clock)
-        if spec is None or spec > 1.0 / clock.round_cost(root_verify_s) or self.since_draft + 1 >= self.probe:
+        root = 1.0 / clock.round_cost(root_verify_s)
+        if self.trees is None or self.trees.theta(clock) > root:
+            return True
+        if self.since_draft + 1 >= (self.interval or self.probe):
+            self._probing = (clock, root)
             return True
         self.since_draft += 1
         return False
