@@ -98,7 +98,7 @@ def test_the_gate_drafts_while_trees_pay_and_probes_otherwise():
     assert gate.interval == 4 and gate.drafts(clock, root)  # ... and the trees drafted now pay on average
     gate.observe_tree(good)
     assert gate.drafts(clock, root)
-    for _ in range(20):  # the trees stop paying: the first interval again
+    for _ in range(20):  # the trees stop paying: probes resume at the first interval
         gate.observe_tree(poor)
     assert [i for i, d in enumerate(rounds(8, poor)) if d] == [3]
 
