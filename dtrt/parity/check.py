@@ -61,9 +61,11 @@ class Tolerance:
 
 TOLERANCES = {"fp32": Tolerance(0.99999, 5e-4, False), "fp16": Tolerance(0.9999, 2e-2, True)}
 # `dtrt export --drafter-quant int8` stages against the fp32 reference: int8 weights and uint8 activations per
-# tensor give cosine >= 0.9989 and rel <= 0.06 on the SmolLM2 drafter (tiny: 0.9998, 0.035); a wrong weight
-# matrix drops the cosine far below. They draft only: the target verifies every token, the output is unchanged.
-QUANT_TOLERANCE = Tolerance(0.995, 0.15, False)
+# tensor give cosine >= 0.9989 and rel <= 0.06 on the SmolLM2 drafter (tiny: 0.9998, 0.035) on a CPU with AVX-512
+# VNNI; on an AVX2-only CPU, whose uint8 x int8 products saturate in int16 (ONNX Runtime's non-VNNI path), the tiny
+# drafter's domino.block measured 0.9952 and 0.25. A wrong weight matrix drops the cosine far below either. They
+# draft only: the target verifies every token, the output is unchanged.
+QUANT_TOLERANCE = Tolerance(0.99, 0.4, False)
 # a quantized target (see dtrt.parity.quantized). Its weights, at fp32 activations, against the PyTorch target on the
 # same dequantized weights: the fused kernel accumulates in another order than sgemm (SmolLM2 int8: rel 8.3e-4 on
 # one random case, N=17 P=100; int4 4.8e-4); a wrong integer moves whole logits. As the runtime runs it (int8
