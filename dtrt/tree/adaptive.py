@@ -198,14 +198,17 @@ class SpeculationGate:
     decay: float = 0.8
     trees: TreeEstimate | None = None  # running mean of the trees built
     since_draft: int = 0
-    interval: int = 0  # rounds between probes now; 0 until the first probe: `probe`
+    interval: int = 0  # rounds between probes now (`probe` to begin with)
     _probing: tuple[RoundClock, float] | None = None  # a probe round's clock and root-alone rate, until its tree
+
+    def __post_init__(self):
+        self.interval = self.interval or self.probe
 
     def observe_tree(self, tree: TreeEstimate):
         if self._probing is not None:
             clock, root = self._probing
             pays = tree.theta(clock) > root
-            self.interval = self.probe if pays else min(2 * (self.interval or self.probe), self.max_probe)
+            self.interval = self.probe if pays else min(2 * self.interval, self.max_probe)
             self._probing = None
         if self.trees is not None:
             old, d = self.trees, self.decay
@@ -218,7 +221,7 @@ class SpeculationGate:
         root = 1.0 / clock.round_cost(root_verify_s)
         if self.trees is None or self.trees.theta(clock) > root:
             return True
-        if self.since_draft + 1 >= (self.interval or self.probe):
+        if self.since_draft + 1 >= self.interval:
             self._probing = (clock, root)
             return True
         self.since_draft += 1
