@@ -23,21 +23,32 @@ T, TOP_P, N, PILOT = 1.0, 0.9, 300, 12
 
 
 def exact_triples(target, prompt, temperature):
-    """P(t1, t2, t3) under the target with temperature and top-p, by enumeration."""
+    """P(t1, t2, t3) under the target with temperature and top-p, by enumeration: each level's continuations are
+    verified as siblings of one tree call, as a tree verify does (a high temperature's nucleus holds most of the
+    vocabulary, too many triples for a call each)."""
 
-    def probs(ids):
-        n = len(ids)
-        logits, _ = target(torch.tensor(ids), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
-        return target_probs(logits[-1:], temperature, TOP_P)[0]
+    def probs(prefix, children):
+        """Next-token probabilities after `prefix` (row 0) and after `prefix + [c]` for each child c (rows 1...)."""
+        n, k = len(prefix), len(children)
+        mask = torch.zeros(n + k, n + k, dtype=torch.bool)
+        mask[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        mask[n:, :n] = True
+        mask[n:, n:] = torch.eye(k, dtype=torch.bool)
+        positions = torch.cat([torch.arange(n), torch.full((k,), n)])
+        logits, _ = target(torch.tensor(prefix + children), positions, mask)
+        return target_probs(logits[n - 1 :], temperature, TOP_P)
+
+    def support(p):
+        return p.nonzero().flatten().tolist()
 
     dist = {}
     with torch.no_grad():
-        p1 = probs(prompt)
-        for a in p1.nonzero().flatten().tolist():
-            p2 = probs(prompt + [a])
-            for b in p2.nonzero().flatten().tolist():
-                p3 = probs(prompt + [a, b])
-                for c in p3.nonzero().flatten().tolist():
+        p1 = probs(prompt, [])[0]
+        firsts = support(p1)
+        for a, p2 in zip(firsts, probs(prompt, firsts)[1:]):
+            seconds = support(p2)
+            for b, p3 in zip(seconds, probs(prompt + [a], seconds)[1:]):
+                for c in support(p3):
                     dist[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
     return dist
 
