@@ -537,7 +537,7 @@ def test_export_records_what_it_wrote(tiny, tmp_path, cache, hashes):
     load hashes nothing, and the state is in the cache, not in the export."""
     from dtrt.exporter.export import export_pair
 
-    exp = export_pair(tiny, tmp_path / "exp", model="tiny", max_context=64)
+    exp = export_pair(tiny, tmp_path / "exp", model="tiny", max_context=64, drafter_kinds=("dflash",))
     assert hashes == []
     assert load_export(exp.path).manifest == exp.manifest and hashes == []
     assert MANIFEST in listing(exp.path) and not [n for n in listing(exp.path) if "verified" in n or ".tmp" in n]

@@ -147,13 +147,13 @@ def test_every_weight_is_stored_once(tiny_export):
 
 def test_only_the_drafters_asked_for(tiny, tmp_path, monkeypatch, capsys):
     code, out, err = run_cli(
-        monkeypatch, capsys, "export", "--model", "tiny", "--out", str(tmp_path / "e"), "--drafters", "domino",
+        monkeypatch, capsys, "export", "--model", "tiny", "--out", str(tmp_path / "e"), "--drafters", "dflash",
         "--max-context", "256",
     )  # fmt: skip
     assert code == 0, err
     exp = load_export(tmp_path / "e")
-    assert set(exp.drafters) == {"domino"} and not any(s.startswith("dflash.") for s in exp.manifest["stages"])
-    assert "--drafters domino" in exp.fix_hint()
+    assert set(exp.drafters) == {"dflash"} and not any(s.startswith("domino.") for s in exp.manifest["stages"])
+    assert "--drafters dflash" in exp.fix_hint()
     code, out, err = run_cli(monkeypatch, capsys, "export", "--model", "tiny", "--out", str(tmp_path / "x"),
                              "--drafters", "eagle")  # fmt: skip
     assert code == 2 and err == "error: --drafters 'eagle': use some of dflash, domino\n"
