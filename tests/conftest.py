@@ -9,7 +9,21 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dtrt.zoo.registry import tiny_pair  # noqa: E402
+from dtrt.zoo.registry import tiny_hybrid_pair, tiny_pair  # noqa: E402
+
+# Under pytest-xdist (`-n`), each worker process gets its share of the cores for torch's intra-op threads: workers
+# with every core each would crowd each other out.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+
+def pytest_configure(config):
+    """With workers (`-n`), the cached tiny pairs are made once here, before the workers start, rather than by
+    every worker at once."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        tiny_pair()
+        tiny_hybrid_pair()
 
 
 @pytest.fixture(scope="session")
