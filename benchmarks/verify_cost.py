@@ -21,7 +21,7 @@ from dtrt.artifacts.export import load_export
 from dtrt.launch import resolve_spec
 from dtrt.launch.first_use import cached_export
 from dtrt.launch.sources import load_pair
-from dtrt.runtime.backends.onnxruntime import cpu_session
+from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, cpu_session
 from dtrt.runtime.backends.stages import pad_rows
 
 NS = (1, 2, 3, 5, 9, 17, 33)
@@ -42,11 +42,13 @@ def chain_feeds(exp, n: int, past: int, rng) -> dict:
     return feeds | {"past_positions": np.arange(past)}
 
 
-def measure(exports: dict, ns, pasts, threads, repeats: int, warmup: int, seed: int) -> list[dict]:
+def measure(
+    exports: dict, ns, pasts, threads, repeats: int, warmup: int, seed: int, *, accuracy=MATMUL_ACCURACY
+) -> list[dict]:
     rows = []
     rng = np.random.default_rng(seed)
     for t in threads:
-        sessions = {name: cpu_session(exp.stage("target"), threads=t) for name, exp in exports.items()}
+        sessions = {name: cpu_session(e.stage("target"), threads=t, accuracy=accuracy) for name, e in exports.items()}
         for past in pasts:
             for n in ns:
                 feeds = {name: chain_feeds(exp, n, past, rng) for name, exp in exports.items()}
@@ -106,11 +108,23 @@ def main():
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--accuracy", type=int, default=MATMUL_ACCURACY, help="MatMulNBits accuracy level (4: int8 activations)"
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     exports = exports_from(args)
-    rows = measure(exports, ints(args.n), ints(args.past), ints(args.threads), args.repeats, args.warmup, args.seed)
+    rows = measure(
+        exports,
+        ints(args.n),
+        ints(args.past),
+        ints(args.threads),
+        args.repeats,
+        args.warmup,
+        args.seed,
+        accuracy=args.accuracy,
+    )
     print("milliseconds per target call (ratio to the same export's N=1)")
     print(table(rows, ints(args.n)))
     if args.json:
