@@ -8,6 +8,7 @@ import torch
 from helpers import pipe_for, spec
 
 from dtrt.runtime.sampling import SamplingConfig, target_probs
+from dtrt.tree.tree import Tree
 
 PROMPTS = [
     "The cat sees ",
@@ -29,13 +30,9 @@ def exact_triples(target, prompt, temperature):
 
     def probs(prefix, children):
         """Next-token probabilities after `prefix` (row 0) and after `prefix + [c]` for each child c (rows 1...)."""
-        n, k = len(prefix), len(children)
-        mask = torch.zeros(n + k, n + k, dtype=torch.bool)
-        mask[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
-        mask[n:, :n] = True
-        mask[n:, n:] = torch.eye(k, dtype=torch.bool)
-        positions = torch.cat([torch.arange(n), torch.full((k,), n)])
-        logits, _ = target(torch.tensor(prefix + children), positions, mask)
+        n = len(prefix)
+        tree = Tree.from_parents(prefix + children, list(range(-1, n - 1)) + [n - 1] * len(children))
+        logits, _ = target(tree.tokens, tree.positions(0), tree.mask)
         return target_probs(logits[n - 1 :], temperature, TOP_P)
 
     def support(p):
