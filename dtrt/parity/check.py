@@ -18,7 +18,7 @@ The tolerances sit well above what a correct graph shows (fp32: max abs ~3e-6 of
 import math
 import time
 from collections import OrderedDict, defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -60,12 +60,12 @@ class Tolerance:
 
 
 TOLERANCES = {"fp32": Tolerance(0.99999, 5e-4, False), "fp16": Tolerance(0.9999, 2e-2, True)}
-# `dtrt export --drafter-quant int8` stages against the fp32 reference: int8 weights and uint8 activations per
-# tensor give cosine >= 0.9989 and rel <= 0.06 on the SmolLM2 drafter (tiny: 0.9998, 0.035) on a CPU with AVX-512
-# VNNI; on an AVX2-only CPU, whose uint8 x int8 products saturate in int16 (ONNX Runtime's non-VNNI path), the tiny
-# drafter's domino.block measured 0.9952 and 0.25. A wrong weight matrix drops the cosine far below either. They
-# draft only: the target verifies every token, the output is unchanged.
-QUANT_TOLERANCE = Tolerance(0.99, 0.4, False)
+# `dtrt export --drafter-quant int8` stages against the fp32 reference: 7-bit weights and uint8 activations per
+# tensor (dtrt.exporter.quantize) give cosine >= 0.9955 and rel <= 0.13 on the SmolLM2 drafter (tiny: 0.9998,
+# 0.027), the same exact integer sums on every CPU (8-bit weights saturated on an AVX2-only CPU: SmolLM2 0.986, tiny
+# rel 0.25). A wrong weight matrix drops the cosine far below. They draft only: the target verifies every token,
+# the output is unchanged.
+QUANT_TOLERANCE = Tolerance(0.99, 0.25, False)
 # a quantized target (see dtrt.parity.quantized). Its weights, at fp32 activations, against the PyTorch target on the
 # same dequantized weights: the fused kernel accumulates in another order than sgemm (SmolLM2 int8: rel 8.3e-4 on
 # one random case, N=17 P=100; int4 4.8e-4); a wrong integer moves whole logits. As the runtime runs it (int8
@@ -495,7 +495,8 @@ class Report:
         if self.quantized:
             summary += (
                 f"\nint8 drafter stages {', '.join(self.quantized)}: cosine >= {QUANT_TOLERANCE.cosine} "
-                f"and rel <= {QUANT_TOLERANCE.rel:g} (drafts only; the target verifies every token)"
+                f"and rel <= {QUANT_TOLERANCE.rel:g} (drafts only; the target verifies every token); on the real "
+                "inputs, which those stages make, integer outputs may differ where a row holds tied values"
             )
         if self.target_quant != "none":
             weights = weight_tolerance(self.dtype)
@@ -549,7 +550,7 @@ def run_parity(
             rows += case_rows
             if captured:
                 by_output = defaultdict(list)
-                for r in compare_stage(stage, exp.stage(name), captured, tol, accuracy):
+                for r in compare_stage(stage, exp.stage(name), captured, real_tolerance(tol, quantized), accuracy):
                     by_output[r.output].append(r)
                 label = _real_label(stage, [c for _, c in captured]) + suffix
                 rows += [merge(rs, label) for rs in by_output.values()]
@@ -561,6 +562,14 @@ def run_parity(
             row.note = "bit for bit" if row.ok else "differs: tree verify would not reproduce plain decoding"
             rows.append(row)
     return Report(exp.path, dtype, TOLERANCES[dtype], rows, quantized, exp.quant_name)
+
+
+def real_tolerance(tol: Tolerance, quantized: tuple) -> Tolerance:
+    """The tolerance of a stage's real inputs. In an export with int8 drafter stages they come from those stages,
+    whose logits tie (an int8 product takes few distinct values: every block call of a SmolLM2 generation holds
+    ties), and a top-k over tied values may order them either way in ONNX Runtime and in torch, both right; so
+    integer outputs may differ there as Tolerance.ties allows. Random inputs never tie and stay strict."""
+    return replace(tol, ties=True) if quantized else tol
 
 
 def _real_label(stage: Stage, captured: list[dict]) -> str:
