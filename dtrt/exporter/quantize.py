@@ -25,7 +25,6 @@ from dtrt.errors import DtrtError
 
 DRAFTER_QUANTS = ("none", "int8")
 QUANT_STAGES = ("block",)  # per drafter kind
-REDUCE_RANGE = True
 
 
 def check_drafter_quant(quant: str, dtype: str):
@@ -52,9 +51,8 @@ def quantize_drafters(root: Path, stages: dict, quant: str, log=None) -> list[st
     return names
 
 
-def quantize_stage(path: Path, reduce_range: bool = REDUCE_RANGE):
-    """Replace the stage at `path` (and its .data file) by its dynamically quantized int8 version (weights in 7 bits
-    when `reduce_range`)."""
+def quantize_stage(path: Path):
+    """Replace the stage at `path` (and its .data file) by its dynamically quantized int8 version (7-bit weights)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     path = Path(path)
@@ -67,7 +65,7 @@ def quantize_stage(path: Path, reduce_range: bool = REDUCE_RANGE):
             tmp,
             weight_type=QuantType.QInt8,
             per_channel=True,
-            reduce_range=reduce_range,
+            reduce_range=True,  # no int16 saturation without VNNI (see above)
             op_types_to_quantize=["MatMul", "Gemm"],
             use_external_data_format=True,
             extra_options={"MatMulConstBOnly": True},
