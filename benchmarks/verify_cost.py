@@ -11,6 +11,7 @@ than tau single-token calls, so a steep curve wants a small tree.
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -42,13 +43,39 @@ def chain_feeds(exp, n: int, past: int, rng) -> dict:
     return feeds | {"past_positions": np.arange(past)}
 
 
+def session(exp, threads: int, accuracy: int, kernel: bool | None = None):
+    """The export's target session; `kernel` False runs the ordered attention's function body instead of dtrt's
+    ONNX Runtime kernel (DTRT_ORT_OPS, read when the session is made), None leaves it to the environment."""
+    before = os.environ.get("DTRT_ORT_OPS")
+    if kernel is not None:
+        os.environ["DTRT_ORT_OPS"] = "1" if kernel else "0"
+    try:
+        return cpu_session(exp.stage("target"), threads=threads, accuracy=accuracy)
+    finally:
+        if before is None:
+            os.environ.pop("DTRT_ORT_OPS", None)
+        else:
+            os.environ["DTRT_ORT_OPS"] = before
+
+
 def measure(
-    exports: dict, ns, pasts, threads, repeats: int, warmup: int, seed: int, *, accuracy=MATMUL_ACCURACY
+    exports: dict,
+    ns,
+    pasts,
+    threads,
+    repeats: int,
+    warmup: int,
+    seed: int,
+    *,
+    accuracy=MATMUL_ACCURACY,
+    kernels: dict | None = None,
 ) -> list[dict]:
+    """`kernels`: name -> whether that entry runs with dtrt's ONNX Runtime kernel (None: the environment's)."""
     rows = []
     rng = np.random.default_rng(seed)
+    kernels = kernels or {}
     for t in threads:
-        sessions = {name: cpu_session(e.stage("target"), threads=t, accuracy=accuracy) for name, e in exports.items()}
+        sessions = {name: session(e, t, accuracy, kernels.get(name)) for name, e in exports.items()}
         for past in pasts:
             for n in ns:
                 feeds = {name: chain_feeds(exp, n, past, rng) for name, exp in exports.items()}
@@ -111,10 +138,18 @@ def main():
     ap.add_argument(
         "--accuracy", type=int, default=MATMUL_ACCURACY, help="MatMulNBits accuracy level (4: int8 activations)"
     )
+    ap.add_argument(
+        "--kernel",
+        action="store_true",
+        help="time each export twice: with dtrt's ONNX Runtime kernel for the ordered attention and without",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    exports = exports_from(args)
+    exports, kernels = exports_from(args), None
+    if args.kernel:
+        exports = {f"{n}{k}": e for n, e in exports.items() for k in ("", " + kernel")}
+        kernels = {n: n.endswith(" + kernel") for n in exports}
     rows = measure(
         exports,
         ints(args.n),
@@ -124,6 +159,7 @@ def main():
         args.warmup,
         args.seed,
         accuracy=args.accuracy,
+        kernels=kernels,
     )
     print("milliseconds per target call (ratio to the same export's N=1)")
     print(table(rows, ints(args.n)))

@@ -277,9 +277,10 @@ def test_prefills_take_the_whole_row_as_their_head(int4_export):
     assert "If" not in {n.op_type for n in planned.node}  # one path for every call: no If per layer
 
 
-def test_order_check_catches_plain_attention(int4_export, tmp_path):
+def test_order_check_catches_plain_attention(int4_export, tmp_path, monkeypatch):
     """The same layers with the plain formulation (the past and new values joined, one Softmax) in place of the
     ordered attention: its tree rows differ from plain decoding's, and the order check says so."""
+    monkeypatch.setenv("DTRT_ORT_OPS", "0")  # the function body runs (the kernel would replace it)
     from onnxscript import opset20 as op
 
     from dtrt.ops.functions.registry import OPSET
@@ -389,3 +390,44 @@ def test_fp16_quantized_export_runs_its_parity(tiny, tmp_path):
     assert any("tree = plain decoding" in r.case and r.max_abs == 0.0 for r in report.rows)
     # its weights are judged at fp16's tolerance where that is looser than the fp32 export's weight check
     assert report.to_json()["weight_tolerance"] == {"cosine": 0.9999, "rel": 2e-2, "ties": True}
+
+
+def _kernel():
+    from dtrt.runtime.backends import ort_ops
+
+    if ort_ops.library() is None:
+        pytest.skip(f"dtrt's ONNX Runtime kernel: {ort_ops.status() or 'its build failed'}")
+
+
+def test_kernel_runs_the_ordered_attention_in_order(int4_export, monkeypatch):
+    """With dtrt's ONNX Runtime kernel in place of the function body (dtrt.runtime.backends.ort_ops): the same
+    outputs as the body up to fp32 rounding, in use (not bit-identical to it), and tree rows = plain decoding."""
+    _kernel()
+    from dtrt.runtime.backends.onnxruntime import cpu_session
+
+    rng = np.random.default_rng(0)
+    t = int4_export.manifest["target"]
+    n, past = 5, 40
+    kv = rng.standard_normal((t["num_layers"], t["num_kv_heads"], past + n, t["head_dim"])).astype(np.float32)
+    mask = np.tril(np.ones((n, n), bool))
+    mask[3, 2] = False  # a tree: row 3 sees 0, 1 and itself
+    feeds = {"ids": rng.integers(0, t["vocab_size"], n), "positions": np.arange(past, past + n), "mask": mask}
+    feeds |= {"past_k": kv, "past_v": kv.copy(), "past_positions": np.arange(past)}
+    runs = {}
+    for ops in ("1", "0"):
+        monkeypatch.setenv("DTRT_ORT_OPS", ops)
+        runs[ops] = cpu_session(int4_export.stage("target"), threads=1, accuracy=0).run(["logits"], feeds)[0]
+    diff = np.abs(runs["1"] - runs["0"]).max()
+    assert 0 < diff <= 5e-4 * np.abs(runs["0"]).max(), diff
+    monkeypatch.setenv("DTRT_ORT_OPS", "1")
+    assert all(np.array_equal(want, got) for _, _, want, got in order_check(int4_export))
+
+
+def test_kernel_serves_only_what_it_computes(int4_export, tiny_export, monkeypatch):
+    from dtrt.runtime.backends import ort_ops
+
+    assert ort_ops.wants_kernel(int4_export.stage("target"))
+    assert not ort_ops.wants_kernel(tiny_export.stage("target"))  # no ordered attention: an unquantized target
+    assert not ort_ops.wants_kernel(int4_export.stage("domino.block"))
+    monkeypatch.setenv("DTRT_ORT_OPS", "0")
+    assert ort_ops.status() == "turned off (DTRT_ORT_OPS=0)"

@@ -16,6 +16,7 @@ import torch
 
 from dtrt.artifacts.export import Export
 from dtrt.errors import DtrtError
+from dtrt.runtime.backends import ort_ops
 from dtrt.runtime.backends.stages import ExportedBackend, StageRunner
 
 ORT_TYPES = {
@@ -106,9 +107,11 @@ def make_session(
     if profile is not None:
         opts.enable_profiling = True
         opts.profile_file_prefix = str(profile)
-    return ort.InferenceSession(
-        str(path), opts, providers=providers or ["CPUExecutionProvider"], disabled_optimizers=DISABLED_OPTIMIZERS
-    )
+    providers = providers or ["CPUExecutionProvider"]
+    if providers == ["CPUExecutionProvider"] and ort_ops.enabled() and ort_ops.wants_kernel(path):
+        if (lib := ort_ops.library()) is not None:
+            opts.register_custom_ops_library(str(lib))  # runs in place of the ordered attention's function body
+    return ort.InferenceSession(str(path), opts, providers=providers, disabled_optimizers=DISABLED_OPTIMIZERS)
 
 
 def cpu_session(path, threads: int | None = None, accuracy: int = MATMUL_ACCURACY, optimized=None):

@@ -1,0 +1,98 @@
+"""dtrt's own ONNX Runtime CPU kernels: a custom-op library built on first use from the sources here.
+
+`tree_attention.cc` is `dtrt::TreeAttentionPlanned`, a quantized target's ordered attention, as one AVX2 kernel
+instead of ~45 small nodes a layer. It is registered under the function's own domain and name, and ONNX Runtime
+runs a registered kernel in place of a function's body, so exports do not change and the body stays the
+definition (TensorRT's, and the fallback). Every row sums its terms in one fixed order, so tree rows still equal
+plain decoding's bit for bit (`dtrt parity`'s order check runs with the kernel when the kernel is in use).
+
+The library is compiled once per machine into `$DTRT_CACHE/ort-ops/` with the system C++ compiler against ONNX
+Runtime's C API headers, which the Python wheel does not ship: the directory in `DTRT_ORT_INCLUDE`, else
+/usr/include/onnxruntime (Debian's libonnxruntime-dev). Without headers, a compiler, or a CPU with AVX2 and FMA,
+sessions run the function bodies as before. `DTRT_ORT_OPS=0` turns the kernel off.
+"""
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import onnx
+
+from dtrt.artifacts.files import cache_dir
+
+SOURCE = Path(__file__).with_name("tree_attention.cc")
+HEADER = "onnxruntime_cxx_api.h"
+OP = "TreeAttentionPlanned"
+MAX_HEAD_DIM = 128  # the kernel keeps a query and an accumulator row in registers: 16 chunks of 8
+
+
+def include_dir() -> Path | None:
+    for d in (os.environ.get("DTRT_ORT_INCLUDE"), "/usr/include/onnxruntime"):
+        if d and (Path(d) / HEADER).is_file():
+            return Path(d)
+    return None
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def enabled() -> bool:
+    return os.environ.get("DTRT_ORT_OPS", "1") != "0"
+
+
+def status() -> str:
+    """ "" when the kernel can be used here, else why not (one line)."""
+    if not enabled():
+        return "turned off (DTRT_ORT_OPS=0)"
+    if not {"avx2", "fma"} <= cpu_flags():
+        return "this CPU lacks AVX2 or FMA"
+    if include_dir() is None:
+        return f"no ONNX Runtime C API headers ({HEADER}): set DTRT_ORT_INCLUDE or install libonnxruntime-dev"
+    if shutil.which("c++") is None:
+        return "no C++ compiler (c++)"
+    return ""
+
+
+@functools.cache
+def library() -> Path | None:
+    """The built library, compiled on first use; None where status() says why, or when the build fails."""
+    if status():
+        return None
+    inc = include_dir()
+    assert inc is not None
+    flags = ["-O2", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17"]
+    key = hashlib.sha256(SOURCE.read_bytes() + (inc / HEADER).read_bytes() + " ".join(flags).encode()).hexdigest()
+    out = cache_dir() / "ort-ops" / key[:16] / "libdtrt_ort_ops.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        built = Path(tmp) / out.name
+        cmd = ["c++", *flags, f"-I{inc}", str(SOURCE), "-o", str(built)]
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            return None
+        os.replace(built, out)  # whole or not at all, also when processes build it side by side
+    return out
+
+
+def wants_kernel(path) -> bool:
+    """Whether the stage at `path` has ordered-attention nodes the kernel serves: fp32 caches, a head dim that is
+    a multiple of 8 and at most MAX_HEAD_DIM."""
+    model = onnx.load(str(path), load_external_data=False)
+    if not any(n.op_type == OP for n in model.graph.node):
+        return False
+    past = next((i.type.tensor_type for i in model.graph.input if i.name == "past_v"), None)
+    if past is None or past.elem_type != onnx.TensorProto.FLOAT:
+        return False
+    hd = past.shape.dim[-1].dim_value
+    return 0 < hd <= MAX_HEAD_DIM and hd % 8 == 0

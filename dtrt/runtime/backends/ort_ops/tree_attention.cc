@@ -1,0 +1,224 @@
+// dtrt::TreeAttentionPlanned as one ONNX Runtime CPU kernel (AVX2 + FMA), registered under the function's own
+// domain and name: ONNX Runtime then runs it in place of the function body (dtrt/ops/functions/tree_attention.py),
+// which stays the definition and the fallback. Each row sums its terms in one fixed order, the whole past and then
+// its attended new columns in index order, with the same code whatever the call's rows and the row's place, so a
+// tree's verify row equals plain decoding's row for the same token bit for bit (the order check). Inputs as the
+// function's; the plan's outputs other than the grouped mask are not read.
+
+#include <immintrin.h>
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+
+#include <cmath>
+#include <vector>
+
+// exp(x) elementwise (a value's result does not depend on its lane): Cephes' range reduction and polynomial
+static inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// a vector's lanes summed in one fixed tree: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))
+static inline float tree8(__m256 a) {
+  __m256 h = _mm256_hadd_ps(a, a);
+  h = _mm256_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+// four keys against one query held in registers (nc chunks of 8): each key's dot product in one fixed order (its
+// even and odd chunks in two lane-wise chains, added, then tree8's tree), whichever call and place it comes from
+static inline void scores4q(const __m256* qv, int nc, const float* k0, const float* k1, const float* k2,
+                            const float* k3, float* out) {
+  __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+  for (int c = 0; c < nc; c += 2) {
+    e0 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k0 + 8 * c), e0);
+    e1 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k1 + 8 * c), e1);
+    e2 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k2 + 8 * c), e2);
+    e3 = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(k3 + 8 * c), e3);
+    if (c + 1 < nc) {
+      o0 = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(k0 + 8 * c + 8), o0);
+      o1 = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(k1 + 8 * c + 8), o1);
+      o2 = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(k2 + 8 * c + 8), o2);
+      o3 = _mm256_fmadd_ps(qv[c + 1], _mm256_loadu_ps(k3 + 8 * c + 8), o3);
+    }
+  }
+  __m256 a0 = _mm256_add_ps(e0, o0), a1 = _mm256_add_ps(e1, o1), a2 = _mm256_add_ps(e2, o2), a3 = _mm256_add_ps(e3, o3);
+  __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+struct Kernel {
+  Kernel(const OrtApi&, const OrtKernelInfo*) {}
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    auto q = ctx.GetInput(0), kp = ctx.GetInput(1), kn = ctx.GetInput(2), vc = ctx.GetInput(3), lay = ctx.GetInput(4),
+         vn = ctx.GetInput(5), sc = ctx.GetInput(6), mk = ctx.GetInput(7);
+    auto qs = q.GetTensorTypeAndShapeInfo().GetShape();   // [H, N, hd]
+    auto ms = mk.GetTensorTypeAndShapeInfo().GetShape();  // [N, M]
+    auto cs = vc.GetTensorTypeAndShapeInfo().GetShape();  // [L, KVH, C, hd]: both caches
+    const int64_t H = qs[0], N = qs[1], KVH = cs[1], M = ms[1], P = M - N, C = cs[2], G = H / KVH, R = G * N;
+    const int64_t hd = qs[2];
+    const int nc = (int)(hd / 8);  // hd: a multiple of 8, at most 128 (checked before registering)
+    const float* Q = q.GetTensorData<float>();
+    const float* KN = kn.GetTensorData<float>();
+    const float* VN = vn.GetTensorData<float>();
+    const int64_t l = lay.GetTensorData<int64_t>()[0];
+    const int64_t PS = kp.GetTensorTypeAndShapeInfo().GetShape()[1];
+    const float* KP = kp.GetTensorData<float>();
+    const float* VP = vc.GetTensorData<float>() + l * KVH * C * hd;
+    const float scale = sc.GetTensorData<float>()[0];
+    const bool* mask = mk.GetTensorData<bool>();
+    auto out = ctx.GetOutput(0, qs);
+    float* O = out.GetTensorMutableData<float>();
+    const int64_t W = M + 8;  // a row of scores, padded for the 4- and 8-wide loops
+    std::vector<float> S(R * W), acc(R * hd), den(R);
+    std::vector<int64_t> cnt(N), start(N + 1);
+    std::vector<int32_t> cols;  // each row's attended new columns, in index order, row after row
+    for (int64_t r = 0; r < N; ++r) {
+      for (int64_t j = 0; j < P; ++j)
+        if (!mask[r * M + j]) ORT_CXX_API_THROW("TreeAttentionPlanned: a row that does not attend its whole past", ORT_INVALID_ARGUMENT);
+      start[r] = (int64_t)cols.size();
+      for (int64_t t = 0; t < N; ++t)
+        if (mask[r * M + P + t]) cols.push_back((int32_t)t);
+      cnt[r] = (int64_t)cols.size() - start[r];
+    }
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      const float* Kh = KP + kh * PS * hd;
+      const float* Vh = VP + kh * C * hd;
+      // scores: the past (every row attends all of it), 4 keys at a time for all rows
+      for (int64_t rr = 0; rr < R; ++rr) {
+        const int64_t g = rr / N, r = rr % N;
+        const float* qr = Q + ((kh * G + g) * N + r) * hd;
+        __m256 qv[16];
+        for (int c = 0; c < nc; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
+        float* srow = &S[rr * W];
+        for (int64_t j = 0; j < P; j += 4) {
+          const float* k0 = Kh + j * hd;
+          const float* k1 = Kh + (j + 1 < P ? j + 1 : j) * hd;
+          const float* k2 = Kh + (j + 2 < P ? j + 2 : j) * hd;
+          const float* k3 = Kh + (j + 3 < P ? j + 3 : j) * hd;
+          scores4q(qv, nc, k0, k1, k2, k3, srow + j);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t r = 0; r < N; ++r) {
+          float* s = &S[(g * N + r) * W];
+          const float* qr = Q + ((kh * G + g) * N + r) * hd;
+          __m256 qv[16];
+          for (int c = 0; c < nc; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
+          for (int64_t t = 0; t < cnt[r]; t += 4) {
+            const float* k[4];
+            for (int u = 0; u < 4; ++u) k[u] = KN + (kh * N + cols[start[r] + (t + u < cnt[r] ? t + u : 0)]) * hd;
+            scores4q(qv, nc, k[0], k[1], k[2], k[3], s + P + t);
+          }
+          const int64_t n = P + cnt[r];
+          for (int64_t i = n; i < n + 8; ++i) s[i] = -INFINITY;  // padding: never the max
+          const __m256 vs = _mm256_set1_ps(scale);
+          __m256 vm = _mm256_set1_ps(-INFINITY);
+          for (int64_t i = 0; i < n; i += 8) {
+            const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + i), vs);
+            _mm256_storeu_ps(s + i, x);
+            vm = _mm256_max_ps(vm, x);
+          }
+          __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+          m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+          m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+          const __m256 vmx = _mm256_set1_ps(_mm_cvtss_f32(m4));
+          __m256 vd = _mm256_setzero_ps();  // lane i % 8 of the row's sequence: the same in every call
+          for (int64_t i = 0; i < n; i += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx));
+            if (i + 8 > n) {  // lanes past the row's end: exact zeros
+              const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+              const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)), lane);
+              e = _mm256_and_ps(e, _mm256_castsi256_ps(live));
+            }
+            _mm256_storeu_ps(s + i, e);
+            vd = _mm256_add_ps(vd, e);
+          }
+          den[g * N + r] = tree8(vd);
+        }
+      // values over the past: all rows per key, 6 rows and 8 lanes of hd at a time, keys in order
+      std::fill(acc.begin(), acc.end(), 0.f);
+      constexpr int64_t KB = 64;
+      for (int64_t j0 = 0; j0 < P; j0 += KB) {
+        const int64_t j1 = j0 + KB < P ? j0 + KB : P;
+        for (int64_t r0 = 0; r0 < R; r0 += 6) {
+          const int64_t nr = R - r0 < 6 ? R - r0 : 6;
+          for (int c = 0; c < nc; c += 2) {
+            const bool two = c + 1 < nc;
+            __m256 a[6], b[6];
+            for (int u = 0; u < 6; ++u) {
+              a[u] = _mm256_loadu_ps(&acc[(r0 + (u < nr ? u : 0)) * hd + 8 * c]);
+              b[u] = two ? _mm256_loadu_ps(&acc[(r0 + (u < nr ? u : 0)) * hd + 8 * c + 8]) : _mm256_setzero_ps();
+            }
+            for (int64_t j = j0; j < j1; ++j) {
+              const __m256 v = _mm256_loadu_ps(Vh + j * hd + 8 * c);
+              const __m256 w2 = two ? _mm256_loadu_ps(Vh + j * hd + 8 * c + 8) : _mm256_setzero_ps();
+              for (int u = 0; u < 6; ++u) {
+                const __m256 e = _mm256_broadcast_ss(&S[(r0 + (u < nr ? u : 0)) * W + j]);
+                a[u] = _mm256_fmadd_ps(e, v, a[u]);
+                b[u] = _mm256_fmadd_ps(e, w2, b[u]);
+              }
+            }
+            for (int64_t u = 0; u < nr; ++u) {
+              _mm256_storeu_ps(&acc[(r0 + u) * hd + 8 * c], a[u]);
+              if (two) _mm256_storeu_ps(&acc[(r0 + u) * hd + 8 * c + 8], b[u]);
+            }
+          }
+        }
+      }
+      // then each row's attended new columns, in index order, and the division
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t r = 0; r < N; ++r) {
+          const int64_t rr = g * N + r;
+          __m256 a[16];
+          for (int c = 0; c < nc; ++c) a[c] = _mm256_loadu_ps(&acc[rr * hd + 8 * c]);
+          for (int64_t t = 0; t < cnt[r]; ++t) {
+            const __m256 w = _mm256_set1_ps(S[rr * W + P + t]);
+            const float* v = VN + (kh * N + cols[start[r] + t]) * hd;
+            for (int c = 0; c < nc; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), a[c]);
+          }
+          const __m256 dv = _mm256_set1_ps(den[rr]);
+          float* o = O + ((kh * G + g) * N + r) * hd;
+          for (int c = 0; c < nc; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_div_ps(a[c], dv));
+        }
+    }
+  }
+};
+
+struct Op : Ort::CustomOpBase<Op, Kernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Kernel(api, info); }
+  const char* GetName() const { return "TreeAttentionPlanned"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 23; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    if (i == 7) return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+    if (i == 0 || i == 1 || i == 2 || i == 3 || i == 5 || i == 6 || i == 10) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+static Op op;
+
+extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api) {
+  Ort::InitApi(api->GetApi(ORT_API_VERSION));
+  static Ort::CustomOpDomain domain{"dtrt"};
+  domain.Add(&op);
+  Ort::UnownedSessionOptions(options).Add(domain);
+  return nullptr;
+}
