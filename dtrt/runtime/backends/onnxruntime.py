@@ -108,7 +108,7 @@ def make_session(
         opts.enable_profiling = True
         opts.profile_file_prefix = str(profile)
     providers = providers or ["CPUExecutionProvider"]
-    if providers == ["CPUExecutionProvider"] and ort_ops.enabled() and ort_ops.wants_kernel(path):
+    if providers == ["CPUExecutionProvider"] and not ort_ops.status() and ort_ops.wants_kernel(path):
         if (lib := ort_ops.library()) is not None:
             opts.register_custom_ops_library(str(lib))  # runs in place of the ordered attention's function body
     return ort.InferenceSession(str(path), opts, providers=providers, disabled_optimizers=DISABLED_OPTIMIZERS)

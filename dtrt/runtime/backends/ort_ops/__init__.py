@@ -20,8 +20,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import onnx
-
 from dtrt.artifacts.files import cache_dir
 
 SOURCE = Path(__file__).with_name("tree_attention.cc")
@@ -88,6 +86,8 @@ def library() -> Path | None:
 def wants_kernel(path) -> bool:
     """Whether the stage at `path` has ordered-attention nodes the kernel serves: fp32 caches, a head dim that is
     a multiple of 8 and at most MAX_HEAD_DIM."""
+    import onnx  # a session's start only (`dtrt run` imports no onnx otherwise)
+
     model = onnx.load(str(path), load_external_data=False)
     if not any(n.op_type == OP for n in model.graph.node):
         return False
