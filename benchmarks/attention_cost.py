@@ -8,7 +8,6 @@ only timed.
 """
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ from onnx import helper
 from verify_cost import add_export_args, exports_from, measure, table
 
 from dtrt.artifacts.export import load_export
-from dtrt.artifacts.files import MANIFEST
+from dtrt.artifacts.files import MANIFEST, write_manifest
 
 ATTENTION = "TreeAttentionPlanned"
 
@@ -44,10 +43,7 @@ def without_attention(src: Path, dst: Path) -> Path:
     del fn.node[:]
     fn.node.append(helper.make_node("Identity", [fn.input[0]], [fn.output[0]]))
     onnx.save_model(model, str(dst / "target.onnx"))
-    manifest = json.loads((src / MANIFEST).read_text())
-    data = (dst / "target.onnx").read_bytes()
-    manifest["files"]["target.onnx"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (dst / MANIFEST).write_text(json.dumps(manifest))
+    write_manifest(dst, json.loads((src / MANIFEST).read_text()))
     return dst
 
 

@@ -11,7 +11,6 @@ than tau single-token calls, so a steep curve wants a small tree.
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -43,21 +42,6 @@ def chain_feeds(exp, n: int, past: int, rng) -> dict:
     return feeds | {"past_positions": np.arange(past)}
 
 
-def session(exp, threads: int, accuracy: int, kernel: bool | None = None):
-    """The export's target session; `kernel` False runs the ordered attention's function body instead of dtrt's
-    ONNX Runtime kernel (DTRT_ORT_OPS, read when the session is made), None leaves it to the environment."""
-    before = os.environ.get("DTRT_ORT_OPS")
-    if kernel is not None:
-        os.environ["DTRT_ORT_OPS"] = "1" if kernel else "0"
-    try:
-        return cpu_session(exp.stage("target"), threads=threads, accuracy=accuracy)
-    finally:
-        if before is None:
-            os.environ.pop("DTRT_ORT_OPS", None)
-        else:
-            os.environ["DTRT_ORT_OPS"] = before
-
-
 def measure(
     exports: dict,
     ns,
@@ -70,12 +54,15 @@ def measure(
     accuracy=MATMUL_ACCURACY,
     kernels: dict | None = None,
 ) -> list[dict]:
-    """`kernels`: name -> whether that entry runs with dtrt's ONNX Runtime kernel (None: the environment's)."""
+    """`kernels`: name -> whether that entry may run dtrt's ONNX Runtime kernel (default: yes, where it is built)."""
     rows = []
     rng = np.random.default_rng(seed)
     kernels = kernels or {}
     for t in threads:
-        sessions = {name: session(e, t, accuracy, kernels.get(name)) for name, e in exports.items()}
+        sessions = {
+            name: cpu_session(e.stage("target"), threads=t, accuracy=accuracy, kernels=kernels.get(name, True))
+            for name, e in exports.items()
+        }
         for past in pasts:
             for n in ns:
                 feeds = {name: chain_feeds(exp, n, past, rng) for name, exp in exports.items()}

@@ -85,11 +85,13 @@ def make_session(
     accuracy: int = MATMUL_ACCURACY,
     optimized=None,
     profile: str | None = None,
+    kernels: bool = True,
 ):
     """An InferenceSession configured as every dtrt stage runs (on the CPU also what `dtrt parity` measures);
     `accuracy`: the fused MatMulNBits kernels' accuracy level (0: fp32 activations, what parity checks weights with);
     `optimized`: a path to write the graph as ONNX Runtime optimized it; `profile`: a file prefix for ONNX Runtime's
-    per-node profile (`end_profiling()` names the file)."""
+    per-node profile (`end_profiling()` names the file); `kernels`: dtrt's ONNX Runtime kernels where they serve the
+    graph and can be built here (dtrt.runtime.backends.ort_ops; DTRT_ORT_OPS=0 turns them off everywhere)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -108,14 +110,16 @@ def make_session(
         opts.enable_profiling = True
         opts.profile_file_prefix = str(profile)
     providers = providers or ["CPUExecutionProvider"]
-    if providers == ["CPUExecutionProvider"] and not ort_ops.status() and ort_ops.wants_kernel(path):
+    if kernels and providers == ["CPUExecutionProvider"] and not ort_ops.status() and ort_ops.wants_kernel(path):
         if (lib := ort_ops.library()) is not None:
             opts.register_custom_ops_library(str(lib))  # runs in place of the ordered attention's function body
     return ort.InferenceSession(str(path), opts, providers=providers, disabled_optimizers=DISABLED_OPTIMIZERS)
 
 
-def cpu_session(path, threads: int | None = None, accuracy: int = MATMUL_ACCURACY, optimized=None):
-    return make_session(path, threads, ["CPUExecutionProvider"], accuracy, optimized)
+def cpu_session(
+    path, threads: int | None = None, accuracy: int = MATMUL_ACCURACY, optimized=None, kernels: bool = True
+):
+    return make_session(path, threads, ["CPUExecutionProvider"], accuracy, optimized, kernels=kernels)
 
 
 _EMPTY: dict[torch.device, torch.Tensor] = {}

@@ -50,8 +50,12 @@ def enabled() -> bool:
 
 def status() -> str:
     """ "" when the kernel can be used here, else why not (one line)."""
-    if not enabled():
-        return "turned off (DTRT_ORT_OPS=0)"
+    return "turned off (DTRT_ORT_OPS=0)" if not enabled() else _machine()
+
+
+@functools.cache
+def _machine() -> str:
+    """What this machine lacks for the kernel ("" for nothing), checked once per process."""
     if not {"avx2", "fma"} <= cpu_flags():
         return "this CPU lacks AVX2 or FMA"
     if include_dir() is None:
