@@ -162,8 +162,10 @@ def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_exp
     plans = [n for n in graph.node if n.op_type == "TreeAttentionOrderPlan"]
     assert len(planned) == m["target"]["num_layers"] and len(plans) == 1  # the plan once, read by every layer
     assert all(list(n.input[7:]) == list(plans[0].output) and n.input[6] == "attention.scale" for n in planned)
-    # no layer joins its past with the new tokens: each reads the V cache itself, at its own layer
+    # no layer joins or slices its past: each reads the K and V caches themselves, at its own layer
     assert {n.op_type for n in graph.node if "past_v" in n.input} == {"TreeAttentionPlanned"}
+    assert {n.op_type for n in graph.node if "past_k" in n.input} == {"TreeAttentionPlanned", "TreeAttentionOrderPlan"}
+    assert all(n.input[1] == "past_k" and n.input[3] == "past_v" for n in planned)
     assert sorted(int(onnx.numpy_helper.to_array(inits[n.input[4]])[0]) for n in planned) == list(range(layers))
     producers = {o: n.op_type for n in graph.node for o in n.output}
     assert all(producers.get(n.input[1]) != "Concat" and producers.get(n.input[5]) != "Concat" for n in planned)
@@ -286,11 +288,12 @@ def test_order_check_catches_plain_attention(int4_export, tmp_path, monkeypatch)
     from dtrt.ops.functions.registry import OPSET
 
     @onnxscript.script(OPSET, default_opset=op)
-    def TreeAttentionPlanned(q, k_past, k_new, v_cache, layer, v_new, scale, mask_g, qg_shape, out_shape, ones_tail,
+    def TreeAttentionPlanned(q, k_cache, k_new, v_cache, layer, v_new, scale, mask_g, qg_shape, out_shape, ones_tail,
                              b0, b0p, hnew, head_end, tail_start, tail_end, order, order_g, tail_shape, acc_shape, hd,
                              hd1):  # fmt: skip
-        past = op.Slice(v_cache, layer, op.Add(tail_end, layer), op.Constant(value_ints=[0, 2]))
-        v_past = op.Squeeze(past, op.Constant(value_ints=[0]))
+        axes, zero = op.Constant(value_ints=[0, 2]), op.Constant(value_ints=[0])
+        v_past = op.Squeeze(op.Slice(v_cache, layer, op.Add(tail_end, layer), axes), zero)
+        k_past = op.Squeeze(op.Slice(k_cache, layer, op.Add(tail_end, layer), axes), zero)
         k = op.Concat(k_past, k_new, axis=1)
         scores = op.Mul(op.MatMul(op.Reshape(q, qg_shape), op.Transpose(k, perm=[0, 2, 1])), scale)
         scores = op.Where(mask_g, scores, op.CastLike(op.Constant(value_float=-1e30), q))
@@ -422,10 +425,15 @@ def test_kernel_runs_the_ordered_attention_in_order(int4_export):
     assert all(np.array_equal(want, got) for _, _, want, got in order_check(int4_export))
 
 
-def test_kernel_serves_only_what_it_computes(int4_export, tiny_export, monkeypatch):
+def test_kernel_serves_only_what_it_computes(int4_export, tiny_export, monkeypatch, tmp_path):
     from dtrt.runtime.backends import ort_ops
 
     assert ort_ops.wants_kernel(int4_export.stage("target"))
+    # an earlier layout's layers read a slice of the K cache, not the cache: their function body runs
+    model = onnx.load(str(int4_export.stage("target")), load_external_data=False)
+    next(n for n in model.graph.node if n.op_type == "TreeAttentionPlanned").input[1] = "k_past_slice"
+    onnx.save_model(model, str(tmp_path / "earlier.onnx"))
+    assert not ort_ops.wants_kernel(tmp_path / "earlier.onnx")
     assert not ort_ops.wants_kernel(tiny_export.stage("target"))  # no ordered attention: an unquantized target
     assert not ort_ops.wants_kernel(int4_export.stage("domino.block"))
     monkeypatch.setenv("DTRT_ORT_OPS", "0")

@@ -29,13 +29,13 @@ def TreeAttention(q: FLOAT, k: FLOAT, v: FLOAT, mask: BOOL) -> FLOAT:
 
 @register_function
 @onnxscript.script(OPSET, default_opset=op)
-def TreeAttentionOrderPlan(q: FLOAT, k_past: FLOAT, mask: BOOL):
+def TreeAttentionOrderPlan(q: FLOAT, k_cache: FLOAT, mask: BOOL):
     heads = op.Shape(q, start=0, end=1)
     n = op.Shape(q, start=1, end=2)
     hd = op.Shape(q, start=2, end=3)
-    kv_heads = op.Shape(k_past, start=0, end=1)
-    p = op.Shape(k_past, start=1, end=2)
-    m = op.Add(p, n)
+    kv_heads = op.Shape(k_cache, start=1, end=2)
+    m = op.Shape(mask, start=1, end=2)
+    p = op.Sub(m, n)
     groups = op.Div(heads, kv_heads)
     rows = op.Mul(groups, n)
     one = op.Constant(value_ints=[1])
@@ -57,7 +57,7 @@ def TreeAttentionOrderPlan(q: FLOAT, k_past: FLOAT, mask: BOOL):
     tail_start = op.Concat(zero, b0p, axis=0)
     tail_end = op.Concat(one, p, axis=0)
     t = op.Sub(m, b0)
-    unit = op.CastLike(op.Constant(value_float=1.0), k_past)
+    unit = op.CastLike(op.Constant(value_float=1.0), q)
     ones_tail = op.Expand(unit, op.Concat(kv_heads, t, one, axis=0))
     tail_mask = op.Slice(mask, b0, m, one)  # [N, T]
     j = op.Cast(op.Range(op.Constant(value_int=0), op.Squeeze(t), op.Constant(value_int=1)), to=1)
@@ -93,7 +93,7 @@ def TreeAttentionOrderPlan(q: FLOAT, k_past: FLOAT, mask: BOOL):
 @onnxscript.script(OPSET, default_opset=op)
 def TreeAttentionPlanned(
     q: FLOAT,
-    k_past: FLOAT,
+    k_cache: FLOAT,
     k_new: FLOAT,
     v_cache: FLOAT,
     layer: INT64,
@@ -122,8 +122,13 @@ def TreeAttentionPlanned(
     end = op.Constant(value_ints=[9223372036854775807])
     cache_axes = op.Constant(value_ints=[0, 2])
     qg = op.Reshape(q, qg_shape)
-    # the scores of the past and of the new keys side by side: the keys are never copied into one tensor (a cache
-    # narrower than fp32 passes them joined as k_past and no k_new: dtrt.exporter.ordered_attention)
+    # the scores of the past and of the new keys side by side: the keys are never copied into one tensor; both
+    # caches are read at the layer's own offset (`layer`: [l, 0]), the past's keys up to tail_end ([1, P])
+    # `at` is `layer` read through the layer's own query: ONNX Runtime then slices each layer's past keys right
+    # before that layer's product, not every layer's at the call's start (30 live copies of the past, twice slower)
+    rows = op.Shape(qg, start=0, end=2)
+    at = op.Add(layer, op.Sub(rows, rows))
+    k_past = op.Squeeze(op.Slice(k_cache, at, op.Add(tail_end, at), cache_axes), zero)
     past_scores = op.MatMul(qg, op.Transpose(k_past, perm=[0, 2, 1]))
     new_scores = op.MatMul(qg, op.Transpose(k_new, perm=[0, 2, 1]))
     # `scale` (1 / sqrt(hd)) is a constant of the graph: ONNX Runtime folds it into each product

@@ -88,12 +88,14 @@ def library() -> Path | None:
 
 
 def wants_kernel(path) -> bool:
-    """Whether the stage at `path` has ordered-attention nodes the kernel serves: fp32 caches, a head dim that is
-    a multiple of 8 and at most MAX_HEAD_DIM."""
+    """Whether the stage at `path` has ordered-attention nodes the kernel serves: fp32 caches that each node reads
+    whole (exports of layout 11 on; earlier ones run the function body), a head dim that is a multiple of 8 and at
+    most MAX_HEAD_DIM."""
     import onnx  # a session's start only (`dtrt run` imports no onnx otherwise)
 
     model = onnx.load(str(path), load_external_data=False)
-    if not any(n.op_type == OP for n in model.graph.node):
+    nodes = [n for n in model.graph.node if n.op_type == OP]
+    if not nodes or any(n.input[1] != "past_k" or n.input[3] != "past_v" for n in nodes):
         return False
     past = next((i.type.tensor_type for i in model.graph.input if i.name == "past_v"), None)
     if past is None or past.elem_type != onnx.TensorProto.FLOAT:

@@ -3,7 +3,7 @@
 // which stays the definition and the fallback. Each row sums its terms in one fixed order, the whole past and then
 // its attended new columns in index order, with the same code whatever the call's rows and the row's place, so a
 // tree's verify row equals plain decoding's row for the same token bit for bit (the order check). Inputs as the
-// function's; the plan's outputs other than the grouped mask are not read.
+// function's (both caches read at the layer's offset); the plan's outputs other than the grouped mask are not read.
 
 #include <immintrin.h>
 #define ORT_API_MANUAL_INIT
@@ -68,7 +68,7 @@ struct Kernel {
          vn = ctx.GetInput(5), sc = ctx.GetInput(6), mk = ctx.GetInput(7);
     auto qs = q.GetTensorTypeAndShapeInfo().GetShape();   // [H, N, hd]
     auto ms = mk.GetTensorTypeAndShapeInfo().GetShape();  // [N, M]
-    auto cs = vc.GetTensorTypeAndShapeInfo().GetShape();  // [L, KVH, C, hd]: both caches
+    auto cs = vc.GetTensorTypeAndShapeInfo().GetShape();  // the V cache: [L, KVH, C, hd]
     const int64_t H = qs[0], N = qs[1], KVH = cs[1], M = ms[1], P = M - N, C = cs[2], G = H / KVH, R = G * N;
     const int64_t hd = qs[2];
     const int nc = (int)(hd / 8);  // hd: a multiple of 8, at most 128 (checked before registering)
@@ -76,8 +76,11 @@ struct Kernel {
     const float* KN = kn.GetTensorData<float>();
     const float* VN = vn.GetTensorData<float>();
     const int64_t l = lay.GetTensorData<int64_t>()[0];
-    const int64_t PS = kp.GetTensorTypeAndShapeInfo().GetShape()[1];
-    const float* KP = kp.GetTensorData<float>();
+    auto ks = kp.GetTensorTypeAndShapeInfo().GetShape();  // the K cache: [L, KVH, CK, hd]
+    const int64_t CK = ks[2];
+    if (l < 0 || l >= cs[0] || l >= ks[0] || P > C || P > CK)
+      ORT_CXX_API_THROW("TreeAttentionPlanned: the layer or the past is outside the caches", ORT_INVALID_ARGUMENT);
+    const float* KP = kp.GetTensorData<float>() + l * KVH * CK * hd;
     const float* VP = vc.GetTensorData<float>() + l * KVH * C * hd;
     const float scale = sc.GetTensorData<float>()[0];
     const bool* mask = mk.GetTensorData<bool>();
@@ -96,7 +99,7 @@ struct Kernel {
       cnt[r] = (int64_t)cols.size() - start[r];
     }
     for (int64_t kh = 0; kh < KVH; ++kh) {
-      const float* Kh = KP + kh * PS * hd;
+      const float* Kh = KP + kh * CK * hd;
       const float* Vh = VP + kh * C * hd;
       // scores: the past (every row attends all of it), 4 keys at a time for all rows
       for (int64_t rr = 0; rr < R; ++rr) {
