@@ -101,19 +101,24 @@ struct Kernel {
     for (int64_t kh = 0; kh < KVH; ++kh) {
       const float* Kh = KP + kh * CK * hd;
       const float* Vh = VP + kh * C * hd;
-      // scores: the past (every row attends all of it), 4 keys at a time for all rows
-      for (int64_t rr = 0; rr < R; ++rr) {
-        const int64_t g = rr / N, r = rr % N;
-        const float* qr = Q + ((kh * G + g) * N + r) * hd;
-        __m256 qv[16];
-        for (int c = 0; c < nc; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
-        float* srow = &S[rr * W];
-        for (int64_t j = 0; j < P; j += 4) {
-          const float* k0 = Kh + j * hd;
-          const float* k1 = Kh + (j + 1 < P ? j + 1 : j) * hd;
-          const float* k2 = Kh + (j + 2 < P ? j + 2 : j) * hd;
-          const float* k3 = Kh + (j + 3 < P ? j + 3 : j) * hd;
-          scores4q(qv, nc, k0, k1, k2, k3, srow + j);
+      // scores: the past (every row attends all of it), 4 keys at a time, in blocks of keys that stay in the L1
+      // cache while every row reads them (a long past read once per row would stream from memory R times)
+      constexpr int64_t SB = 64;  // a multiple of 4
+      for (int64_t j0 = 0; j0 < P; j0 += SB) {
+        const int64_t j1 = j0 + SB < P ? j0 + SB : P;
+        for (int64_t rr = 0; rr < R; ++rr) {
+          const int64_t g = rr / N, r = rr % N;
+          const float* qr = Q + ((kh * G + g) * N + r) * hd;
+          __m256 qv[16];
+          for (int c = 0; c < nc; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
+          float* srow = &S[rr * W];
+          for (int64_t j = j0; j < j1; j += 4) {
+            const float* k0 = Kh + j * hd;
+            const float* k1 = Kh + (j + 1 < P ? j + 1 : j) * hd;
+            const float* k2 = Kh + (j + 2 < P ? j + 2 : j) * hd;
+            const float* k3 = Kh + (j + 3 < P ? j + 3 : j) * hd;
+            scores4q(qv, nc, k0, k1, k2, k3, srow + j);
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g)
