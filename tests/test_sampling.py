@@ -117,3 +117,31 @@ def test_top_p_keeps_the_smallest_nucleus():
     p = target_probs(logits, 1.0, 0.8)
     assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
     assert list(itertools.chain(target_probs(logits, 1.0, 1.0)[0].tolist())) == pytest.approx([0.5, 0.3, 0.15, 0.05])
+
+
+@pytest.mark.parametrize("method", ["dflash", "domino", "ddtree", "dominotree"])
+def test_same_seed_commits_ar_tokens(tiny, method):
+    """A round draws once per token it commits (only the nodes the acceptance walk reaches are sampled), as AR draws
+    once per step: with the same seed a method commits AR's very tokens at T>0, drafts accepted."""
+    ar, pipe = pipe_for(tiny, spec("ar")), pipe_for(tiny, spec(method))
+    accepted = 0
+    for prompt in PROMPTS[:4]:
+        ids = pipe.tokenizer.encode(prompt, add_special_tokens=False)
+        for seed in range(3):
+            cfg = SamplingConfig(T, TOP_P, seed)
+            g = pipe.generate(ids, 24, cfg)
+            assert g.tokens == ar.generate(ids, 24, cfg).tokens, (prompt, seed)
+            accepted += sum(r.accepted - 1 for r in g.rounds)
+    assert accepted >= 12, accepted
+
+
+def test_draw_follows_the_nucleus():
+    """draw() samples target_probs: the nucleus only, in proportion (4,000 draws, a bound of 4 standard errors)."""
+    from dtrt.runtime.sampling import draw
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    g = torch.Generator().manual_seed(0)
+    for top_p, want in ((0.8, [0.625, 0.375, 0.0, 0.0]), (1.0, [0.5, 0.3, 0.15, 0.05])):
+        counts = torch.bincount(torch.tensor([draw(logits, 1.0, top_p, g) for _ in range(4000)]), minlength=4)
+        for c, p in zip((counts / 4000).tolist(), want):
+            assert abs(c - p) <= 4 * (p * (1 - p) / 4000) ** 0.5 + 1e-9

@@ -12,7 +12,7 @@ import torch
 
 from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.methods import Method
-from dtrt.runtime.sampling import SamplingConfig, choose
+from dtrt.runtime.sampling import SamplingConfig, chooser
 from dtrt.tree import Tree, accept
 
 STAGES = ("draft", "build", "verify", "commit")
@@ -164,7 +164,7 @@ def generate(
     n = len(prompt)
     logits, hidden = backend.target_forward(torch.tensor(prompt), torch.arange(n), torch.ones(n, n).tril().bool())
     backend.commit(torch.arange(n))
-    root = int(choose(logits[-1:], sampling, gen)[0])
+    root = chooser(logits[-1:], sampling, gen)(0)
     if drafter is not None:
         backend.draft_context(hidden, torch.arange(n))
         method.prepare(backend, drafter.cfg.k_draft)
@@ -191,7 +191,7 @@ def generate(
             tree = tree.within(limit)
         t2 = time.perf_counter()
         logits, hidden = backend.target_forward(tree.tokens, tree.positions(start), tree.mask)
-        accepted, bonus = accept(tree, choose(logits, sampling, gen))
+        accepted, bonus = accept(tree, chooser(logits, sampling, gen))
         method.observe(tree, accepted)
         t3 = time.perf_counter()
         backend.commit(accepted)

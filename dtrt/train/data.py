@@ -13,6 +13,7 @@ import torch
 
 from dtrt.errors import DtrtError
 from dtrt.models.target import KVCache
+from dtrt.runtime.sampling import nucleus
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".jsonl")
 
@@ -60,24 +61,14 @@ def windows(rows: list[list[int]], starts: list[int], T: int) -> tuple[torch.Ten
 
 
 def sample_rows(logits, temperature: float, top_p: float, generators) -> torch.Tensor:
-    """Long[n]: one token per row of logits [n, V], sampled with temperature and top-p (the nucleus of
-    dtrt.runtime.sampling.target_probs) from each row's own generator. The nucleus is found among the top 64
-    tokens when they hold top_p of the mass (else the top 4x as many, up to the whole vocabulary), so the common case
-    never sorts the vocabulary."""
+    """Long[n]: one token per row of logits [n, V], sampled with temperature and top-p (dtrt.runtime.sampling's
+    nucleus) from each row's own generator."""
     probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
     out = torch.empty(probs.shape[0], dtype=torch.long)
     for i, (p, gen) in enumerate(zip(probs, generators)):
-        if top_p >= 1.0:
-            out[i] = torch.multinomial(p, 1, generator=gen)[0]
-            continue
-        k = 64
-        while True:
-            top, idx = p.topk(min(k, p.numel()))
-            if top.sum() >= top_p or k >= p.numel():
-                break
-            k *= 4
-        top = top.masked_fill(top.cumsum(0) - top >= top_p, 0.0)  # mass strictly before a token reaches top_p
-        out[i] = idx[torch.multinomial(top, 1, generator=gen)[0]]
+        mass, ids = nucleus(p, top_p)
+        j = torch.multinomial(mass, 1, generator=gen)[0]
+        out[i] = j if ids is None else ids[j]
     return out.to(logits.device)
 
 

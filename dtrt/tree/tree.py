@@ -97,12 +97,17 @@ def unpack_mask(packed: torch.Tensor, n: int) -> torch.Tensor:
 def accept(tree: Tree, target_tokens) -> tuple[list[int], int]:
     """Longest path whose tokens the target reproduces; returns (accepted tree indices from 0, bonus token).
 
-    target_tokens[i] is the target's choice after node i (argmax at T=0, a sample at T>0). Siblings carry
-    distinct tokens; should padding repeat one, the earlier (real) node wins.
+    target_tokens[i] (or target_tokens(i), a callable asked only for the nodes the walk reaches) is the target's
+    choice after node i (argmax at T=0, a sample at T>0). Siblings carry distinct tokens; should padding repeat one,
+    the earlier (real) node wins.
     """
-    target = [int(t) for t in torch.as_tensor(target_tokens).tolist()]
-    if len(target) != len(tree):
-        raise ValueError(f"target_tokens has {len(target)} entries for a tree of {len(tree)}")
+    if callable(target_tokens):
+        target = target_tokens
+    else:
+        listed = [int(t) for t in torch.as_tensor(target_tokens).tolist()]
+        if len(listed) != len(tree):
+            raise ValueError(f"target_tokens has {len(listed)} entries for a tree of {len(tree)}")
+        target = listed.__getitem__
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     children: list[list[int]] = [[] for _ in tokens]
     for i in range(1, len(tokens)):
@@ -110,7 +115,8 @@ def accept(tree: Tree, target_tokens) -> tuple[list[int], int]:
     accepted = [0]
     while True:
         cur = accepted[-1]
-        nxt = next((c for c in children[cur] if tokens[c] == target[cur]), None)
+        t = int(target(cur))
+        nxt = next((c for c in children[cur] if tokens[c] == t), None)
         if nxt is None:
-            return accepted, target[cur]
+            return accepted, t
         accepted.append(nxt)
