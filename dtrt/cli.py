@@ -574,10 +574,12 @@ def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, a
 )
 @click.option(
     "--held-out",
-    "held_out_file",
-    type=click.Path(),
-    help="prompts (same formats) that held-out tau is measured on; default: the last --eval-prompts of --prompts, "
-    "else the first halves of the last data rows",
+    "held_out_sets",
+    multiple=True,
+    help="a set of prompts that held-out tau is measured on (repeat for several, each reported and the best "
+    "checkpoint chosen by their mean): a file in the --prompts formats, or a bench dataset (mt-bench, humaneval, "
+    "math500, aime, aime24: the first turns of the seeded --eval-prompts subset `dtrt bench` takes); default: the "
+    "last --eval-prompts of --prompts, else the first halves of the last data rows",
 )
 @click.option(
     "--data",
@@ -640,7 +642,7 @@ def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, a
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 def train_drafter_cmd(
-    model, target, model_dir, out, corpus, prompts_file, held_out_file, data_dirs, chat, resume, **opts
+    model, target, model_dir, out, corpus, prompts_file, held_out_sets, data_dirs, chat, resume, **opts
 ):
     """Distil a DFlash drafter and a Domino head from a target into OUT/dflash and OUT/domino."""
     from dtrt.train.trainer import read_prompts, train_drafter
@@ -649,7 +651,12 @@ def train_drafter_cmd(
     check_cuda(cfg.device)
     pair = load_pair(resolve_spec(model=model, target=target, model_dir=model_dir, backend="torch"), log=_log)
     prompts = read_prompts(prompts_file, pair.target, chat) if prompts_file else []
-    held_out = read_prompts(held_out_file, pair.target, chat, flag="--held-out") if held_out_file else []
+    held_out = {}
+    for value in held_out_sets:
+        name, texts = _held_out(value, pair.target, chat, cfg.eval_prompts)
+        if name in held_out:
+            raise DtrtError(f"--held-out {value}: a second set named {name!r}; give each set once")
+        held_out[name] = texts
     state = train_drafter(
         pair.target,
         Path(out),
@@ -664,6 +671,24 @@ def train_drafter_cmd(
     )
     if state:  # rank 0 of a torchrun
         click.echo(f"{out}: best held-out tau {state['best']:.2f} after {state['step']} steps")
+
+
+def _held_out(value: str, target_path, chat: bool, n: int) -> tuple[str, list[str]]:
+    """A --held-out set: (its name, its prompts as the target reads them)."""
+    from dtrt.bench import datasets
+    from dtrt.train.trainer import as_chat, read_prompts
+
+    if value in datasets.DATASETS and value not in datasets.LONG and not Path(value).exists():
+        try:
+            texts = [p.turns[0] for p in datasets.load(value, n, seed=0)]
+        except DtrtError as e:
+            raise DtrtError(str(e).replace("--datasets", "--held-out", 1)) from None
+        return value, as_chat(texts, target_path, chat)
+    if value in datasets.LONG:
+        raise DtrtError(
+            f"--held-out {value}: a long-context dataset; give mt-bench, humaneval, math500, aime, aime24 or a file"
+        )
+    return Path(value).stem, read_prompts(value, target_path, chat, flag="--held-out")
 
 
 @cli.command("drafter-data")

@@ -139,3 +139,49 @@ def test_batched_continuations_equal_ar(tiny):
     first = batched[0].index(stop)
     assert lengths.tolist() == [len(ids[0]) + first + 1]
     assert rows[0, : lengths[0]].tolist() == ids[0] + batched[0][: first + 1]
+
+
+def test_held_out_sets_are_each_measured_and_reported(tiny, inputs, tmp_path, monkeypatch, capsys):
+    """--held-out takes bench datasets and files, repeated: tau per set in the log, the best by their mean."""
+    (tmp_path / "mine.txt").write_text("\n".join(PROMPTS[:3]))
+    out = tmp_path / "run"
+    res = train(
+        monkeypatch,
+        capsys,
+        *("--out", str(out), "--corpus", str(inputs / "corpus.txt"), "--steps", "2", "--eval-every", "2"),
+        *("--held-out", "mt-bench", "--held-out", str(tmp_path / "mine.txt")),
+    )
+    (record,) = [json.loads(line) for line in (out / ".train" / "log.jsonl").read_text().splitlines()]
+    sets = record["tau"]["sets"]
+    assert list(sets) == ["mt-bench", "mine"]
+    for name in ("dominotree", "dflash"):
+        assert record["tau"][name] == pytest.approx((sets["mt-bench"][name] + sets["mine"][name]) / 2)
+    assert "; mt-bench " in res.err and "; mine " in res.err
+
+
+def test_held_out_dataset_prompts_are_the_bench_first_turns(tiny):
+    from dtrt.bench import datasets
+    from dtrt.train.trainer import as_chat
+
+    name, texts = cli._held_out("humaneval", tiny.target, True, 3)
+    want = [p.turns[0] for p in datasets.load("humaneval", 3, seed=0)]
+    assert name == "humaneval" and texts == as_chat(want, tiny.target, True) and len(texts) == 3
+    assert cli._held_out("mt-bench", tiny.target, False, 2)[1] == [p.turns[0] for p in datasets.load("mt-bench", 2)]
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["lexsum"], "--held-out lexsum: a long-context dataset"),
+        (["nothere.jsonl"], "--held-out nothere.jsonl: not found"),
+        (["mt-bench", "mt-bench"], "--held-out mt-bench: a second set named 'mt-bench'"),
+    ],
+)
+def test_bad_held_out_sets(inputs, tmp_path, monkeypatch, capsys, sets, message):
+    args = [a for s in sets for a in ("--held-out", s)]
+    monkeypatch.setattr(sys, "argv", ["dtrt", "train-drafter", "--model", "tiny", "--out", str(tmp_path / "r"), *args])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "r").exists()

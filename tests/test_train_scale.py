@@ -303,16 +303,17 @@ def test_held_out_prompts_are_what_tau_is_measured_on(tiny, corpus, tmp_path, mo
 
     seen = []
 
-    def held_out_tau(target, drafter, tokenizer, prompts, cfg):
-        seen.append(prompts)
-        return {"dominotree": 1.0, "dflash": 1.0}
+    def held_out_tau(target, drafter, tokenizer, sets, cfg):
+        seen.append(sets)
+        return {"dominotree": 1.0, "dflash": 1.0, "sets": {name: {"dominotree": 1.0, "dflash": 1.0} for name in sets}}
 
     monkeypatch.setattr(trainer, "held_out_tau", held_out_tau)
-    held_out = ["The moon is very ", "One happy child ", "A small bird "]
+    held_out = {"a": ["The moon is very ", "One happy child ", "A small bird "], "b": ["The dog "]}
     cfg = TrainConfig(**{**SMALL.__dict__, "steps": 2, "eval_every": 2, "eval_prompts": 2})
     train_drafter(tiny.target, tmp_path / "run", cfg, corpus=[corpus], held_out=held_out, log=lambda *a: None)
     tok = load_tokenizer(tiny.target)
-    assert seen == [[tok.encode(p, add_special_tokens=False) for p in held_out[:2]]]
+    ids = {name: [tok.encode(p, add_special_tokens=False) for p in texts[:2]] for name, texts in held_out.items()}
+    assert seen == [ids]
 
 
 @pytest.mark.gpu

@@ -175,8 +175,10 @@ def build_rows(
 
 
 @torch.no_grad()
-def held_out_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[list[int]], cfg: TrainConfig) -> dict:
-    """Mean tau of DominoTree and of the DFlash chain on held-out prompts, on the torch backend."""
+def held_out_tau(target: Target, drafter: Drafter, tokenizer, sets: dict[str, list], cfg: TrainConfig) -> dict:
+    """Tau of DominoTree and of the DFlash chain on each held-out set of prompts (torch backend, T=0): per set
+    (`sets`: name -> method -> mean over its prompts) and the mean of the sets (method -> tau), which picks the
+    best checkpoint."""
     from dtrt.runtime.backends.torch import TorchBackend
     from dtrt.runtime.generate import collect, generate
     from dtrt.runtime.methods import make_method
@@ -185,17 +187,20 @@ def held_out_tau(target: Target, drafter: Drafter, tokenizer, prompts: list[list
 
     drafter.eval()
     backend = TorchBackend(target, drafter)
-    out = {}
-    for name in ("dominotree", "dflash"):
-        spec = RunSpec(method=name)
-        method = make_method(spec)
-        taus = [
-            collect(generate(backend, method, p, cfg.eval_tokens, SamplingConfig(), budget=spec.budget)).tau
-            for p in prompts
-        ]
-        out[name] = sum(taus) / len(taus)
+    per_set = {}
+    for set_name, prompts in sets.items():
+        per_set[set_name] = {}
+        for name in ("dominotree", "dflash"):
+            spec = RunSpec(method=name)
+            method = make_method(spec)
+            taus = [
+                collect(generate(backend, method, p, cfg.eval_tokens, SamplingConfig(), budget=spec.budget)).tau
+                for p in prompts
+            ]
+            per_set[set_name][name] = sum(taus) / len(taus)
     drafter.train()
-    return out
+    out = {name: sum(t[name] for t in per_set.values()) / len(per_set) for name in ("dominotree", "dflash")}
+    return {**out, "sets": per_set}
 
 
 def save_drafters(drafter: Drafter, target: Target, cfg: TrainConfig, out: Path):
@@ -253,9 +258,10 @@ def train_drafter(
     log=print,
     progress=None,
     data_dirs=(),
-    held_out: list[str] = (),
+    held_out: dict[str, list[str]] | None = None,
 ) -> dict | None:
-    """Train, evaluate and save; returns the run's state (None on ranks other than 0)."""
+    """Train, evaluate and save; returns the run's state (None on ranks other than 0). `held_out`: name -> prompts
+    (as the target reads them) of each set that held-out tau is measured on."""
     ranks = distributed.from_env()
     device = distributed.device_for(cfg.device, ranks)
     out = Path(out)
@@ -291,9 +297,9 @@ def _train(
     log = log if ranks.main else (lambda *a: None)
     tokenizer = load_tokenizer(target_path)
     prompts = list(prompts)
-    held_out = list(held_out)[: cfg.eval_prompts]
+    held_out = {name: list(texts)[: cfg.eval_prompts] for name, texts in (held_out or {}).items()}
     if not held_out and len(prompts) > cfg.eval_prompts:
-        held_out, prompts = prompts[-cfg.eval_prompts :], prompts[: -cfg.eval_prompts]
+        held_out, prompts = {"prompts": prompts[-cfg.eval_prompts :]}, prompts[: -cfg.eval_prompts]
     if ranks.main:
         work.mkdir(parents=True, exist_ok=True)
         (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -301,10 +307,10 @@ def _train(
     distributed.barrier(ranks)
     data = store.load(work / "data")
     if held_out:
-        eval_ids = [tokenizer.encode(p, add_special_tokens=False) for p in held_out]
+        eval_ids = {name: [tokenizer.encode(p, add_special_tokens=False) for p in ps] for name, ps in held_out.items()}
     else:  # hold out the last rows' first halves as prompts, and train on the rest
         n = min(cfg.eval_prompts, max(1, len(data) // 10))
-        eval_ids = [r[: cfg.seq_len // 2].tolist() for r in data.tokens[-n:]]
+        eval_ids = {"data": [r[: cfg.seq_len // 2].tolist() for r in data.tokens[-n:]]}
         data = data.split(n)
 
     drafter = new_drafter(target, cfg, pick_mask_token(tokenizer, target.cfg.vocab_size)).to(device)
@@ -406,8 +412,11 @@ def evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, wo
     if state["best"] is None or tau["dominotree"] > state["best"]:
         state["best"] = tau["dominotree"]
         save_drafters(drafter, target, cfg, out)
+    sets = "".join(
+        f"; {name} {t['dominotree']:.2f} / {t['dflash']:.2f}" for name, t in tau["sets"].items() if len(tau["sets"]) > 1
+    )
     log(
-        f"step {state['step']}: held-out tau dominotree {tau['dominotree']:.2f} dflash {tau['dflash']:.2f} "
+        f"step {state['step']}: held-out tau dominotree {tau['dominotree']:.2f} dflash {tau['dflash']:.2f}{sets} "
         f"(best {state['best']:.2f})"
     )
 
@@ -433,9 +442,15 @@ def read_prompts(path, target_path: Path, chat: bool, flag: str = "--prompts") -
         else:
             text = line
         prompts.append(text)
+    return as_chat(prompts, target_path, chat)
+
+
+def as_chat(texts: list[str], target_path: Path, chat: bool) -> list[str]:
+    """Each text as the first user message of a chat, as `dtrt run` and `dtrt bench` render it (Qwen3: thinking
+    off), when asked and the target's tokenizer has a template; else the texts themselves."""
     from dtrt.runtime.requests import has_chat_template, render_chat
 
     tokenizer = load_tokenizer(target_path)
-    if chat and has_chat_template(tokenizer):  # as `dtrt run` renders them (Qwen3: thinking off)
-        prompts = [render_chat(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
-    return prompts
+    if chat and has_chat_template(tokenizer):
+        return [render_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    return list(texts)
