@@ -645,6 +645,7 @@ def train_drafter_cmd(
     model, target, model_dir, out, corpus, prompts_file, held_out_sets, data_dirs, chat, resume, **opts
 ):
     """Distil a DFlash drafter and a Domino head from a target into OUT/dflash and OUT/domino."""
+    from dtrt.bench.datasets import held_out_set
     from dtrt.train.trainer import read_prompts, train_drafter
 
     cfg = TrainConfig(**opts)
@@ -653,7 +654,7 @@ def train_drafter_cmd(
     prompts = read_prompts(prompts_file, pair.target, chat) if prompts_file else []
     held_out = {}
     for value in held_out_sets:
-        name, texts = _held_out(value, pair.target, chat, cfg.eval_prompts)
+        name, texts = held_out_set(value, pair.target, chat, cfg.eval_prompts)
         if name in held_out:
             raise DtrtError(f"--held-out {value}: a second set named {name!r}; give each set once")
         held_out[name] = texts
@@ -671,24 +672,6 @@ def train_drafter_cmd(
     )
     if state:  # rank 0 of a torchrun
         click.echo(f"{out}: best held-out tau {state['best']:.2f} after {state['step']} steps")
-
-
-def _held_out(value: str, target_path, chat: bool, n: int) -> tuple[str, list[str]]:
-    """A --held-out set: (its name, its prompts as the target reads them)."""
-    from dtrt.bench import datasets
-    from dtrt.train.trainer import as_chat, read_prompts
-
-    if value in datasets.DATASETS and value not in datasets.LONG and not Path(value).exists():
-        try:
-            texts = [p.turns[0] for p in datasets.load(value, n, seed=0)]
-        except DtrtError as e:
-            raise DtrtError(str(e).replace("--datasets", "--held-out", 1)) from None
-        return value, as_chat(texts, target_path, chat)
-    if value in datasets.LONG:
-        raise DtrtError(
-            f"--held-out {value}: a long-context dataset; give mt-bench, humaneval, math500, aime, aime24 or a file"
-        )
-    return Path(value).stem, read_prompts(value, target_path, chat, flag="--held-out")
 
 
 @cli.command("drafter-data")

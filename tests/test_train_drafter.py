@@ -161,12 +161,13 @@ def test_held_out_sets_are_each_measured_and_reported(tiny, inputs, tmp_path, mo
 
 def test_held_out_dataset_prompts_are_the_bench_first_turns(tiny):
     from dtrt.bench import datasets
+    from dtrt.bench.datasets import held_out_set
     from dtrt.train.trainer import as_chat
 
-    name, texts = cli._held_out("humaneval", tiny.target, True, 3)
+    name, texts = held_out_set("humaneval", tiny.target, True, 3)
     want = [p.turns[0] for p in datasets.load("humaneval", 3, seed=0)]
     assert name == "humaneval" and texts == as_chat(want, tiny.target, True) and len(texts) == 3
-    assert cli._held_out("mt-bench", tiny.target, False, 2)[1] == [p.turns[0] for p in datasets.load("mt-bench", 2)]
+    assert held_out_set("mt-bench", tiny.target, False, 2)[1] == [p.turns[0] for p in datasets.load("mt-bench", 2)]
 
 
 @pytest.mark.parametrize(

@@ -136,3 +136,22 @@ def documents(name: str) -> list[Document]:
         rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
         return [Document(str(i), r["document"]) for i, r in enumerate(rows)]
     return [Document("0", json.loads(raw)["text"])]
+
+
+def held_out_set(value: str, target_path, chat: bool, n: int) -> tuple[str, list[str]]:
+    """A `dtrt train-drafter --held-out` set: (its name, its prompts as the target reads them). A dataset name gives
+    the first turns of the seeded subset `dtrt bench --prompts n` takes, chat-rendered as the bench renders them;
+    anything else is a prompts file."""
+    from dtrt.train.trainer import as_chat, read_prompts
+
+    if value in DATASETS and value not in LONG and not Path(value).exists():
+        try:
+            texts = [p.turns[0] for p in load(value, n, seed=0)]
+        except DtrtError as e:
+            raise DtrtError(str(e).replace("--datasets", "--held-out", 1)) from None
+        return value, as_chat(texts, target_path, chat)
+    if value in LONG:
+        raise DtrtError(
+            f"--held-out {value}: a long-context dataset; give mt-bench, humaneval, math500, aime, aime24 or a file"
+        )
+    return Path(value).stem, read_prompts(value, target_path, chat, flag="--held-out")
