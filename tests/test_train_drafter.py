@@ -176,9 +176,12 @@ def test_held_out_dataset_prompts_are_the_bench_first_turns(tiny):
         (["lexsum"], "--held-out lexsum: a long-context dataset"),
         (["nothere.jsonl"], "--held-out nothere.jsonl: not found"),
         (["mt-bench", "mt-bench"], "--held-out mt-bench: a second set named 'mt-bench'"),
+        (["EMPTY"], "empty.txt: holds no prompts"),
     ],
 )
 def test_bad_held_out_sets(inputs, tmp_path, monkeypatch, capsys, sets, message):
+    (tmp_path / "empty.txt").write_text("\n")
+    sets = [str(tmp_path / "empty.txt") if s == "EMPTY" else s for s in sets]
     args = [a for s in sets for a in ("--held-out", s)]
     monkeypatch.setattr(sys, "argv", ["dtrt", "train-drafter", "--model", "tiny", "--out", str(tmp_path / "r"), *args])
     with pytest.raises(SystemExit) as e:

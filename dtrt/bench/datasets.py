@@ -154,4 +154,7 @@ def held_out_set(value: str, target_path, chat: bool, n: int) -> tuple[str, list
         raise DtrtError(
             f"--held-out {value}: a long-context dataset; give mt-bench, humaneval, math500, aime, aime24 or a file"
         )
-    return Path(value).stem, read_prompts(value, target_path, chat, flag="--held-out")
+    texts = read_prompts(value, target_path, chat, flag="--held-out")
+    if not texts:
+        raise DtrtError(f"--held-out {value}: holds no prompts; give a file with at least one")
+    return Path(value).stem, texts
