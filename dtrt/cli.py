@@ -590,6 +590,12 @@ def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, a
 )
 @click.option("--chat/--no-chat", default=True, show_default=True, help="wrap prompts in the chat template")
 @click.option("--resume", is_flag=True, help="continue the run in --out")
+@click.option(
+    "--init-from",
+    type=click.Path(),
+    help="a trained Domino checkpoint of the same shape (a run's domino/, a shipped drafter) to start from instead "
+    "of the target's last layers",
+)
 @click.option("--layers", type=int, default=TrainConfig.layers, show_default=True)
 @click.option("--block-size", type=int, default=TrainConfig.block_size, show_default=True)
 @click.option("--gru-dim", type=int, default=TrainConfig.gru_dim, show_default=True)

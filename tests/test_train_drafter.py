@@ -122,6 +122,17 @@ def test_refuses_to_overwrite_and_bad_inputs(inputs, tmp_path, monkeypatch, caps
     assert e.value.code == 2 and "missing.jsonl: not found" in err and err.count("\n") == 1
 
 
+def test_init_from_a_missing_checkpoint_is_one_line(tmp_path, monkeypatch, capsys):
+    out, missing = tmp_path / "run", tmp_path / "missing"
+    argv = ["dtrt", "train-drafter", "--model", "tiny", "--out", str(out), "--init-from", str(missing)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--init-from {missing}: no config.json there" in err and err.count("\n") == 1
+    assert not (out / ".train" / "data").exists()
+
+
 def test_batched_continuations_equal_ar(tiny):
     """The batched, left-padded greedy decoder that makes training data gives each prompt's AR tokens, and a
     row stops at a stop token."""

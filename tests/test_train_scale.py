@@ -199,6 +199,34 @@ def test_an_interrupted_run_resumes_to_the_same_state(tiny, corpus, tmp_path, we
         assert torch.equal(a[n], b[n]), n
 
 
+def test_a_run_starts_from_a_trained_drafter(tiny, corpus, tmp_path):
+    """--init-from: the new run's drafter is the checkpoint's (lr 0 keeps it), a fresh run's is not; a checkpoint
+    of another shape is refused in one line before any data is built."""
+    first = tmp_path / "first"
+    train_drafter(tiny.target, first, SMALL, corpus=[corpus], log=lambda *a: None)
+    trained = load_drafter(first / "domino").state_dict()
+    still = TrainConfig(**{**SMALL.__dict__, "steps": 1, "eval_every": 1, "lr": 0.0})
+    runs = {}
+    for name, init in (("fresh", None), ("init", str(first / "domino"))):
+        cfg = TrainConfig(**{**still.__dict__, "init_from": init})
+        train_drafter(tiny.target, tmp_path / name, cfg, corpus=[corpus], log=lambda *a: None)
+        runs[name] = drafter_tensors(tmp_path / name)
+    assert all(torch.equal(runs["init"][n], trained[n]) for n in trained)
+    assert not all(torch.equal(runs["fresh"][n], trained[n]) for n in trained)
+
+    bad = [
+        ({"gru_dim": 8}, "it was trained with --gru-dim 16, this run has 8; pass --gru-dim 16"),
+        ({"block_size": 4}, "--block-size 6"),
+        ({"init_from": str(first / "dflash")}, "a DFlash checkpoint"),
+        ({"init_from": str(tmp_path / "none")}, "no config.json there"),
+    ]
+    for change, message in bad:
+        cfg = TrainConfig(**{**SMALL.__dict__, "init_from": str(first / "domino"), **change})
+        with pytest.raises(DtrtError, match=message):
+            train_drafter(tiny.target, tmp_path / "bad", cfg, corpus=[corpus], log=lambda *a: None)
+        assert not (tmp_path / "bad" / ".train" / "data").exists()
+
+
 def test_the_ranks_share_a_batch():
     assert [distributed.shard(10, distributed.Ranks(r, 4)) for r in range(4)] == [
         slice(0, 3),

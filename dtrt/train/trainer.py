@@ -4,11 +4,11 @@ layouts (`<out>/dflash`, `<out>/domino`; the Domino checkpoint is the same body 
 Data (made once, stored under `<out>/.train/data/` by `dtrt.train.store`, its build resumable): corpus rows
 teacher-forced through the target, windows of `dtrt drafter-data` rows and the target's own greedy continuations of
 prompts; labels are always the target's greedy tokens. The drafter starts from the target's last layers and final
-norm. The loss scores a sampled share of the vocabulary (`distill.Candidates`) unless `candidates` is 0. Held-out
-tau (DominoTree on the torch backend, held-out prompts) is measured every `eval_every` steps and the best
-checkpoint is kept. `<out>/.train/state.pt`, written every `save_every` steps and on an interrupt, makes a run
-resumable, and the resumed run takes the same steps as an uninterrupted one. Under torchrun the steps are
-data-parallel (`dtrt.train.distributed`)."""
+norm, or from a trained drafter of the same shape (`init_from`). The loss scores a sampled share of the vocabulary
+(`distill.Candidates`) unless `candidates` is 0. Held-out tau (DominoTree on the torch backend, held-out prompts) is
+measured every `eval_every` steps and the best checkpoint is kept. `<out>/.train/state.pt`, written every
+`save_every` steps and on an interrupt, makes a run resumable, and the resumed run takes the same steps as an
+uninterrupted one. Under torchrun the steps are data-parallel (`dtrt.train.distributed`)."""
 
 import json
 import math
@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from dtrt.errors import DtrtError
-from dtrt.models.checkpoint import drafter_state, load_target, save_checkpoint
+from dtrt.models.checkpoint import check_pair, drafter_state, load_drafter, load_target, save_checkpoint
 from dtrt.models.config import DrafterConfig, default_target_layer_ids
 from dtrt.models.domino import DominoHead
 from dtrt.models.drafter import Drafter
@@ -70,6 +70,9 @@ class TrainConfig:
     save_dtype: str = "bf16"
     seed: int = 0
     device: str = "cpu"
+    # a trained Domino checkpoint (a run's domino/, a shipped drafter) the drafter starts from instead of the
+    # target's last layers: more data for a drafter without its first steps again
+    init_from: str | None = None
 
 
 def taps_for(num_layers: int) -> list[int]:
@@ -123,6 +126,31 @@ def new_drafter(target: Target, cfg: TrainConfig, mask_token_id: int) -> Drafter
         )
     drafter.norm.load_state_dict(target.model.norm.state_dict())
     return drafter
+
+
+def start_point(path: Path, target: Target, cfg: TrainConfig, mask_token_id: int) -> Drafter:
+    """The trained Domino checkpoint at `path` (--init-from), checked to be of the run's shape: the same flags,
+    target taps and mask token as the drafter the run would make."""
+    flag = f"--init-from {path}"
+    if not (Path(path) / "config.json").is_file():
+        raise DtrtError(f"{flag}: no config.json there; give a Domino checkpoint directory (a run's domino/)")
+    src = load_drafter(path)
+    check_pair(target, src, flag)
+    if src.head is None:
+        raise DtrtError(f"{flag}: a DFlash checkpoint (no Domino head); give the run's domino/ beside it")
+    mine, theirs = DrafterConfig.from_dict(drafter_config_json(target, cfg, mask_token_id, True)), src.cfg
+    for name, a, b in (
+        ("--layers", mine.num_layers, theirs.num_layers),
+        ("--block-size", mine.block_size, theirs.block_size),
+        ("--gru-dim", cfg.gru_dim, src.head.gru_dim),
+        ("--emb-dim", cfg.emb_dim, src.head.emb_dim),
+    ):
+        if a != b:
+            raise DtrtError(f"{flag}: it was trained with {name} {b}, this run has {a}; pass {name} {b}")
+    for what in ("target_layer_ids", "mask_token_id", "intermediate_size", "shift_label"):
+        if (a := getattr(mine, what)) != (b := getattr(theirs, what)):
+            raise DtrtError(f"{flag}: its {what} is {b}, where a drafter dtrt trains for this target has {a}")
+    return src
 
 
 def pick_mask_token(tokenizer, vocab: int) -> int:
@@ -300,6 +328,9 @@ def _train(
     held_out = {name: list(texts)[: cfg.eval_prompts] for name, texts in (held_out or {}).items()}
     if not held_out and len(prompts) > cfg.eval_prompts:
         held_out, prompts = {"prompts": prompts[-cfg.eval_prompts :]}, prompts[: -cfg.eval_prompts]
+    mask_token_id = pick_mask_token(tokenizer, target.cfg.vocab_size)
+    # checked before the data, which can take hours to build
+    source = start_point(Path(cfg.init_from), target, cfg, mask_token_id) if cfg.init_from else None
     if ranks.main:
         work.mkdir(parents=True, exist_ok=True)
         (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -313,7 +344,10 @@ def _train(
         eval_ids = {"data": [r[: cfg.seq_len // 2].tolist() for r in data.tokens[-n:]]}
         data = data.split(n)
 
-    drafter = new_drafter(target, cfg, pick_mask_token(tokenizer, target.cfg.vocab_size)).to(device)
+    drafter = new_drafter(target, cfg, mask_token_id)
+    if source is not None:
+        drafter.load_state_dict(source.state_dict())
+    drafter = drafter.to(device)
     model = distributed.wrap(LossModel(drafter, target), ranks, device)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(cfg.seed)
