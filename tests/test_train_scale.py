@@ -213,6 +213,11 @@ def test_a_run_starts_from_a_trained_drafter(tiny, corpus, tmp_path):
         runs[name] = drafter_tensors(tmp_path / name)
     assert all(torch.equal(runs["init"][n], trained[n]) for n in trained)
     assert not all(torch.equal(runs["fresh"][n], trained[n]) for n in trained)
+    # a resumed run reads its own state, not the checkpoint it started from
+    (first / "domino").rename(first / "moved")
+    cfg = TrainConfig(**{**still.__dict__, "steps": 2, "eval_every": 2, "init_from": str(first / "domino")})
+    assert train_drafter(tiny.target, tmp_path / "init", cfg, corpus=[corpus], resume=True, log=lambda *a: None)
+    (first / "moved").rename(first / "domino")
 
     bad = [
         ({"gru_dim": 8}, "it was trained with --gru-dim 16, this run has 8; pass --gru-dim 16"),

@@ -329,8 +329,9 @@ def _train(
     if not held_out and len(prompts) > cfg.eval_prompts:
         held_out, prompts = {"prompts": prompts[-cfg.eval_prompts :]}, prompts[: -cfg.eval_prompts]
     mask_token_id = pick_mask_token(tokenizer, target.cfg.vocab_size)
-    # checked before the data, which can take hours to build
-    source = start_point(Path(cfg.init_from), target, cfg, mask_token_id) if cfg.init_from else None
+    resuming = resume and (work / "state.pt").is_file()
+    # checked before the data, which can take hours to build; a resumed run's weights are in its state
+    source = start_point(Path(cfg.init_from), target, cfg, mask_token_id) if cfg.init_from and not resuming else None
     if ranks.main:
         work.mkdir(parents=True, exist_ok=True)
         (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
@@ -353,7 +354,7 @@ def _train(
     gen = torch.Generator().manual_seed(cfg.seed)
     K = drafter.cfg.k_draft
     state = {"step": 0, "best": None, "history": [], "slot_acc": [SLOT_ACC_START] * K}
-    if resume and (work / "state.pt").is_file():
+    if resuming:
         saved = torch.load(work / "state.pt", weights_only=False, map_location=device)
         drafter.load_state_dict(saved["drafter"])
         opt.load_state_dict(saved["optimizer"])
