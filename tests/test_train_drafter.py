@@ -129,7 +129,7 @@ def test_init_from_a_missing_checkpoint_is_one_line(tmp_path, monkeypatch, capsy
     with pytest.raises(SystemExit) as e:
         cli.main()
     err = capsys.readouterr().err
-    assert e.value.code == 2 and f"--init-from {missing}: no config.json there" in err and err.count("\n") == 1
+    assert e.value.code == 2 and f"{missing / 'config.json'}: not found" in err and err.count("\n") == 1
     assert not (out / ".train" / "data").exists()
 
 

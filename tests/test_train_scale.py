@@ -223,7 +223,7 @@ def test_a_run_starts_from_a_trained_drafter(tiny, corpus, tmp_path):
         ({"gru_dim": 8}, "it was trained with --gru-dim 16, this run has 8; pass --gru-dim 16"),
         ({"block_size": 4}, "--block-size 6"),
         ({"init_from": str(first / "dflash")}, "a DFlash checkpoint"),
-        ({"init_from": str(tmp_path / "none")}, "no config.json there"),
+        ({"init_from": str(tmp_path / "none")}, "none/config.json: not found"),
     ]
     for change, message in bad:
         cfg = TrainConfig(**{**SMALL.__dict__, "init_from": str(first / "domino"), **change})

@@ -132,9 +132,7 @@ def start_point(path: Path, target: Target, cfg: TrainConfig, mask_token_id: int
     """The trained Domino checkpoint at `path` (--init-from), checked to be of the run's shape: the same flags,
     target taps and mask token as the drafter the run would make."""
     flag = f"--init-from {path}"
-    if not (Path(path) / "config.json").is_file():
-        raise DtrtError(f"{flag}: no config.json there; give a Domino checkpoint directory (a run's domino/)")
-    src = load_drafter(path)
+    src = load_drafter(path)  # a missing or broken checkpoint is the loader's one-line error, naming the file
     check_pair(target, src, flag)
     if src.head is None:
         raise DtrtError(f"{flag}: a DFlash checkpoint (no Domino head); give the run's domino/ beside it")
