@@ -73,6 +73,7 @@ def test_doctor_command_on_this_machine(monkeypatch, capsys):
         "python",
         "torch",
         "onnxruntime",
+        "CPU kernel path",
         "CUDA devices",
         "Triton",
         "TensorRT",
@@ -83,6 +84,8 @@ def test_doctor_command_on_this_machine(monkeypatch, capsys):
         "tensorrt",
     ]
     assert all(line[2:4] in ("ok", "--") and line[23:].strip() for line in lines[1:] if line != "backends")
+    path = next(line for line in lines if line[6:23].strip() == "CPU kernel path")[23:]
+    assert path.split()[0] in ("amx", "avx512-vnni", "avx512", "avx2-vnni", "avx2", "sse", "unknown")
     code, out, _ = run_cli(monkeypatch, capsys, "doctor", "--json")
     report = json.loads(out)
     assert code == 0 and set(report["backends"]) == {"torch", "onnxruntime", "tensorrt"}

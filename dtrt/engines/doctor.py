@@ -10,6 +10,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from dtrt import __version__
+from dtrt.artifacts.kernel_path import this_path
 from dtrt.artifacts.machine import TRT_INSTALL, cuda_status, first_line, tensorrt_status
 from dtrt.plugins import NAMESPACE, OPS, PLUGIN_VERSION, triton_status
 
@@ -39,6 +40,14 @@ def _onnxruntime(r):
     except Exception as e:
         return Check("onnxruntime", False, why=f"cannot be imported ({first_line(e)}); pip install onnxruntime")
     return Check("onnxruntime", True, f"{ort.__version__}, providers {', '.join(ort.get_available_providers())}")
+
+
+def _kernel_path(r):
+    path = this_path()
+    if path == "unknown":
+        return Check("CPU kernel path", True, "unknown (no x86-64 /proc/cpuinfo)")
+    why = "--quant int8/int4 round their int8 activations per path, so tokens can differ between machines"
+    return Check("CPU kernel path", True, f"{path} (ONNX Runtime's MLAS kernels; {why})")
 
 
 def _cuda(r):
@@ -111,6 +120,7 @@ PROBES = {
     "python": _python,
     "torch": _torch,
     "onnxruntime": _onnxruntime,
+    "CPU kernel path": _kernel_path,
     "CUDA devices": _cuda,
     "Triton": _triton,
     "TensorRT": _tensorrt,
