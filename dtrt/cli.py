@@ -12,6 +12,7 @@ import click
 
 from dtrt import __version__
 from dtrt.errors import BackendFault, DtrtError
+from dtrt.exporter.precision import EXPORT_DTYPES
 from dtrt.exporter.quantize import DRAFTER_QUANTS
 from dtrt.launch import open_sources, pipeline, resolve_spec, served_model_name
 from dtrt.launch.resolve import check_cuda
@@ -403,7 +404,13 @@ def serve(
 @click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino)")
 @click.option("--model-dir", type=click.Path(), help=MODEL_DIR_HELP)
 @click.option("--out", required=True, type=click.Path(), help="export directory to create")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(EXPORT_DTYPES),
+    default="fp32",
+    show_default=True,
+    help="the stages' precision (bf16: for TensorRT; ONNX Runtime's CPU provider has no bf16 kernels)",
+)
 @click.option("--max-context", type=int, default=4096, show_default=True, help="largest past + new tokens")
 @click.option("--budget", type=int, default=16, show_default=True, help="tree budget of the fixed-shape stages")
 @click.option("--topm", type=int, default=64, show_default=True)

@@ -160,3 +160,14 @@ def test_only_the_drafters_asked_for(tiny, tmp_path, monkeypatch, capsys):
     hybrid_like = Pair(tiny.target, None, tiny.domino)
     with pytest.raises(DtrtError, match=r"^--drafters dflash: the pair has no dflash drafter \(it has: domino\)$"):
         export_pair(hybrid_like, tmp_path / "y", drafter_kinds=("dflash",))
+
+
+def test_export_cli_takes_every_dtype_the_exporter_supports(tiny, monkeypatch, capsys, tmp_path):
+    """`dtrt export --dtype bf16` (the exporter has supported it; the CLI's choice once refused it)."""
+    from dtrt.exporter.precision import EXPORT_DTYPES
+
+    assert "bf16" in EXPORT_DTYPES
+    out = tmp_path / "bf16"
+    code, _, err = run_cli(monkeypatch, capsys, "export", "--model", "tiny", "--dtype", "bf16", "--out", str(out))
+    assert code == 0, err
+    assert json.loads((out / MANIFEST).read_text())["dtype"] == "bf16"

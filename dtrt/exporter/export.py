@@ -11,7 +11,7 @@ from dtrt.artifacts.files import checkpoint_hashes, staging, write_manifest
 from dtrt.artifacts.verify import record_verified
 from dtrt.errors import DtrtError
 from dtrt.exporter.onnx_export import OPSET, export_stage
-from dtrt.exporter.precision import fp16_warning, stored_dtype
+from dtrt.exporter.precision import EXPORT_DTYPES, fp16_warning, stored_dtype
 from dtrt.exporter.quantize import check_drafter_quant, quantize_drafters
 from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.exporter.stages import drafter_stages, target_stage
@@ -21,7 +21,6 @@ from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, 
 from dtrt.models.config import HybridConfig
 from dtrt.models.quant import QuantSpec, weight_names
 
-EXPORT_DTYPES = ("fp32", "fp16", "bf16")  # bf16: for TensorRT (ONNX Runtime's CPU provider has no bf16 kernels)
 DRAFTER_KINDS = ("dflash", "domino")
 TOKENIZER_FILES = (
     "tokenizer.json",
