@@ -520,12 +520,17 @@ def parity(export_dir, as_json, random_only, prompts, quick):
 
 
 @cli.command()
-@click.option("--model", help=f"registry model whose first-use ONNX Runtime exports to score: {', '.join(names())}")
+@click.option(
+    "--model",
+    help=f"registry model whose first-use ONNX Runtime exports to score against its fp32 PyTorch target: "
+    f"{', '.join(names())} (default: {DEFAULT_MODEL})",
+)
 @click.option(
     "--quant",
     default="none,int8,int4",
     show_default=True,
-    help="comma list of target quantizations (with --model); the first is the reference of the agreement",
+    help="comma list of target configurations (with --model): none (fp32), int8, int4 as dtrt run runs them "
+    "(int8 activations), int8-fp32act, int4-fp32act (fp32 activations; teacher-forced only)",
 )
 @click.option(
     "--export",
@@ -537,33 +542,76 @@ def parity(export_dir, as_json, random_only, prompts, quick):
 @click.option("--datasets", default="humaneval,mt-bench", show_default=True, help="held-out text: humaneval, mt-bench")
 @click.option("--texts", type=click.IntRange(min=1), default=20, show_default=True, help="texts per dataset")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=512, show_default=True, help="tokens per text")
+@click.option(
+    "--prompts",
+    type=click.IntRange(min=0),
+    default=20,
+    show_default=True,
+    help="free-running: the bench's prompts per dataset answered by greedy AR through the chat template (0: none)",
+)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True, help="per answer")
+@click.option(
+    "--kernel-path",
+    "kernel_paths",
+    default="native",
+    show_default=True,
+    help="comma list of CPU kernel paths to measure the configurations on: native (this CPU's), avx2 (emulated "
+    "under qemu-x86_64 -cpu Haswell, about 150x slower); the reference always runs natively",
+)
 @click.option("--threads", type=click.IntRange(min=1), help="intra-op threads (default: ONNX Runtime's)")
-@click.option("--seed", type=int, default=0, show_default=True, help="which texts")
+@click.option("--seed", type=int, default=0, show_default=True, help="which texts and prompts")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the table")
-def quality(model, quant, exports, datasets, texts, max_tokens, threads, seed, as_json):
-    """What a target quantization costs: greedy agreement with the reference target and NLL on held-out text."""
+def quality(
+    model, quant, exports, datasets, texts, max_tokens, prompts, max_new_tokens, kernel_paths, threads, seed, as_json
+):  # noqa: E501
+    """What a target configuration costs: teacher-forced agreement and NLL, free-running answers against the
+    reference, and the quality gate's verdict (dtrt.zoo.gate)."""
     from dtrt.artifacts.export import load_export
+    from dtrt.artifacts.kernel_path import EMULATED
+    from dtrt.bench.datasets import load
+    from dtrt.bench.engines import render
     from dtrt.bench.main import split_list
-    from dtrt.bench.quality import held_out, quality, table
+    from dtrt.bench.quality import Candidate, held_out, parse_config, quality, table
     from dtrt.models.tokenizer import load_tokenizer
 
+    paths = tuple(split_list("--kernel-path", kernel_paths, str, ("native", *EMULATED)))
     if exports:
-        scored = {}
+        cands = []
         for path in exports:
             exp = load_export(path)
-            scored.setdefault(f"{exp.quant_name} ({exp.path.name})", exp)
+            cands.append(Candidate(f"{exp.quant_name} ({exp.path.name})", export=str(exp.path)))
+        reference = cands[0]
+        tokenizer = load_tokenizer(Path(exports[0]) / "tokenizer")
     else:
         from dtrt.launch.first_use import cached_export
 
-        quants = split_list("--quant", quant, str, QUANTS)
-        spec = resolve_spec(model=model or DEFAULT_MODEL, backend="onnxruntime", quant=quants[0])
-        pair = load_pair(spec)
-        scored = {q: cached_export(pair, spec.model, _log, q) for q in quants}
-    items = [t for name in datasets.split(",") if name.strip() for t in held_out(name.strip(), texts, seed)]
-    tokenizer = load_tokenizer(next(iter(scored.values())).path / "tokenizer")
-    rows = quality(scored, items, tokenizer, max_tokens=max_tokens, threads=threads)
-    reference = next(iter(scored))
-    click.echo(json.dumps({"reference": reference, "rows": rows}) if as_json else table(rows, reference))
+        configs = split_list("--quant", quant, str, (*QUANTS, *(f"{q}-fp32act" for q in QUANTS if q != "none")))
+        spec = resolve_spec(model=model or DEFAULT_MODEL, backend="torch", method="ar")
+        pair = load_pair(spec, _log)
+        cands = []
+        for name in configs:
+            q, accuracy = parse_config(name)
+            exp = cached_export(pair, spec.model, _log, q)
+            cands.append(Candidate(name, export=str(exp.path), accuracy=accuracy, free=accuracy == 4))
+        reference = Candidate("torch fp32", target=str(pair.target))
+        tokenizer = load_tokenizer(pair.target)
+    names = [n.strip() for n in datasets.split(",") if n.strip()]
+    items = [t for name in names for t in held_out(name, texts, seed)]
+    asked = [(name, p.turns[0]) for name in names for p in (load(name, prompts, seed) if prompts else [])]
+    rendered = [(name, render(tokenizer, [], turn)) for name, turn in asked]
+    rows = quality(
+        reference,
+        cands,
+        items,
+        rendered,
+        tokenizer,
+        max_tokens=max_tokens,
+        max_new_tokens=max_new_tokens,
+        threads=threads,
+        kernel_paths=paths,
+        log=_log,
+    )
+    click.echo(json.dumps({"reference": reference.name, "rows": rows}) if as_json else table(rows, reference.name))
 
 
 @cli.command("train-drafter")

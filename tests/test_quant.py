@@ -357,6 +357,7 @@ def test_quality_reports_agreement_and_nll_per_quantization(tiny_export, int8_ex
     code, out, err = run_cli(
         monkeypatch, capsys, "quality", *(a for p in paths for a in ("--export", p)),
         "--datasets", "humaneval,mt-bench", "--texts", "2", "--max-tokens", "64", "--threads", "1", "--json",
+        "--prompts", "2", "--max-new-tokens", "40",
     )  # fmt: skip
     assert code == 0, err
     result = json.loads(out)
@@ -367,6 +368,10 @@ def test_quality_reports_agreement_and_nll_per_quantization(tiny_export, int8_ex
         assert none["agreement"] == 1.0 and none["texts"] == 2 and none["tokens"] == int4["tokens"] == 2 * 63
         assert 0.5 < int4["agreement"] <= int8["agreement"] <= 1.0 and int4["agreement"] < 1.0
         assert all(np.isfinite(r["nll"]) and r["nll"] > 0 for r in (none, int8, int4))
+        # free-running: the reference against itself is identical and passes the gate; int4 differs somewhere
+        assert none["answers"] == 2 and none["identical"] == 1.0 and none["new_loops"] == 0 and none["gate"] == []
+        assert none["nll_delta"] == 0.0 and int4["gate"] and int4["ar_tok_s"] > 0
+    assert min(rows[q, d]["identical"] for q in ("int4",) for d in ("humaneval", "mt-bench")) < 1.0
     code, out, err = run_cli(monkeypatch, capsys, "quality", "--export", paths[0], "--datasets", "math500")
     assert code == 2 and err.count("\n") == 1 and "dtrt quality scores text of humaneval, mt-bench" in err
 
@@ -438,3 +443,23 @@ def test_kernel_serves_only_what_it_computes(int4_export, tiny_export, monkeypat
     assert not ort_ops.wants_kernel(int4_export.stage("domino.block"))
     monkeypatch.setenv("DTRT_ORT_OPS", "0")
     assert ort_ops.status() == "turned off (DTRT_ORT_OPS=0)"
+
+
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (the emulated AVX2 kernel path)")
+def test_quality_measures_a_second_kernel_path(tiny_export, int8_export, monkeypatch, capsys):
+    """`--kernel-path avx2` runs the configurations in a child process on ONNX Runtime's AVX2 kernels (under QEMU's
+    Haswell model): torch there detects AVX2, not this machine's ISA, and the fp32 export still agrees with its own
+    native run while the reference stays native."""
+    paths = [str(e.path) for e in (tiny_export, int8_export)]
+    code, out, err = run_cli(
+        monkeypatch, capsys, "quality", *(a for p in paths for a in ("--export", p)), "--datasets", "mt-bench",
+        "--texts", "1", "--max-tokens", "48", "--prompts", "0", "--threads", "1", "--kernel-path", "native,avx2",
+        "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    emulated = [r for r in rows if r["kernel_path"] == "avx2 (emulated)"]
+    assert len(rows) == 4 and len(emulated) == 2 and all(r["isa"] == "AVX2" for r in emulated)
+    assert emulated[0]["agreement"] >= 0.97 and abs(emulated[0]["nll_delta"]) < 1e-3  # fp32: rounding order only
+    code, out, err = run_cli(monkeypatch, capsys, "quality", "--export", paths[0], "--kernel-path", "avx512")
+    assert code == 2 and err.count("\n") == 1 and "--kernel-path 'avx512': use some of native, avx2" in err

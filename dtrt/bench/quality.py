@@ -1,28 +1,43 @@
-"""`dtrt quality`: what a target quantization costs, on held-out text from the bench datasets (never training data).
+"""`dtrt quality`: what a target configuration costs in quality, against a reference, on held-out prompts and text
+from the bench datasets (never training data). With `--model` the reference is the fp32 PyTorch target of the
+checkpoint (the truth every stage is checked against); with `--export` dirs, the first export.
 
-Each text (HumanEval: a task's prompt and canonical solution; MT-Bench: a question's turns and its reference answer
-where it has one) is cut to `max_tokens` tokens and scored by each export's target stage in one call, as the
-runtime runs it (int8 activations on a quantized target). Per quantization and dataset:
+Per configuration and dataset:
 
-- agreement: the share of positions where its greedy next token (argmax) equals the full-precision target's, the
-  first quantization given being the reference;
-- nll: the mean negative log-likelihood per token of the text (nats), and its perplexity.
+- teacher-forced (texts: HumanEval's prompt and canonical solution, MT-Bench's turns and reference answer, each cut
+  to `max_tokens`, scored in one call as the runtime runs the target):
+  agreement, the share of positions whose greedy next token equals the reference's; nll, the mean negative
+  log-likelihood per token of the text (nats), with its difference from the reference's;
+- free-running (prompts: the bench's first turns through the chat template, greedy AR for `max_new_tokens`):
+  identical, the share of answers the same as the reference's over their first `QualityGate.first` tokens;
+  loops, the answers that fall into a repetition loop (dtrt.zoo.gate.loops), and new_loops, those whose reference
+  answer does not; the AR tokens per second of those generations.
+
+A configuration is `none` (the fp32 export), `int8`, `int4` (their int8-activation kernels, as `dtrt run` runs
+them), or `int8-fp32act`/`int4-fp32act` (the same weights with fp32 activations: MatMulNBits accuracy level 1;
+teacher-forced only, since the runtime does not run them). `kernel_path` other than `native` measures the
+configurations in a child process on that CPU kernel path (dtrt.artifacts.kernel_path); the reference stays here.
 """
 
 import gzip
 import json
 import math
-from dataclasses import dataclass
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from dtrt.artifacts.export import Export
+from dtrt.artifacts.kernel_path import emulated_command, this_path
 from dtrt.bench.datasets import _read
 from dtrt.errors import DtrtError
-from dtrt.runtime.backends.onnxruntime import cpu_session
+from dtrt.zoo.gate import GATE, loops, same_start
 
 TEXT_DATASETS = ("humaneval", "mt-bench")
+ACCURACY = {"": 4, "-fp32act": 1}  # configuration suffix -> MatMulNBits accuracy level
 
 
 @dataclass(frozen=True)
@@ -30,6 +45,26 @@ class Text:
     dataset: str
     id: str
     text: str
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration to measure: an export (None: the fp32 PyTorch target at `target`) at a MatMulNBits
+    accuracy level; `free`: whether its free-running answers are generated."""
+
+    name: str
+    export: str | None = None
+    target: str | None = None
+    accuracy: int = 4
+    free: bool = True
+
+
+def parse_config(name: str) -> tuple[str, int]:
+    """`int8-fp32act` -> ("int8", 1); `int8` -> ("int8", 4)."""
+    for suffix, level in sorted(ACCURACY.items(), key=lambda kv: -len(kv[0])):
+        if suffix and name.endswith(suffix):
+            return name[: -len(suffix)], level
+    return name, ACCURACY[""]
 
 
 def held_out(name: str, n: int, seed: int = 0) -> list[Text]:
@@ -47,7 +82,7 @@ def held_out(name: str, n: int, seed: int = 0) -> list[Text]:
     return [texts[i] for i in order[:n]]
 
 
-def score(sess, exp: Export, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def score(sess, exp, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(argmax, nll) at every position but the last: the target's greedy next token and -log p(the text's next)."""
     t = exp.manifest["target"]
     n = len(ids)
@@ -60,56 +95,208 @@ def score(sess, exp: Export, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         "past_v": empty,
         "past_positions": np.zeros(0, np.int64),
     }
-    logits = torch.from_numpy(sess.run(["logits"], feeds)[0][:-1]).double()
+    return _argmax_nll(torch.from_numpy(sess.run(["logits"], feeds)[0]), ids)
+
+
+def _argmax_nll(logits: torch.Tensor, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    logits = logits[:-1].double()
     nll = -torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     return logits.argmax(-1).numpy(), nll.numpy()
 
 
-def quality(exports: dict[str, Export], texts: list[Text], tokenizer, *, max_tokens: int, threads: int | None):
-    """Rows per (quantization, dataset): texts, tokens scored, agreement with the first export, nll, perplexity."""
-    for exp in exports.values():
-        if "state" in exp.manifest["stages"]["target"]["inputs"]:
-            raise DtrtError(f"--export {exp.path}: a hybrid target; dtrt quality scores attention-only targets")
-        max_tokens = min(max_tokens, exp.max_context)
-    sessions = {name: cpu_session(exp.stage("target"), threads) for name, exp in exports.items()}
-    reference = next(iter(exports))
-    totals: dict[tuple[str, str], dict] = {}
-    for text in texts:
-        ids = tokenizer.encode(text.text, add_special_tokens=False)[:max_tokens]
-        if len(ids) < 2:
-            continue
-        scored = {name: score(sess, exports[name], ids) for name, sess in sessions.items()}
-        for name, (argmax, nll) in scored.items():
-            acc = totals.setdefault((name, text.dataset), {"texts": 0, "tokens": 0, "agree": 0, "nll": 0.0})
-            acc["texts"] += 1
-            acc["tokens"] += len(nll)
-            acc["agree"] += int((argmax == scored[reference][0]).sum())
-            acc["nll"] += float(nll.sum())
+def _scorer(cand: Candidate, threads: int | None):
+    """ids -> (argmax, nll) for the candidate's target."""
+    if cand.export is None:
+        from dtrt.models.checkpoint import load_target
+
+        model = load_target(cand.target).eval()
+
+        @torch.no_grad()
+        def run(ids):
+            n = len(ids)
+            logits, _ = model(torch.tensor(ids), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+            return _argmax_nll(logits, ids)
+
+        return run
+    from dtrt.artifacts.export import load_export
+    from dtrt.runtime.backends.onnxruntime import cpu_session
+
+    exp = load_export(cand.export)
+    if "state" in exp.manifest["stages"]["target"]["inputs"]:
+        raise DtrtError(f"--export {exp.path}: a hybrid target; dtrt quality scores attention-only targets")
+    sess = cpu_session(exp.stage("target"), threads, accuracy=cand.accuracy)
+    return lambda ids: score(sess, exp, ids)
+
+
+def _pipeline(cand: Candidate, threads: int | None):
+    from dtrt.launch import resolve_spec
+    from dtrt.launch.sources import pipeline
+
+    if cand.export is None:
+        return pipeline(resolve_spec(target=cand.target, backend="torch", method="ar", threads=threads))
+    return pipeline(resolve_spec(export=cand.export, backend="onnxruntime", method="ar", threads=threads))
+
+
+def measure(
+    cand: Candidate, seqs: list[list[int]], prompts: list[list[int]], *, max_new_tokens: int, threads: int | None
+) -> dict:
+    """The candidate's greedy argmax and NLL on each text (`seqs`), and its greedy AR answer to each prompt (token
+    ids; none where `cand.free` is off), with their tokens per second and the ISA torch detects in this process."""
+    from dtrt.runtime.sampling import SamplingConfig
+
+    if threads:
+        torch.set_num_threads(threads)
+    run = _scorer(cand, threads)
+    scored = [run(ids) for ids in seqs]
+    answers, tokens, seconds = [], 0, 0.0
+    if cand.free and prompts:
+        pipe = _pipeline(cand, threads)
+        for ids in prompts:
+            out = pipe.generate(ids, max_new_tokens, SamplingConfig())
+            answers.append(out.tokens)
+            tokens, seconds = tokens + len(out.tokens) - 1, seconds + out.decode_s
+    return {
+        "name": cand.name,
+        "argmax": [a.tolist() for a, _ in scored],
+        "nll": [n.tolist() for _, n in scored],
+        "answers": answers,
+        "tok_s": tokens / seconds if seconds > 0 else None,
+        "isa": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def measure_on_path(
+    path: str, cand: Candidate, seqs, prompts, *, max_new_tokens: int, threads: int | None, log=None
+) -> dict:
+    """measure() on CPU kernel path `path`: here for `native`, else in a child process under emulation."""
+    if path == "native":
+        return measure(cand, seqs, prompts, max_new_tokens=max_new_tokens, threads=threads)
+    try:
+        command, env = emulated_command(path, ["-m", "dtrt.bench.quality"])
+    except ValueError as e:
+        raise DtrtError(f"--kernel-path {path}: {e}") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        args = {"max_new_tokens": max_new_tokens, "threads": threads}
+        request.write_text(json.dumps({"candidate": asdict(cand), "seqs": seqs, "prompts": prompts, **args}))
+        if log:
+            log(f"measuring {cand.name} on kernel path {path} (emulated: about 150x slower)")
+        done = subprocess.run([*command, str(request), str(result)], env=env, capture_output=True, text=True)
+        if done.returncode != 0 or not result.is_file():
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+            raise DtrtError(f"--kernel-path {path}: the measurement of {cand.name} failed ({last})")
+        return json.loads(result.read_text())
+
+
+def compare(ref: dict, got: dict, datasets: list[str], prompt_sets: list[str], kernel_path: str) -> list[dict]:
+    """One row per dataset: `got` against `ref` (both from measure(); `datasets`/`prompt_sets`: the dataset of each
+    text and each prompt)."""
     rows = []
-    for (name, dataset), acc in totals.items():
-        nll = acc["nll"] / acc["tokens"]
-        rows.append(
-            {
-                "quant": name,
-                "dataset": dataset,
-                "texts": acc["texts"],
-                "tokens": acc["tokens"],
-                "agreement": acc["agree"] / acc["tokens"],
-                "nll": nll,
-                "perplexity": math.exp(nll),
+    for dataset in dict.fromkeys([*datasets, *prompt_sets]):
+        idx = [i for i, d in enumerate(datasets) if d == dataset]
+        tokens = sum(len(got["nll"][i]) for i in idx)
+        agree = sum(int(np.sum(np.asarray(got["argmax"][i]) == np.asarray(ref["argmax"][i]))) for i in idx)
+        nll = sum(float(np.sum(got["nll"][i])) for i in idx) / max(tokens, 1)
+        ref_nll = sum(float(np.sum(ref["nll"][i])) for i in idx) / max(tokens, 1)
+        row = {
+            "quant": got["name"],
+            "dataset": dataset,
+            "kernel_path": kernel_path,
+            "isa": got["isa"],
+            "texts": len(idx),
+            "tokens": tokens,
+            "agreement": agree / tokens if tokens else float("nan"),
+            "nll": nll,
+            "nll_delta": nll - ref_nll,
+            "perplexity": math.exp(nll),
+            "answers": 0,
+        }
+        pidx = [i for i, d in enumerate(prompt_sets) if d == dataset]
+        if got["answers"] and pidx:
+            mine, theirs = [got["answers"][i] for i in pidx], [ref["answers"][i] for i in pidx]
+            looping = [loops(a) for a in mine]
+            row |= {
+                "answers": len(pidx),
+                "identical": sum(same_start(a, b, GATE.first) for a, b in zip(mine, theirs)) / len(pidx),
+                "loops": sum(looping),
+                "new_loops": sum(lp and not loops(b) for lp, b in zip(looping, theirs)),
+                "ar_tok_s": got["tok_s"],
             }
-        )
+        rows.append(row | {"gate": GATE.failures(row)})
+    return rows
+
+
+def quality(
+    reference: Candidate,
+    candidates: list[Candidate],
+    texts: list[Text],
+    prompts: list[tuple[str, str]],
+    tokenizer,
+    *,
+    max_tokens: int,
+    max_new_tokens: int,
+    threads: int | None,
+    kernel_paths: tuple[str, ...] = ("native",),
+    log=None,
+) -> list[dict]:
+    """Rows per (configuration, kernel path, dataset) against the reference, which is measured natively.
+    `prompts`: (dataset, rendered prompt text), each cut to its last `max_tokens` tokens."""
+    seqs = [ids for ids in (tokenizer.encode(t.text, add_special_tokens=False)[:max_tokens] for t in texts)]
+    keep = [i for i, ids in enumerate(seqs) if len(ids) >= 2]
+    seqs, datasets = [seqs[i] for i in keep], [texts[i].dataset for i in keep]
+    prompt_ids = [tokenizer.encode(p, add_special_tokens=False)[-max_tokens:] for _, p in prompts]
+    prompt_sets = [d for d, _ in prompts]
+    args = {"max_new_tokens": max_new_tokens, "threads": threads}
+    if log:
+        log(f"measuring the reference ({reference.name}) on this machine's kernel path ({this_path()})")
+    ref = measure(reference, seqs, prompt_ids, **args)
+    rows = []
+    for path in kernel_paths:
+        for cand in candidates:
+            if cand == reference and path == "native":
+                got = ref
+            else:
+                if log:
+                    log(f"measuring {cand.name} ({path})")
+                got = measure_on_path(path, cand, seqs, prompt_ids if cand.free else [], log=log, **args)
+            label = this_path() if path == "native" else f"{path} (emulated)"
+            rows += compare(ref, got, datasets, prompt_sets, label)
     return rows
 
 
 def table(rows: list[dict], reference: str) -> str:
     lines = [
-        f"| quant | dataset | texts | tokens | agreement with {reference} | nll (nats/token) | perplexity |",
-        "|---|---|---|---|---|---|---|",
+        f"| quant | path | dataset | texts | tokens | agreement with {reference} | nll (nats/token) | nll delta | "
+        "answers | identical | loops (new) | AR tok/s | gate |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        free = (
+            f"{r['answers']} | {r['identical']:.2f} | {r['loops']} ({r['new_loops']}) | "
+            + (f"{r['ar_tok_s']:.1f}" if r["ar_tok_s"] else "-")
+            if r["answers"]
+            else "- | - | - | -"
+        )
+        verdict = "pass" if not r["gate"] else "fail: " + "; ".join(r["gate"])
         lines.append(
-            f"| {r['quant']} | {r['dataset']} | {r['texts']} | {r['tokens']} | {r['agreement']:.4f} | "
-            f"{r['nll']:.4f} | {r['perplexity']:.3f} |"
+            f"| {r['quant']} | {r['kernel_path']} | {r['dataset']} | {r['texts']} | {r['tokens']} | "
+            f"{r['agreement']:.4f} | {r['nll']:.4f} | {r['nll_delta']:+.4f} | {free} | {verdict} |"
         )
     return "\n".join(lines)
+
+
+def _child(request: str, result: str):
+    """The child process of measure_on_path: one measure() from a request file into a result file."""
+    req = json.loads(Path(request).read_text())
+    out = measure(
+        Candidate(**req["candidate"]),
+        req["seqs"],
+        req["prompts"],
+        max_new_tokens=req["max_new_tokens"],
+        threads=req["threads"],
+    )
+    Path(result).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    _child(*sys.argv[1:3])
