@@ -56,6 +56,12 @@ def test_registry_refuses_a_quantized_default_without_a_passing_gate_result():
     assert ModelEntry("m").gate is None  # an fp32 default is the reference's own configuration
 
 
+def test_the_embedded_default_passes_its_recorded_gate():
+    entry = MODELS[registry.DEFAULT_MODEL]
+    assert entry.gate is not None and entry.gate.config == entry.quant and entry.gate.passed
+    assert len(entry.gate.kernel_paths) >= 2  # measured on two kernel paths
+
+
 def test_kernel_path_follows_the_cpu_flags():
     avx2 = {"avx", "avx2", "fma", "sse4_2"}
     avx512 = avx2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}

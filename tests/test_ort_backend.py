@@ -385,6 +385,12 @@ def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
     logs = []
     assert cache.cached_export(tiny, "tiny", logs.append) == "new" and made
     assert any("made by an earlier dtrt (layout 1)" in m for m in logs)
+    # a cache holding only another target configuration (an earlier default) says why it exports again
+    made.clear()
+    logs = []
+    assert cache.cached_export(tiny, "tiny", logs.append, quant="int4") == "new" and made
+    why = [m for m in logs if "no export of its int4 target in the cache yet" in m]
+    assert len(why) == 1 and f"it holds tiny-{__version__})" in why[0] and "default target is fp32" in why[0]
 
 
 # the exported frontier stage

@@ -317,18 +317,15 @@ def test_budget_defaults_to_the_models_measured_one(tiny, monkeypatch, capsys):
     from dtrt.zoo import registry
 
     assert registry.default_budget("smollm2-135m") == 4 and registry.default_budget(None) == 16
-    # the embedded default on ONNX Runtime runs its int8 target, at that quantization's budget
+    # the embedded default on ONNX Runtime runs its fp32 target (the one that passes the quality gate) with
+    # dominotree at that quantization's budget; a quantized target runs cadominotree, whose budget is a cap
     from dtrt.launch import resolve_spec
 
     default, on_torch = resolve_spec(), resolve_spec(model="smollm2-135m", method="dominotree")
-    # the embedded default runs cadominotree, whose budget is a cap; a fixed budget is the measured one
-    assert (default.backend, default.quant, default.method, default.budget) == (
-        "onnxruntime",
-        "int8",
-        "cadominotree",
-        16,
-    )
-    assert resolve_spec(method="dominotree").budget == 2
+    assert (default.backend, default.quant, default.method, default.budget) == ("onnxruntime", "none", "dominotree", 4)
+    int8 = resolve_spec(quant="int8")
+    assert (int8.quant, int8.method, int8.budget) == ("int8", "cadominotree", 16)
+    assert resolve_spec(method="dominotree", quant="int8").budget == 2
     assert (on_torch.backend, on_torch.quant, on_torch.budget) == ("torch", None, 4)
     assert resolve_spec(method="ddtree", quant="none").budget == 4
     assert resolve_spec(method="dominotree", quant="int4").budget == 2

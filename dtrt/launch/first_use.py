@@ -12,6 +12,7 @@ from dtrt.errors import DtrtError
 from dtrt.launch.memory import check_first_use
 from dtrt.models.checkpoint import Pair
 from dtrt.models.quant import quant_spec
+from dtrt.zoo.registry import default_quant
 
 DRAFTER_QUANT = "int8"
 
@@ -43,6 +44,15 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none") -> Expo
             return exp
         except DtrtError as e:
             log(f"{path}: out of date ({e}); exporting again")
+    else:
+        others = sorted(p.name for p in path.parent.glob(f"{model}-{__version__}*") if p.is_dir() and p != path)
+        if others:  # say why a cache that already holds this model exports again: another target configuration
+            default = default_quant(model)
+            log(
+                f"{model}: no export of its {'fp32' if quant == 'none' else quant} target in the cache yet (it holds "
+                f"{', '.join(others)}); the registry's default target is {'fp32' if default == 'none' else default}, "
+                f"the configuration that passes the quality gate (dtrt quality)"
+            )
     check_first_use(pair, model, quant=quant)
     log(f"exporting {model} to ONNX in {path} (first use only)")
     return export_pair(pair, Path(path), model, force=True, drafter_quant=DRAFTER_QUANT, quant=qspec, log=log)

@@ -5,8 +5,8 @@ no --model, --target or --export     the embedded default model (zoo.registry.DE
 --model / --target, or --device cuda the torch backend, unless --backend says otherwise
 --quant                              the model's entry in the registry table for its first-use ONNX Runtime export
                                      (none for the torch backend and for an --export, which carries its own)
---method                             the model's entry in the registry table (dominotree where it says nothing,
-                                     and under --cuda-graph)
+--method                             the model's entry in the registry table for that quantization (dominotree
+                                     where it says nothing, and under --cuda-graph)
 --budget                             the model's entry in the registry table for that quantization (16 where it
                                      says nothing; the cap of the cost-aware methods: 16)
 --builder                            frontier on a CUDA torch backend or under --cuda-graph, else heap
@@ -77,7 +77,7 @@ def resolve_spec(
     if quant is None and backend == "onnxruntime" and export is None:
         quant = default_quant(model)
     if method is None:
-        method = "dominotree" if cuda_graph else default_method(model)
+        method = "dominotree" if cuda_graph else default_method(model, quant)
     spec = RunSpec(
         model=model,
         target=Path(target) if target is not None else None,

@@ -10,6 +10,7 @@ from pathlib import Path
 from dtrt.artifacts.files import cache_dir, staging
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import Pair
+from dtrt.zoo.gate import GateRecord
 
 DEFAULT_BUDGET = 16  # draft nodes per tree where a model's entry says nothing else (the papers')
 
@@ -30,27 +31,58 @@ class ModelEntry:
     quant_budgets: tuple[tuple[str, int], ...] = ()
     """(quantization, budget) where a quantized target's verify-cost curve wants another budget than `budget`."""
     method: str = "dominotree"
-    """The method where `--method` is not given: cadominotree where `dtrt bench` found it faster than the fixed
-    budgets."""
+    """The method where `--method` is not given: the one `dtrt bench` measured fastest on the default target."""
+    quant_methods: tuple[tuple[str, str], ...] = ()
+    """(quantization, method) where another target quantization wants another method than `method`."""
+    gate: GateRecord | None = None
+    """The quality gate's result for the default target configuration (`quant`), as `dtrt quality` measured it
+    against the fp32 PyTorch target: a quantized default needs a passing one (dtrt.zoo.gate)."""
+
+    def __post_init__(self):
+        g = self.gate
+        if g is not None and g.config != self.quant:
+            raise ValueError(f"{self.name}: its gate result is for {g.config}, its default target is {self.quant}")
+        if self.quant != "none" and (g is None or not g.passed):
+            why = "has no recorded quality gate result" if g is None else "does not pass the quality gate"
+            raise ValueError(
+                f"{self.name}: the default target {self.quant} {why}; measure it with `dtrt quality --model "
+                f"{self.name} --quant {self.quant}` and record a passing GateRecord, or keep quant='none'"
+            )
 
     def budget_for(self, quant: str | None) -> int:
         return dict(self.quant_budgets).get(quant or "none", self.budget)
+
+    def method_for(self, quant: str | None) -> str:
+        return dict(self.quant_methods).get(quant or "none", self.method)
 
 
 MODELS = {
     e.name: e
     for e in (
-        # SmolLM2 in fp32 on ONNX Runtime: a 17-node verify costs ~1.5x a 1-token step and its drafter commits ~1.5
-        # tokens a round, so 4 nodes beat 16 (T=0: 1.07x AR vs 0.86x; README, dtrt bench). Its first-use export
-        # has an int8 target: 1.26x fp32's AR with 94-96% greedy agreement (int4: 1.79x, but 63-74%); a quantized
-        # verify is steeper in N (benchmarks/verify_cost.py: 3 tokens cost 1.0-1.2x one, 5 cost 1.2-1.5x), so 2 nodes.
-        # cadominotree beat those fixed budgets at T=0 and T=1 (int8: 1.02x / 0.99x AR vs 0.95x / 0.81x; README).
+        # SmolLM2 on ONNX Runtime runs its fp32 target: the only configuration that passes the quality gate
+        # (dtrt.zoo.gate; int8 keeps 95-96% of fp32's greedy choices and answered the README's first example with a
+        # loop, int4 63-74%; README, "The quality gate of the embedded default"). A 5-node fp32 verify costs ~1.2x a
+        # 1-token step and its drafter commits ~1.7 tokens a round, so 4 nodes (T=0: dominotree@4 1.19x AR, ddtree@4
+        # 1.21x, cadominotree 1.11x; README, dtrt bench). A quantized verify is steeper in N
+        # (benchmarks/verify_cost.py: 3 tokens cost 1.0-1.2x one, 5 cost 1.2-1.5x), so 2 nodes there, and
+        # cadominotree beat those fixed budgets at T=0 and T=1 (int8: 1.02x / 0.99x AR vs 0.95x / 0.81x).
         ModelEntry(
             "smollm2-135m",
             budget=4,
-            quant="int8",
+            quant="none",
             quant_budgets=(("int8", 2), ("int4", 2)),
-            method="cadominotree",
+            quant_methods=(("int8", "cadominotree"), ("int4", "cadominotree")),
+            gate=GateRecord(
+                "none",
+                agreement=1.0,
+                nll_delta=0.0,
+                identical=1.0,
+                new_loops=0,
+                kernel_paths=("avx512-vnni", "avx2"),
+                command="dtrt quality --model smollm2-135m --quant none,int8,int4,int8-fp32act,int4-fp32act "
+                "--threads 1; --quant none,int8 --texts 3 --max-tokens 192 --prompts 1 --max-new-tokens 32 "
+                "--kernel-path avx2",
+            ),
         ),
         ModelEntry("tiny"),
         ModelEntry("tiny-hybrid"),
@@ -85,14 +117,18 @@ def default_budget(model: str | None, quant: str | None = None, method: str | No
     return MODELS[model].budget_for(quant) if model in MODELS else DEFAULT_BUDGET
 
 
-def default_method(model: str | None) -> str:
-    return MODELS[model].method if model in MODELS else "dominotree"
+def default_method(model: str | None, quant: str | None = None) -> str:
+    return MODELS[model].method_for(quant) if model in MODELS else "dominotree"
 
 
 def method_help() -> str:
     """`--method`'s default as the table has it, for help texts."""
-    special = ", ".join(f"{e.name}: {e.method}" for e in MODELS.values() if e.method != "dominotree")
-    return "dominotree" + (f" ({special})" if special else "")
+    special = []
+    for e in MODELS.values():
+        per_quant = dict(e.quant_methods)
+        if e.method != "dominotree" or per_quant:
+            special.append(f"{e.name}: {e.method}" + "".join(f", on {q} {m}" for q, m in per_quant.items()))
+    return "dominotree" + (f" ({'; '.join(special)})" if special else "")
 
 
 def default_quant(model: str | None) -> str:
