@@ -76,7 +76,7 @@ class FakeBackend(Backend):
     def draft_context(self, hidden, positions):
         assert len(hidden) == len(positions)
 
-    def draft_block(self, root: int, start: int):
+    def draft_block(self, root: int, start: int, *, rows: int):
         self.calls["draft_block"] += 1
         base = torch.zeros(D, V)
         mode, wrong = (start // 2) % 3, start % D  # mode 0: every draft right
@@ -87,7 +87,7 @@ class FakeBackend(Backend):
             if mode and d == wrong:
                 base[d, (t + 1) % V] = 6.0
                 base[d, t] = 5.0 if mode == 1 else -5.0
-        return torch.zeros(D, 1), base
+        return torch.zeros(rows, 1), base[:rows]
 
     def scorer(self, arm, rnd, k, topm):
         return MarginalScorer(rnd, k)  # no Domino head: every arm scores the marginals

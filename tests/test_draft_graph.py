@@ -38,7 +38,7 @@ def test_fixed_shape_block_matches_the_block(tiny):
     cache.k[:, :, cache.length :] = 1e4 * torch.randn_like(cache.k[:, :, cache.length :])  # stale entries past it
     cache.v[:, :, cache.length :] = 1e4
     root, start = 42, backend.past
-    want = backend.draft_block(root, start)
+    want = backend.draft_block(root, start, rows=backend.drafter.cfg.k_draft)
     got = backend.draft_block_fixed(torch.tensor([root]), torch.tensor([start]), torch.tensor([cache.length]))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

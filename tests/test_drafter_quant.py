@@ -45,6 +45,26 @@ def test_int8_drafter_keeps_the_ar_tokens_with_drafts_accepted(tiny_export_int8,
     check_speculative(ort_pipeline(tiny_export_int8, draft), draft, torch_tokens)
 
 
+@pytest.mark.parametrize("kind", ["dflash", "domino"])
+def test_int8_rows_are_those_of_every_row(tiny_export_int8, kind):
+    """The lm_head's activations are quantized over every proposal row, whatever `rows` a round asks for: a row's
+    base logits are the same bits as with every row (a scale over the rows asked alone would move them)."""
+    from dtrt.runtime.backends.onnxruntime import OrtBackend
+
+    backend = OrtBackend(tiny_export_int8, kind, threads=1)
+    backend.reset(32)
+    n, gen = 11, torch.Generator().manual_seed(0)
+    ids = torch.randint(0, tiny_export_int8.manifest["target"]["vocab_size"], (n,), generator=gen)
+    _, hidden = backend.target_forward(ids, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+    backend.commit(torch.arange(n))
+    backend.draft_context(hidden, torch.arange(n))
+    k_draft = backend.drafter.cfg.k_draft
+    full = [x.clone() for x in backend.draft_block(5, n, rows=k_draft)]
+    for rows in (1, 2, k_draft - 1):
+        ph, base = backend.draft_block(5, n, rows=rows)
+        assert torch.equal(ph, full[0][:rows]) and torch.equal(base, full[1][:rows]), rows
+
+
 def test_int8_drafts_stay_close_to_the_fp32_ones(tiny_export, tiny_export_int8):
     """Same prompts, same target: acceptance moves little (the drafts are the fp32 ones up to int8 rounding)."""
     taus = []

@@ -22,7 +22,7 @@ from dtrt.errors import DtrtError
 from dtrt.plugins import sources_sha256
 from dtrt.plugins.ptx import strip_hidden_params
 from dtrt.runtime.backends.kv import DevicePackedKV, PackedKV
-from dtrt.runtime.backends.tensorrt import graph_key, plan_buffers
+from dtrt.runtime.backends.tensorrt import graph_key, host_inputs, plan_buffers
 
 H200 = Machine("NVIDIA H200", "9.0", "11.4.0.106", "12.8")
 # the stage signatures of the tiny pair's export (dtrt export --model tiny --max-context 512)
@@ -51,10 +51,15 @@ STAGES = {
         {
             "root": ("INT64", [1]),
             "start": ("INT64", [1]),
+            "rows": ("INT64", [1]),
             "cache_k": ("FLOAT", [1, 2, "P", 24]),
             "cache_v": ("FLOAT", [1, 2, "P", 24]),
         },
-        {"ph": ("FLOAT", [8, 96]), "base": ("FLOAT", [8, 128])},
+        {"ph": ("FLOAT", ["R", 96]), "base": ("FLOAT", ["R", 128])},
+    ),
+    "domino.scorer_setup": (
+        {"ph": ("FLOAT", ["R", 96]), "base": ("FLOAT", ["R", 128])},
+        {"cand": ("INT64", ["R", 64]), "zproj": ("FLOAT", ["R", 32])},
     ),
     "domino.scorer_children": (
         {
@@ -135,6 +140,10 @@ def test_profiles_per_stage(export_dir):
     assert [p["name"] for p in stages["domino.context"]["profiles"]] == ["decode", "prefill"]
     block = stages["domino.block"]["profiles"]
     assert len(block) == 1 and block[0]["shapes"]["root"] == [[1], [1], [1]]
+    # rows: a shape tensor, its values from 1 to k_draft (opt: the rows a tree of the budget reaches)
+    assert block[0]["shapes"]["rows"] == [[1], [1], [1]] and block[0]["values"] == {"rows": [[1], [8], [8]]}
+    setup = stages["domino.scorer_setup"]["profiles"]
+    assert setup[0]["shapes"]["base"] == [[1, 128], [8, 128], [8, 128]] and "values" not in setup[0]
     children = stages["domino.scorer_children"]["profiles"][0]["shapes"]
     assert children["states"] == [[1, 32], [1, 32], [17, 32]] and children["w2c"] == [[64, 32]] * 3
     assert stages["domino.frontier"]["profiles"][0]["shapes"]["ph"] == [[1, 8, 96], [1, 8, 96], [4, 8, 96]]
@@ -179,7 +188,7 @@ def test_build_writes_the_engine_directory(export_dir, tmp_path, fake_trt, monke
     code, out, err = run_cli(monkeypatch, capsys, "build-engine", str(export_dir), "--out", str(root))
     assert code == 0, err
     path = root / H200.key / "tiny"
-    assert out.strip().startswith(f"{path}: 5 plans")
+    assert out.strip().startswith(f"{path}: {len(STAGES)} plans")
     assert sorted(p.name for p in path.iterdir()) == sorted(
         [*(f"{s}.plan" for s in STAGES), "manifest.json", "timing.cache"]
     )
@@ -315,6 +324,11 @@ def test_stage_buffers_and_graphs(export_dir):
     assert plan_buffers(stages["domino.frontier"])["mask"] == ((4, 17, 17), torch.bool)
     assert graph_key(stages["target"], {"ids": (17,)}) is None  # P changes every round
     assert graph_key(stages["domino.block"], {"root": (1,)}) is None
+    assert plan_buffers(stages["domino.block"])["base"] == ((8, 128), torch.float32)  # R: the rows' largest value
+    assert host_inputs(stages["domino.block"]) == {"rows"} and not host_inputs(stages["domino.scorer_setup"])
+    no_past = {**stages["domino.block"], "inputs": {"rows": {"dims": [1], "dtype": "INT64"}}}
+    assert graph_key(no_past, {"rows": (1,)}) is None  # a shape tensor is read on the host: no CUDA graph
+    assert graph_key(stages["domino.scorer_setup"], {"ph": (3, 96), "base": (3, 128)}) is not None
     key = graph_key(stages["domino.scorer_children"], {"zproj": (32,), "states": (1, 32)})
     assert key == (("states", (1, 32)), ("zproj", (32,)))
     assert graph_key(stages["domino.frontier"], {"ph": (1, 8, 96)}) is not None

@@ -215,10 +215,12 @@ def test_exported_stage_matches_torch(exported, name):
         assert_outputs_match(got, want if isinstance(want, tuple) else (want,))
 
 
-def test_setup_is_the_domino_scorers_round_precompute(models, exported):
+@pytest.mark.parametrize("rows", [1, 2, None])
+def test_setup_is_the_domino_scorers_round_precompute(models, exported, rows):
+    """Over the rows a round's block computed (None: every one, k_draft)."""
     target, drafter = models
     stage, _, sess = exported["scorer_setup"]
-    rnd = random_round(1, drafter.cfg.k_draft, drafter.cfg.hidden_size, drafter.cfg.vocab_size, seed=4)
+    rnd = random_round(1, rows or drafter.cfg.k_draft, drafter.cfg.hidden_size, drafter.cfg.vocab_size, seed=4)
     sc = DominoScorer(rnd, drafter.head, target.model.embed_tokens, K, TOPM, 1)
     cand, basec, zproj, w2c = sess.run(None, {"ph": rnd.ph[0].numpy(), "base": rnd.base[0].numpy()})
     assert np.array_equal(cand, sc.cand[0].numpy())
@@ -262,7 +264,7 @@ def test_heap_on_onnxruntime_scorer_over_the_full_vocabulary(models, exported, t
     stages = {s.name: s for s in scorer_stages(target, drafter, BUDGET, 0, K)}
     full = export_all([stages["scorer_setup"], stages["scorer_children"]], tmp_path)
     sessions = {name: sess for name, (_, _, sess) in {**exported, **full}.items()}
-    assert full["scorer_setup"][2].get_outputs()[0].shape == [drafter.cfg.k_draft, drafter.cfg.vocab_size]
+    assert full["scorer_setup"][2].get_outputs()[0].shape == ["R", drafter.cfg.vocab_size]
     D = drafter.cfg.k_draft
     for seed in range(3):
         rnd = random_round(1, D, drafter.cfg.hidden_size, drafter.cfg.vocab_size, seed=seed)

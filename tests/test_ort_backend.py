@@ -107,8 +107,14 @@ def test_stages_and_caches_match_torch(tiny, tiny_export):
             same(a[:, :, :c], b)
 
     def block_both(root):
-        for a, b in zip(ref.draft_block(root, ref.past), ort.draft_block(root, ort.past)):
-            same(a, b)
+        """Every row from the reference; from ONNX Runtime the first `rows` of them, for a few `rows`."""
+        depth = ref.drafter.cfg.k_draft
+        full = ref.draft_block(root, ref.past, rows=depth)
+        for rows in (1, 3, depth):
+            got = ort.draft_block(root, ort.past, rows=rows)
+            assert [tuple(x.shape) for x in got] == [(rows, x.shape[1]) for x in full]
+            for a, b in zip(full, got):
+                same(a[:rows], b)
 
     for b in (ref, ort):
         b.reset(64)
@@ -134,7 +140,7 @@ def test_stages_and_caches_match_torch(tiny, tiny_export):
 
     for b in (ref, ort):  # the CaDDTree probes write past the committed entries only
         b.time_verify(9, b.capacity - 9)
-        b.time_draft()
+        b.time_draft(rows=2)
     caches_equal()
     forward_both(torch.tensor([3, 4]), ref.past + torch.arange(2), torch.ones(2, 2, dtype=torch.bool).tril())
 
@@ -318,6 +324,22 @@ def test_no_domino_scorer_stages(broken, monkeypatch, capsys):
         "--arm marg",
         args=("--method", "dominotree"),
     )
+
+
+def test_block_stage_of_an_older_export(broken, monkeypatch, capsys):
+    """An export of layout 11 and before: its block stage computes every row, with no `rows` input (here the graph's
+    `rows` made a constant)."""
+    import onnx
+    from onnx import numpy_helper
+
+    f = broken / "dflash.block.onnx"
+    graph = onnx.load(str(f), load_external_data=False)
+    graph.graph.input.remove(next(i for i in graph.graph.input if i.name == "rows"))
+    graph.graph.initializer.append(numpy_helper.from_array(np.array([7]), "rows"))
+    onnx.save(graph, str(f))
+    edit_manifest(broken, lambda m: m["stages"]["dflash.block"]["inputs"].remove("rows"))
+    write_manifest(broken, json.loads((broken / "manifest.json").read_text()))
+    expect_cli_error(monkeypatch, capsys, broken, "its dflash.block stage computes every drafter row", fix(broken))
 
 
 def test_bad_options(tiny_export, monkeypatch, capsys):

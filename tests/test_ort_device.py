@@ -184,7 +184,7 @@ def test_stage_failure_is_a_backend_fault_naming_the_stage(tiny_export, binding,
     backend.commit(torch.arange(3))
     backend.draft_context(hidden, torch.arange(3))
     with pytest.raises(BackendFault) as e:
-        backend.draft_block(9, 3)
+        backend.draft_block(9, 3, rows=2)
     msg = str(e.value)
     assert msg.startswith("stage dflash.block: onnxruntime failed to run it (Fail: ") and "\n" not in msg
     assert "MatMul" in msg and isinstance(e.value.__cause__, Exception)

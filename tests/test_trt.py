@@ -41,13 +41,17 @@ def test_build_engine_command(tiny_export, tmp_path, monkeypatch, capsys):
     assert code == 2 and "pass --force" in err
 
 
-def feeds(meta: dict, n: int, p: int, vocab: int, gen: torch.Generator) -> dict:
-    """Valid random inputs for a stage: n new tokens (or nodes, or requests) over a past of p."""
-    sizes = {"N": n, "P": p, "bs": n}
+def feeds(meta: dict, n: int, p: int, vocab: int, k_draft: int, gen: torch.Generator) -> dict:
+    """Valid random inputs for a stage: n new tokens (or nodes, or requests, or up to k_draft drafter rows) over a
+    past of p."""
+    rows = min(n, k_draft)
+    sizes = {"N": n, "P": p, "bs": n, "R": rows}
     out = {}
     for name, m in meta["inputs"].items():
         shape = [sizes[d] if isinstance(d, str) else d for d in m["dims"]]
-        if name == "mask":
+        if name == "rows":
+            out[name] = np.array([rows])
+        elif name == "mask":
             out[name] = random_tree_mask(n, gen)[1].numpy()
         elif name == "positions":
             out[name] = np.arange(p, p + shape[0])
@@ -63,12 +67,13 @@ def feeds(meta: dict, n: int, p: int, vocab: int, gen: torch.Generator) -> dict:
 def test_every_stage_matches_onnxruntime(engine, tiny_export):
     trt_runner, ort_runner = TrtRunner(engine, tiny_export), OrtRunner(tiny_export)
     vocab = tiny_export.manifest["target"]["vocab_size"]
+    k_draft = tiny_export.manifest["drafters"]["domino"]["k_draft"]
     gen = torch.Generator().manual_seed(0)
     for name, meta in engine.manifest["stages"].items():
         trt_runner.open(name)
         ort_runner.open(name)
         for n, p in ((1, 0), (9, 7), (17, 100)):
-            x = feeds(meta, n, p, vocab, gen)
+            x = feeds(meta, n, p, vocab, k_draft, gen)
             got_all, want_all = trt_runner(name, **x), ort_runner(name, **x)
             for out in meta["outputs"]:
                 got, want = got_all[out].cpu().numpy(), want_all[out].numpy()

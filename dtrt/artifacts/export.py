@@ -20,9 +20,10 @@ FORMAT = "dtrt-export"
 # target's ordered attention sums the head's weights with a ReduceSum (no ones column on the whole past); 8 = its
 # layers never join their past with the new tokens (scores side by side, values read from the cache); 9 = its
 # rotations as ONNX RotaryEmbedding (opset 23); 10 = int8 drafter stages with 7-bit weights (dtrt.exporter.quantize);
-# 11 = a quantized target's layers read their past keys from the K cache too (no per-layer slice of it).
+# 11 = a quantized target's layers read their past keys from the K cache too (no per-layer slice of it); 12 = the
+# drafters' block stages take `rows` and return the base logits of those rows only (scorer_setup any rows).
 # The export made on first use is made again when it is older.
-LAYOUT = 11
+LAYOUT = 12
 
 
 @dataclass

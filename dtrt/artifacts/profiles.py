@@ -1,15 +1,20 @@
 """Optimization profiles as an engine manifest records them, and how a call's shapes pick one (the TensorRT
 backend reads them; dtrt.engines.profiles makes them)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Range = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+# inputs whose value, not their shape, sizes an output dim (the block's `rows`: its outputs' R). TensorRT takes such
+# an input as a shape tensor: on the host, its values' range in each profile.
+VALUE_DIMS = {"rows": "R"}
 
 
 @dataclass(frozen=True)
 class Profile:
     name: str
     shapes: dict[str, Range]  # input -> (min, opt, max)
+    values: dict[str, Range] = field(default_factory=dict)  # a VALUE_DIMS input -> (min, opt, max) of its values
 
     def holds(self, shapes: dict[str, tuple[int, ...]]) -> bool:
         return all(
@@ -19,11 +24,17 @@ class Profile:
         )
 
     def to_json(self) -> dict:
-        return {"name": self.name, "shapes": {n: [list(r) for r in rng] for n, rng in self.shapes.items()}}
+        out = {"name": self.name, "shapes": {n: [list(r) for r in rng] for n, rng in self.shapes.items()}}
+        if self.values:
+            out["values"] = {n: [list(r) for r in rng] for n, rng in self.values.items()}
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "Profile":
-        return cls(d["name"], {n: tuple(tuple(r) for r in rng) for n, rng in d["shapes"].items()})
+        def ranges(key):
+            return {n: tuple(tuple(r) for r in rng) for n, rng in d.get(key, {}).items()}
+
+        return cls(d["name"], ranges("shapes"), ranges("values"))
 
 
 def select_profile(profiles: list[Profile], shapes: dict[str, tuple[int, ...]]) -> int:
@@ -44,6 +55,8 @@ def max_shape(dims: list, profiles: list[Profile], inputs: dict[str, dict]) -> t
             for d, hi in zip(meta["dims"], p.shapes[name][2]):
                 if isinstance(d, str):
                     largest[d] = max(largest.get(d, 0), hi)
+        for name, (_, _, hi) in p.values.items():
+            largest[VALUE_DIMS[name]] = max(largest.get(VALUE_DIMS[name], 0), *hi)
     if any(isinstance(d, str) and d not in largest for d in dims):
         return None
     return tuple(d if isinstance(d, int) else largest[d] for d in dims)

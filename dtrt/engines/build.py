@@ -135,6 +135,8 @@ def _build_plans(
             profile = builder.create_optimization_profile()
             for inp, (lo, opt, hi) in prof["shapes"].items():
                 profile.set_shape(inp, lo, opt, hi)
+            for inp, (lo, opt, hi) in prof.get("values", {}).items():  # shape tensors: the block's rows
+                profile.set_shape_input(inp, lo, opt, hi)
             config.add_optimization_profile(profile)
         try:
             plan = builder.build_serialized_network(network, config)

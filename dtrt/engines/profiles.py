@@ -2,15 +2,17 @@
 
 The dynamic dims of an export are named (dtrt.exporter.onnx_export): N new tokens or tree nodes, P past
 positions, C the target's cache capacity (its K/V buffer, of which the past is the first P positions), bs
-requests. A decode profile covers what a round needs (N up to the largest tree, P and C up to the context); the
-stages that also read a prompt (the target, the drafters' context) get a second, prefill profile with N up to the
-whole context. The runtime picks the first profile that holds the shapes of a call.
+requests, R the drafter rows a round asks for (1..k_draft: the block's `rows` input sets it, a shape tensor to
+TensorRT, whose values a profile bounds too). A decode profile covers what a round needs (N up to the largest
+tree, P and C up to the context); the stages that also read a prompt (the target, the drafters' context) get a
+second, prefill profile with N up to the whole context. The runtime picks the first profile that holds the shapes
+of a call.
 """
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtrt.artifacts.profiles import Profile
+from dtrt.artifacts.profiles import VALUE_DIMS, Profile
 from dtrt.errors import DtrtError
 
 PREFILL_OPT = 256  # prompt length the prefill profile is tuned for
@@ -45,11 +47,13 @@ def dim_ranges(stage: str, limits: Limits) -> dict[str, dict[str, tuple[int, int
     n_max = max(limits.tree, limits.node_topk) if kind.startswith("scorer") else limits.tree
     n_opt = {"scorer_children": 1, "scorer_advance": limits.node_topk}.get(kind, limits.budget + 1)
     ctx = limits.max_context
+    rows = max(1, limits.k_draft)
     decode = {
         "N": (1, min(n_opt, n_max), n_max),
         "P": (0, ctx // 2, ctx),
         "C": (1, ctx // 2, ctx),
         "bs": (1, 1, limits.max_batch),
+        "R": (1, min(limits.budget, rows), rows),
     }
     ranges = {"decode": decode}
     if reads_prompt(stage):
@@ -61,8 +65,10 @@ def stage_profiles(stage: str, inputs: dict[str, dict], limits: Limits) -> list[
     """inputs: name -> {"dims": [int | dim name], ...} as in the ONNX graph."""
     profiles = []
     for name, dims in dim_ranges(stage, limits).items():
-        shapes = {}
+        shapes, values = {}, {}
         for inp, meta in inputs.items():
+            if inp in VALUE_DIMS:
+                values[inp] = tuple((r,) for r in dims[VALUE_DIMS[inp]])
             rng = []
             for d in meta["dims"]:
                 if isinstance(d, int):
@@ -72,11 +78,11 @@ def stage_profiles(stage: str, inputs: dict[str, dict], limits: Limits) -> list[
                 else:
                     raise DtrtError(
                         f"stage {stage}: input {inp} has a dynamic dim {d!r} that no profile covers "
-                        f"(known: N, P, C, bs); re-export it with this dtrt's `dtrt export`"
+                        f"(known: N, P, C, bs, R); re-export it with this dtrt's `dtrt export`"
                     )
             shapes[inp] = tuple(tuple(r[i] for r in rng) for i in range(3))
-        profile = Profile(name, shapes)
-        if not profiles or profile.shapes != profiles[0].shapes:
+        profile = Profile(name, shapes, values)
+        if not profiles or (profile.shapes, profile.values) != (profiles[0].shapes, profiles[0].values):
             profiles.append(profile)
     return profiles
 

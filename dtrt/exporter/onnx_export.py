@@ -25,6 +25,7 @@ def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int, ma
         "P": torch.export.Dim("P", min=0, max=max_context),
         "C": torch.export.Dim("C", min=1, max=max_context + max_tokens),
         "bs": torch.export.Dim("bs", min=1, max=max_batch),
+        "R": torch.export.Dim("R", min=1, max=max_tokens),  # drafter rows, at most k_draft
     }
     example = stage.example(3, 5, torch.Generator().manual_seed(0))
     args = tuple(example[name] for name in stage.inputs)
@@ -47,8 +48,16 @@ def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int, ma
     program.save(str(path), external_data=True)
     model = onnx.load(str(path), load_external_data=False)
     slice_past(model)
+    name_output_dims(model, stage.output_dims)
     used = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
     model.functions.extend(onnx_functions(used))
     onnx.save_model(model, str(path))
     onnx.checker.check_model(str(path))
     return [path, data] if data.exists() else [path]
+
+
+def name_output_dims(model: onnx.ModelProto, dims: dict[str, dict[int, str]]):
+    """Name the outputs' dims that an input's value sets (see Stage.output_dims)."""
+    for out in model.graph.output:
+        for axis, name in dims.get(out.name, {}).items():
+            out.type.tensor_type.shape.dim[axis].dim_param = name

@@ -7,6 +7,9 @@ dtype, verifies every drafted token, so the output is unchanged and only accepta
 
 ONNX Runtime's dynamic quantization: weights int8 per output channel, activations uint8 per tensor, measured at
 run time (MatMulInteger). The context stages, the scorer stages and the target are left as exported.
+The lm_head reads the first `rows` proposal rows only, but its activations are quantized over all of them, as
+before the block took `rows` (`whole_rows_scale`): each row's integer products, hence its base logits, are the same
+whatever `rows` a round asks for, and drafts stay those of every row.
 
 The weights use 7 bits (reduce_range: -64..64). A CPU without VNNI (AVX2 only) multiplies uint8 by int8 in pairs
 summed in int16 (vpmaddubsw), which saturates once a pair passes 32,767 (255 x 127 x 2 can reach 64,770): on such
@@ -20,6 +23,8 @@ states, the exact integer sums emulated: cosine 0.9997-0.9999 and rel 0.02-0.03 
 import logging
 import os
 from pathlib import Path
+
+import numpy as np
 
 from dtrt.errors import DtrtError
 
@@ -73,6 +78,7 @@ def quantize_stage(path: Path):
         import onnx
 
         model = onnx.load(str(tmp))  # the weights, renamed to the stage's own .data file
+        whole_rows_scale(model)
         data = path.with_name(path.name + ".data")
         for f in (path, data):
             f.unlink(missing_ok=True)
@@ -89,3 +95,33 @@ def quantize_stage(path: Path):
         for f in (tmp, tmp_data):
             if f.exists():
                 os.remove(f)
+
+
+def whole_rows_scale(model, rows_input: str = "rows", rows_output: str = "ph"):
+    """Quantize the lm_head's activations over every proposal row, then take the first `rows`: the stage's `ph`
+    output is Slice(x, start, start + rows) on the rows axis and the lm_head's DynamicQuantizeLinear reads it; it
+    reads Slice(x, start, end of x) instead (the proposal rows run to the block's end: k_draft = B - first_row), and
+    its quantized rows are sliced to `rows` before the product."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    quant = [n for n in graph.node if n.op_type == "DynamicQuantizeLinear" and n.input[0] == rows_output]
+    cut = producer.get(rows_output)
+    if len(quant) != 1 or cut is None or cut.op_type != "Slice" or len(cut.input) < 4 or not cut.input[3]:
+        raise DtrtError(f"the block stage's {rows_output} is not the one sliced input of its lm_head's quantization")
+    dql = quant[0]
+    data, starts, _, axes = cut.input[:4]
+    steps = list(cut.input[4:5])
+    end, start = np.array([np.iinfo(np.int64).max]), np.array([0])
+    graph.initializer.extend(
+        [numpy_helper.from_array(end, "whole_rows_end"), numpy_helper.from_array(start, "whole_rows_start")]
+    )
+    whole = helper.make_node("Slice", [data, starts, "whole_rows_end", axes, *steps], ["whole_rows"])
+    first = helper.make_node("Slice", [dql.output[0], "whole_rows_start", rows_input, axes], ["whole_rows_quantized"])
+    for n in graph.node:  # the products read the sliced quantized rows
+        n.input[:] = ["whole_rows_quantized" if i == dql.output[0] else i for i in n.input]
+    dql.input[0] = "whole_rows"
+    at = list(graph.node).index(dql)
+    graph.node.insert(at + 1, first)
+    graph.node.insert(at, whole)

@@ -1,8 +1,9 @@
 """The Domino scorer and the frontier builder as exported stages (DESIGN.md section 2: scorer, tree builder).
 
     scorer_root      root [1] -> state [1, G]                                    GRU(e(root), 0)
-    scorer_setup     ph [D, H], base [D, V] fp32                                 once per round
-                     -> cand [D, M], basec [D, M] fp32, zproj [D, E] fp32, w2c [D, M, E] fp32
+    scorer_setup     ph [R, H], base [R, V] fp32                                 once per round
+                     -> cand [R, M], basec [R, M] fp32, zproj [R, E] fp32, w2c [R, M, E] fp32
+                     (R: the rows the round's block computed, 1..D)
     scorer_children  zproj [E], states [n, G], basec [M], w2c [M, E]             one TopMCorrectedScore node
                      -> logprobs [n, M] fp32
     scorer_advance   tokens [n], states [n, G] -> next_states [n, G]             GRU(e(token), s)
@@ -12,7 +13,8 @@
 
 The four scorer stages serve the host heap (StageDominoScorer): it takes the top-k of the children's log-probs and
 maps candidate indices to tokens through cand, and answers depths below prefix_len from the base marginal itself.
-The frontier stage is the whole builder (budget, node_topk, M and D fixed at export).
+The frontier stage is the whole builder (budget, node_topk, M and D fixed at export), and the chain's depth is fixed
+at D too (a loop over the depths); scorer_setup takes the rows a round asked the block for.
 M = topm, or the vocabulary when topm = 0: the split stages then renormalise over every token (DominoScorer's
 full-vocabulary softmax, up to rounding); the frontier stage keeps DominoScorer's own full-vocabulary path.
 """
@@ -111,7 +113,8 @@ def _rows(head: DominoHead, lead: tuple, depth: int, gen):
 
 
 def _setup_example(stage, n, p, gen):
-    ph, base = _rows(stage.module.head, (), stage.module.depth, gen)
+    """n: the rows of the round (at most D)."""
+    ph, base = _rows(stage.module.head, (), min(n, stage.module.depth), gen)
     return {"ph": ph, "base": base}
 
 
@@ -162,7 +165,7 @@ def scorer_stages(target: Target, drafter: Drafter, budget: int, topm: int, node
             ScorerSetupStage(head, embed, M, D),
             ["ph", "base"],
             ["cand", "basec", "zproj", "w2c"],
-            {},
+            {"ph": {0: "R"}, "base": {0: "R"}},
             _setup_example,
         ),
         Stage(

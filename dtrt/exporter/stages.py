@@ -9,7 +9,8 @@ These wrappers are what gets exported and what `dtrt parity` compares ONNX Runti
                     state [R, Hv, dk, dv] fp32, conv [R, C, K-1] in (R Gated-DeltaNet layers)
                     -> also states [R, N, Hv, dk, dv], windows [R, N, C, K-1] (after each node)
     drafter_context hidden [n, taps*H], positions [n] -> ctx_k/ctx_v [Ld, KVHd, n, HDd]
-    drafter_block   root [1], start [1], cache_k/cache_v [Ld, KVHd, C, HDd] -> ph [D, H], base [D, V] fp32
+    drafter_block   root [1], start [1], rows [1] (1..D), cache_k/cache_v [Ld, KVHd, C, HDd]
+                    -> ph [rows, H], base [rows, V] fp32
 """
 
 from dataclasses import dataclass, field
@@ -95,7 +96,9 @@ class DrafterContextStage(nn.Module):
 
 
 class DrafterBlockStage(nn.Module):
-    """The block forward with the target's embedding and lm_head folded in (the drafter shares them)."""
+    """The block forward with the target's embedding and lm_head folded in (the drafter shares them). The whole
+    block runs (every slot attends to every other), but only its first `rows` proposal rows leave it: a round's tree
+    reaches no deeper, and the lm_head over the others was most of the stage's cost."""
 
     def __init__(self, target: Target, drafter: Drafter):
         super().__init__()
@@ -106,11 +109,15 @@ class DrafterBlockStage(nn.Module):
         self.register_buffer("slots", torch.arange(cfg.block_size), persistent=False)
         self.register_buffer("mask_ids", torch.full((cfg.block_size - 1,), cfg.mask_token_id), persistent=False)
 
-    def forward(self, root, start, cache_k, cache_v):
+    def forward(self, root, start, rows, cache_k, cache_v):
         ids = torch.cat((root, self.mask_ids))
         x = self.embed(ids).to(self.drafter.dtype)
         kv = [(cache_k[i], cache_v[i]) for i in range(cache_k.shape[0])]
         ph = self.drafter.proposal_rows(self.drafter.block(x, start + self.slots, kv))
+        n = rows[0].item()
+        torch._check(n >= 1)
+        torch._check(n <= ph.shape[0])
+        ph = ph.narrow(0, 0, n)
         return ph, self.lm_head(ph.to(self.lm_head.weight.dtype)).float()
 
 
@@ -122,6 +129,8 @@ class Stage:
     outputs: list[str]
     dynamic: dict[str, dict[int, str]] = field(default_factory=dict)  # input -> {axis: dim name}
     make_example: object = None  # (stage, n, p, gen) -> inputs
+    # output -> {axis: dim name} for dims an input's value sets (the exporter names them u0, u1, ... otherwise)
+    output_dims: dict[str, dict[int, str]] = field(default_factory=dict)
 
     def example(self, n: int, p: int, gen: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """Random inputs with n new tokens (or context rows) over a past of p positions."""
@@ -176,12 +185,14 @@ def _context_example(stage, n, p, gen):
 
 
 def _block_example(stage, n, p, gen):
+    """n: the rows asked for (at most k_draft)."""
     d = stage.module.drafter
     cfg = d.cfg
     kv = (cfg.num_layers, cfg.num_kv_heads, p, cfg.head_dim)
     return {
         "root": torch.randint(0, cfg.vocab_size, (1,), generator=gen),
         "start": torch.tensor([p]),
+        "rows": torch.tensor([min(n, cfg.k_draft)]),
         "cache_k": torch.randn(kv, generator=gen).to(d.dtype),
         "cache_v": torch.randn(kv, generator=gen).to(d.dtype),
     }
@@ -233,9 +244,10 @@ def drafter_stages(target: Target, drafter: Drafter, kind: str) -> list[Stage]:
         Stage(
             f"{kind}.block",
             DrafterBlockStage(target, drafter),
-            ["root", "start", "cache_k", "cache_v"],
+            ["root", "start", "rows", "cache_k", "cache_v"],
             ["ph", "base"],
             {"cache_k": {2: "P"}, "cache_v": {2: "P"}},
             _block_example,
+            {"ph": {0: "R"}, "base": {0: "R"}},
         ),
     ]

@@ -218,20 +218,22 @@ class Recorder(TorchBackend):
         self.keep(f"{self.kind}.context", {"hidden": hidden.to(self.drafter.dtype), "positions": positions})
         return super().draft_context(hidden, positions)
 
-    def draft_block(self, root: int, start: int):
+    def draft_block(self, root: int, start: int, *, rows: int):
         cache, n = self.draft_cache, self.draft_cache.length
         self.keep(
             f"{self.kind}.block",
             {
                 "root": torch.tensor([root]),
                 "start": torch.tensor([start]),
+                "rows": torch.tensor([rows]),
                 "cache_k": cache.k[:, :, :n],
                 "cache_v": cache.v[:, :, :n],
             },
         )
-        ph, base = super().draft_block(root, start)
+        # every row is kept for the stages that read them (the chain and the frontier take all k_draft)
+        ph, base = super().draft_block(root, start, rows=self.drafter.cfg.k_draft)
         self.keep(f"{self.kind}.rows", {"root": torch.tensor([root]), "ph": ph, "base": base})
-        return ph, base
+        return ph[:rows], base[:rows]
 
     def scorer(self, arm: str, rnd: Round, k: int, topm: int):
         if arm != "dominotree":

@@ -1,5 +1,6 @@
 """The cost-aware methods' cost model, measured on the running backend: verify latency against tree width at fixed
-context lengths, and the drafter's block latency over a short committed past.
+context lengths, and the drafter's block latency over a short committed past (the block computing the rows the
+cost-aware methods ask for: those a tree of their budget can reach).
 
 The contexts do not depend on any prompt (CONTEXTS, cut at the backend's limit; beyond the last the curve grows
 as between its last two), so one measurement serves every generation. A backend that names what decides its costs
@@ -22,7 +23,9 @@ from dtrt.artifacts.files import cache_dir, write_cache_file
 from dtrt.tree.caddtree import CostCurve
 
 CONTEXTS = (128, 1024, 2048)  # positions of committed past the verify reads, where the backend's limit allows
-STORE_VERSION = 1  # bump when what is measured changes: older stored curves are then measured again
+# bump when what is measured changes: older stored curves are then measured again (2: the drafter's block over the
+# rows a tree of max_nodes nodes reaches, not every row)
+STORE_VERSION = 2
 
 
 def _median_time(fn, repeats):
@@ -68,8 +71,9 @@ def measure_cost_curve(backend, max_nodes: int, repeats: int = 3) -> CostCurve:
     draft_cost = 0.0
     if backend.drafter is not None:
         backend.draft_context(hidden, torch.arange(n))
-        backend.time_draft()  # warm-up
-        draft_cost = _median_time(backend.time_draft, repeats)
+        rows = min(max_nodes, backend.drafter.cfg.k_draft)  # the rows a tree of max_nodes nodes asks the block for
+        backend.time_draft(rows=rows)  # warm-up
+        draft_cost = _median_time(lambda: backend.time_draft(rows=rows), repeats)
     return CostCurve.fit(samples, draft_cost)
 
 

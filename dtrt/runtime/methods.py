@@ -42,10 +42,15 @@ class Method:
         before the loop brings the drafter's context up to date for `draft`."""
         return True
 
+    def rows(self, backend) -> int:
+        """The drafter rows (depths) this round's tree can reach, known before drafting: the block computes the base
+        logits of these only. Fewer rows than the builder would read change no tree."""
+        return backend.drafter.cfg.k_draft
+
     def draft(self, backend, root: int, start: int) -> tuple[Tree, float]:
         """This round's tree from the drafter block rooted at `root` (position `start`), and the clock when the
         drafting part ended (the rest built the tree)."""
-        ph, base = backend.draft_block(root, start)
+        ph, base = backend.draft_block(root, start, rows=self.rows(backend))
         drafted = time.perf_counter()
         return self.build(backend, Round(ph[None], base[None], torch.tensor([root], device=ph.device))), drafted
 
@@ -71,6 +76,9 @@ class Chain(Method):
         super().__init__(cfg)
         self.arm = arm
 
+    def rows(self, backend):
+        return min(self.max_depth, backend.drafter.cfg.k_draft)
+
     def build(self, backend, rnd):
         return build_heap(backend.scorer(self.arm, rnd, 1, self.cfg.topm), self.max_depth, self.max_depth)
 
@@ -78,12 +86,19 @@ class Chain(Method):
 class DominoChain(Method):
     """Domino's own draft: the corrected argmax over the full vocabulary at every depth (--topm does not apply)."""
 
+    def rows(self, backend):
+        return min(self.max_depth, backend.drafter.cfg.k_draft)
+
     def build(self, backend, rnd):
         tokens = backend.domino_chain(rnd)[: self.max_depth]
         return Tree.chain(tokens.tolist(), root=int(rnd.root[0]))
 
 
 class DDTree(Method):
+    def rows(self, backend):
+        # a tree of `budget` nodes is at most `budget` deep (build_ddtree reads every row it is given)
+        return min(self.cfg.budget, backend.drafter.cfg.k_draft)
+
     def build(self, backend, rnd):
         logprobs = torch.log_softmax(rnd.base[0], dim=-1)
         return build_ddtree(logprobs, self.cfg.budget, self.stop(backend), root=int(rnd.root[0]))
@@ -110,6 +125,11 @@ class CaDDTree(CostAware, DDTree):
 
 class DominoTree(Method):
     graph = None
+
+    def rows(self, backend):
+        if self.cfg.builder == "frontier":  # the exported frontier stage's shapes are fixed: every row
+            return backend.drafter.cfg.k_draft
+        return min(self.cfg.budget, self.max_depth, backend.drafter.cfg.k_draft)
 
     def prepare(self, backend, max_depth):
         super().prepare(backend, max_depth)

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from dtrt.errors import DtrtError
 from dtrt.tree import FrontierTrees, Round
 
 
@@ -26,6 +27,13 @@ class DrafterDims(Protocol):
 
 class Drafter(Protocol):
     cfg: DrafterDims
+
+
+def check_rows(rows: int, k_draft: int) -> int:
+    """`rows` for draft_block, checked: 1..k_draft."""
+    if not isinstance(rows, int) or not 1 <= rows <= k_draft:
+        raise DtrtError(f"draft_block: rows {rows!r} must be an int in 1..{k_draft} (the drafter's k_draft)")
+    return rows
 
 
 class Backend(ABC):
@@ -74,9 +82,10 @@ class Backend(ABC):
         positions Long[n]."""
 
     @abstractmethod
-    def draft_block(self, root: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The drafter block rooted at token `root` at position `start`: (ph [D, H], base float32[D, V]) on the
-        device."""
+    def draft_block(self, root: int, start: int, *, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter block rooted at token `root` at position `start`, its first `rows` proposal rows (1..D: the
+        depths a round's tree can reach; the target's lm_head runs on these only): (ph [rows, H],
+        base float32[rows, V]) on the device."""
 
     @abstractmethod
     def scorer(self, arm: str, rnd: Round, k: int, topm: int):
@@ -105,9 +114,9 @@ class Backend(ABC):
         export keeps trees inside the aligned attention block of their past (dtrt.ops.tree_attention)."""
         return None
 
-    def time_draft(self) -> None:
-        """One drafter block, for the cost probes."""
-        self.draft_block(0, self.past)
+    def time_draft(self, *, rows: int) -> None:
+        """One drafter block of `rows` rows, for the cost probes."""
+        self.draft_block(0, self.past, rows=rows)
         self.synchronize()
 
     def synchronize(self) -> None:

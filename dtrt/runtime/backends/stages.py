@@ -15,7 +15,7 @@ from dtrt.artifacts.files import MANIFEST
 from dtrt.artifacts.machine import first_line
 from dtrt.errors import BackendFault, DtrtError
 from dtrt.models.hybrid import recurrent_parents
-from dtrt.runtime.backends.base import Backend
+from dtrt.runtime.backends.base import Backend, check_rows
 from dtrt.runtime.backends.kv import TargetKV, kv_cache_for
 from dtrt.runtime.backends.stage_scorer import StageDominoScorer
 from dtrt.scoring import greedy_chain_tables
@@ -75,11 +75,16 @@ class StageRunner(ABC):
 
     @abstractmethod
     def run(self, stage: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run an opened stage on feeds already in its dtypes on `device`."""
+        """Run an opened stage on feeds already in its dtypes on `device` (the `host_inputs` on the host)."""
+
+    def host_inputs(self, stage: str) -> frozenset[str]:
+        """The inputs of an opened stage that the runner reads on the host."""
+        return frozenset()
 
     def __call__(self, stage: str, **feeds) -> dict[str, torch.Tensor]:
-        types = self.inputs(stage)
-        feeds = {n: as_input(x, types[n], self.device) for n, x in feeds.items()}
+        types, host = self.inputs(stage), self.host_inputs(stage)
+        cpu = torch.device("cpu")
+        feeds = {n: as_input(x, types[n], cpu if n in host else self.device) for n, x in feeds.items()}
         try:
             return self.run(stage, feeds)
         except (DtrtError, BackendFault):
@@ -150,6 +155,11 @@ class ExportedBackend(Backend):
             raise DtrtError(
                 f"{self.export.path}: its target stage takes a dense past (an export of an older dtrt); this dtrt "
                 f"hands the target its whole K/V cache: re-export with `{self.export.fix_hint()}`"
+            )
+        if kind is not None and "rows" not in runner.inputs(f"{kind}.block"):
+            raise DtrtError(
+                f"{self.export.path}: its {kind}.block stage computes every drafter row (an export of an older dtrt); "
+                f"this dtrt asks it for the rows a round can use: re-export with `{self.export.fix_hint()}`"
             )
         self.dtype = target_inputs["past_k"]
         self.recurrent = "state" in target_inputs
@@ -241,9 +251,12 @@ class ExportedBackend(Backend):
         out = self.runner(f"{self.kind}.context", hidden=hidden, positions=positions)
         self.draft_cache.append(out["ctx_k"], out["ctx_v"])
 
-    def draft_block(self, root: int, start: int):
+    def draft_block(self, root: int, start: int, *, rows: int):
+        check_rows(rows, self.drafter.cfg.k_draft)
         cache_k, cache_v = self.draft_cache.view()
-        out = self.runner(f"{self.kind}.block", root=[root], start=[start], cache_k=cache_k, cache_v=cache_v)
+        out = self.runner(
+            f"{self.kind}.block", root=[root], start=[start], rows=[rows], cache_k=cache_k, cache_v=cache_v
+        )
         return out["ph"], out["base"]
 
     # the scorers and the frontier
@@ -309,7 +322,13 @@ class ExportedBackend(Backend):
         return domino if arm == "dominotree" else TableScorer(domino.round, *greedy_chain_tables(domino))
 
     def domino_chain(self, rnd: Round) -> torch.Tensor:
-        return self.runner(CHAIN_STAGE, ph=rnd.ph[0], base=rnd.base[0], root=rnd.root[:1])["tokens"]
+        """The chain stage's depth is the export's k_draft: a round of fewer rows is padded with zero rows, and as
+        the chain's token at a depth reads the rows up to that depth only, the padding moves only tokens dropped."""
+        ph, base, depth = rnd.ph[0], rnd.base[0], rnd.depth
+        pad = self.drafter.cfg.k_draft - depth
+        if pad:
+            ph, base = (torch.cat((x, x.new_zeros(pad, x.shape[1]))) for x in (ph, base))
+        return self.runner(CHAIN_STAGE, ph=ph, base=base, root=rnd.root[:1])["tokens"][:depth]
 
     def frontier(self, rnd: Round, budget: int, arm: str, k: int, topm: int, max_depth: int) -> FrontierTrees:
         """One call of the exported frontier stage (the dominotree arm); the ablation arms, which the stage does not

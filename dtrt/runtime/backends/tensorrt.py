@@ -4,7 +4,8 @@ commit, scorers and the frontier are ExportedBackend's, as on ONNX Runtime.
 One execution context per stage, created once; every output lands in a device buffer sized from the stage's
 optimization profiles and reused on every call. The target K/V stay on the device in TargetKV's buffer, appended
 in place; the draft K/V in PackedKV's dense layout (DevicePackedKV). A stage whose shapes repeat round after round
-(the Domino scorer stages, the frontier) is captured in a CUDA graph per shape and replayed.
+(the Domino scorer stages, the frontier) is captured in a CUDA graph per shape and replayed. An input whose value
+sizes an output (the block's `rows`, VALUE_DIMS) is a shape tensor: bound in host memory.
 """
 
 import hashlib
@@ -15,7 +16,7 @@ import torch
 
 from dtrt.artifacts.engine import Engine
 from dtrt.artifacts.export import Export
-from dtrt.artifacts.profiles import Profile, max_shape, select_profile
+from dtrt.artifacts.profiles import VALUE_DIMS, Profile, max_shape, select_profile
 from dtrt.errors import BackendFault, DtrtError
 from dtrt.runtime.backends.stages import ExportedBackend, StageRunner
 
@@ -32,10 +33,17 @@ MAX_GRAPHS = 8  # CUDA graphs kept per stage (one per distinct shape)
 
 def graph_key(meta: dict, shapes: dict[str, tuple[int, ...]]) -> tuple | None:
     """The CUDA-graph key of a call: its shapes, for a stage whose shapes repeat (no past length P or cache
-    capacity C, no prompt-sized profile); None for the others, which run eagerly."""
+    capacity C, no prompt-sized profile, no host input); None for the others, which run eagerly."""
     if len(meta["profiles"]) > 1 or any({"P", "C"} & set(m["dims"]) for m in meta["inputs"].values()):
         return None
+    if host_inputs(meta):
+        return None
     return tuple(sorted((n, tuple(s)) for n, s in shapes.items()))
+
+
+def host_inputs(meta: dict) -> frozenset[str]:
+    """The stage's shape-tensor inputs, which TensorRT reads from host memory."""
+    return frozenset(VALUE_DIMS) & meta["inputs"].keys()
 
 
 def plan_buffers(meta: dict) -> dict[str, tuple[tuple[int, ...] | None, torch.dtype]]:
@@ -81,6 +89,7 @@ class TrtStage:
         self.empty = torch.zeros(64, dtype=torch.uint8, device="cuda")  # address for zero-size tensors
         self.active = None
         self.graphs: dict = {}
+        self.held: dict = {}
 
     def __call__(self, **feeds: torch.Tensor) -> dict[str, torch.Tensor]:
         key = graph_key(self.meta, {n: tuple(t.shape) for n, t in feeds.items()})
@@ -107,7 +116,8 @@ class TrtStage:
             self.active = index
         for n, t in feeds.items():
             self.context.set_input_shape(n, shapes[n])
-            self.context.set_tensor_address(n, self._ptr(t))
+            self.context.set_tensor_address(n, self._ptr(t))  # a host input's own host address
+        self.held = feeds  # host inputs are read at enqueue: kept alive until the next call
         outs = {}
         for n in self.meta["outputs"]:
             outs[n] = buffers.get(n, tuple(self.context.get_tensor_shape(n)))
@@ -168,6 +178,9 @@ class TrtRunner(StageRunner):
 
     def inputs(self, stage: str) -> dict[str, torch.dtype]:
         return {n: TORCH_TYPES[m["dtype"]] for n, m in self.engine.manifest["stages"][stage]["inputs"].items()}
+
+    def host_inputs(self, stage: str) -> frozenset[str]:
+        return host_inputs(self.engine.manifest["stages"][stage])
 
     def run(self, stage: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.stages[stage](**feeds)

@@ -6,7 +6,7 @@ import torch
 
 from dtrt.models.drafter import DraftCache, Drafter
 from dtrt.models.target import KVCache, Target
-from dtrt.runtime.backends.base import Backend
+from dtrt.runtime.backends.base import Backend, check_rows
 from dtrt.scoring import CondStaticScorer, DominoScorer, domino_chain
 from dtrt.tree import FrontierTrees, MarginalScorer, Round, build_frontier
 
@@ -65,19 +65,20 @@ class TorchBackend(Backend):
         self.draft_cache.append(kv)
 
     @torch.no_grad()
-    def draft_block(self, root: int, start: int):
+    def draft_block(self, root: int, start: int, *, rows: int):
         cfg = self.drafter.cfg
+        check_rows(rows, cfg.k_draft)
         ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long)
         ids[0] = root
         positions = torch.arange(start, start + cfg.block_size, device=self.device)
         ctx = [self.draft_cache.layer(i) for i in range(cfg.num_layers)]
-        return self._block(ids.to(self.device), positions, ctx)
+        return self._block(ids.to(self.device), positions, ctx, rows=rows)
 
     @torch.no_grad()
     def draft_block_fixed(self, root: torch.Tensor, start: torch.Tensor, length: torch.Tensor):
-        """draft_block with fixed shapes and no host values, for a CUDA graph: root, start and the committed
-        length of the draft cache are device tensors [1], and attention spans the cache's whole capacity under a
-        mask of the committed entries (the block's own columns always visible)."""
+        """draft_block of every row (k_draft) with fixed shapes and no host values, for a CUDA graph: root, start and
+        the committed length of the draft cache are device tensors [1], and attention spans the cache's whole
+        capacity under a mask of the committed entries (the block's own columns always visible)."""
         cfg, cache = self.drafter.cfg, self.draft_cache
         b, cap = cfg.block_size, cache.capacity
         ids = torch.cat((root, torch.full((b - 1,), cfg.mask_token_id, dtype=torch.long, device=self.device)))
@@ -92,9 +93,10 @@ class TorchBackend(Backend):
         cache = self.draft_cache
         return (cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity)
 
-    def _block(self, ids, positions, ctx, mask=None):
+    def _block(self, ids, positions, ctx, mask=None, rows: int | None = None):
+        """The block's first `rows` proposal rows (None: all) and their base logits."""
         x = self.target.model.embed_tokens(ids).to(self.drafter.dtype)
-        ph = self.drafter.proposal_rows(self.drafter.block(x, positions, ctx, mask))
+        ph = self.drafter.proposal_rows(self.drafter.block(x, positions, ctx, mask))[:rows]
         return ph, self.target.lm_head(ph.to(self.target.dtype)).float()
 
     def scorer(self, arm: str, rnd: Round, k: int, topm: int):
