@@ -44,6 +44,7 @@ def test_quick_tiny(tiny, tmp_path, monkeypatch, capsys):
     )
     assert code == 0, err
     assert "| method | dataset | T |" in out and "humaneval 2/2" in err and "warm-up dominotree@16" in err
+    assert "| ms a round (draft / build / verify / commit) |" in out
     assert (tmp_path / "bench.md").read_text() == out
     assert (tmp_path / "bench.png").is_file() == (importlib.util.find_spec("matplotlib") is not None)
     assert not list(tmp_path.glob(".*.tmp"))

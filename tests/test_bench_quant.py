@@ -113,3 +113,25 @@ def test_bad_quant_is_one_line(tmp_path, monkeypatch, capsys, flags, message):
     code, _, err = run_cli(monkeypatch, capsys, "bench", *flags, "--out", str(tmp_path / "o"))
     assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: {message}"), err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_report_shows_the_milliseconds_a_round_spends_per_stage():
+    """Per row, each stage's seconds summed over its records' rounds, per round, in ms; none for a peer engine."""
+    from dtrt.bench import report
+
+    def rec(method, stage_s, rounds):
+        return {"method": method, "dataset": "d", "temperature": 0.0, "prompt_id": "p", "turn": 0, "tokens": [1],
+                "decode_s": 1.0, "tpot_s": 1.0, "rounds": rounds, "tau": 1.0, "tokens_per_s": 1.0,
+                "stage_s": stage_s}  # fmt: skip
+
+    two = [
+        rec("dominotree@4", {"draft": 0.004, "build": 0.002, "verify": 0.03, "commit": 0.001}, 2),
+        rec("dominotree@4", {"draft": 0.002, "build": 0.001, "verify": 0.03, "commit": 0.002}, 1),
+    ]
+    two[1]["prompt_id"] = "q"
+    assert report.round_ms(two) == pytest.approx({"draft": 2.0, "build": 1.0, "verify": 20.0, "commit": 1.0})
+    assert report.round_ms([rec("llama.cpp", None, 5)]) is None
+    rows = report.summarize([rec("ar", {"draft": 0.0, "build": 0.0, "verify": 0.02, "commit": 0.0}, 1), *two])
+    text = report.markdown(rows, "t")
+    assert "| ms a round (draft / build / verify / commit) |" in text
+    assert "| 2.00 / 1.00 / 20.00 / 1.00 |" in text and "| 0.00 / 0.00 / 20.00 / 0.00 |" in text

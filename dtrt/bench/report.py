@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 from dtrt.bench.stats import paired_bootstrap
+from dtrt.runtime.generate import STAGES
 
 ALL = "all"
 
@@ -59,9 +60,20 @@ def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None)
                         "ci_high": sp.high,
                         "paired": sp.n,
                         "exact": exact,
+                        "round_ms": round_ms(timed),
                     }
                 )
     return rows
+
+
+def round_ms(records: list[dict]) -> dict[str, float] | None:
+    """The mean milliseconds a round spends in each stage (draft, build, verify, commit) over all the records'
+    rounds; None for records without stage times (a peer engine)."""
+    timed = [r for r in records if r.get("stage_s") and r["rounds"]]
+    rounds = sum(r["rounds"] for r in timed)
+    if not rounds:
+        return None
+    return {k: 1000 * sum(r["stage_s"].get(k, 0.0) for r in timed) / rounds for k in STAGES}
 
 
 def _mean(xs):
@@ -74,18 +86,19 @@ def markdown(rows: list[dict], title: str, failed: dict | None = None, note: str
     if note:
         lines += [note, ""]
     lines += [
-        "| method | dataset | T | n | tau | tok/s | speedup [95% CI] | = AR |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| method | dataset | T | n | tau | tok/s | speedup [95% CI] | = AR | ms a round ({' / '.join(STAGES)}) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         sp = "n/a" if math.isnan(r["speedup"]) else f"{r['speedup']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
         exact = {None: "", True: "yes", False: "**no**"}[r["exact"]]
+        ms = " / ".join(f"{r['round_ms'][k]:.2f}" for k in STAGES) if r.get("round_ms") else ""
         lines.append(
             f"| {r['method']} | {r['dataset']} | {r['temperature']:g} | {r['n']} | {r['tau']:.2f} | "
-            f"{r['tokens_per_s']:.1f} | {sp} | {exact} |"
+            f"{r['tokens_per_s']:.1f} | {sp} | {exact} | {ms} |"
         )
     for label, why in (failed or {}).items():
-        lines.append(f"| {label} | failed: {why} | | | | | | |")
+        lines.append(f"| {label} | failed: {why} | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
