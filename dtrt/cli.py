@@ -571,7 +571,7 @@ def quality(
     from dtrt.bench.datasets import load
     from dtrt.bench.engines import render
     from dtrt.bench.main import split_list
-    from dtrt.bench.quality import Candidate, held_out, parse_config, quality, table
+    from dtrt.bench.quality import Candidate, config_candidate, held_out, parse_config, quality, table
     from dtrt.models.tokenizer import load_tokenizer
 
     paths = tuple(split_list("--kernel-path", kernel_paths, str, ("native", *EMULATED)))
@@ -590,9 +590,8 @@ def quality(
         pair = load_pair(spec, _log)
         cands = []
         for name in configs:
-            q, accuracy = parse_config(name)
-            exp = cached_export(pair, spec.model, _log, q)
-            cands.append(Candidate(name, export=str(exp.path), accuracy=accuracy, free=accuracy == 4))
+            exp = cached_export(pair, spec.model, _log, parse_config(name)[0])
+            cands.append(config_candidate(name, str(exp.path)))
         reference = Candidate("torch fp32", target=str(pair.target))
         tokenizer = load_tokenizer(pair.target)
     names = [n.strip() for n in datasets.split(",") if n.strip()]

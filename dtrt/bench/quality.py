@@ -34,10 +34,12 @@ import torch
 from dtrt.artifacts.kernel_path import emulated_command, this_path
 from dtrt.bench.datasets import _read
 from dtrt.errors import DtrtError
+from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, cpu_session
 from dtrt.zoo.gate import GATE, loops, same_start
 
 TEXT_DATASETS = ("humaneval", "mt-bench")
-ACCURACY = {"": 4, "-fp32act": 1}  # configuration suffix -> MatMulNBits accuracy level
+# configuration suffix -> MatMulNBits accuracy level: the runtime's (int8 activations), or fp32 activations
+ACCURACY = {"": MATMUL_ACCURACY, "-fp32act": 1}
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,17 @@ class Candidate:
 
 
 def parse_config(name: str) -> tuple[str, int]:
-    """`int8-fp32act` -> ("int8", 1); `int8` -> ("int8", 4)."""
+    """`int8-fp32act` -> ("int8", 1); `int8` -> ("int8", MATMUL_ACCURACY)."""
     for suffix, level in sorted(ACCURACY.items(), key=lambda kv: -len(kv[0])):
         if suffix and name.endswith(suffix):
             return name[: -len(suffix)], level
     return name, ACCURACY[""]
+
+
+def config_candidate(name: str, export: str) -> Candidate:
+    """The candidate of configuration `name` over its export: free-running only at the accuracy the runtime runs."""
+    _, accuracy = parse_config(name)
+    return Candidate(name, export=export, accuracy=accuracy, free=accuracy == MATMUL_ACCURACY)
 
 
 def held_out(name: str, n: int, seed: int = 0) -> list[Text]:
@@ -119,7 +127,6 @@ def _scorer(cand: Candidate, threads: int | None):
 
         return run
     from dtrt.artifacts.export import load_export
-    from dtrt.runtime.backends.onnxruntime import cpu_session
 
     exp = load_export(cand.export)
     if "state" in exp.manifest["stages"]["target"]["inputs"]:
@@ -241,7 +248,7 @@ def quality(
 ) -> list[dict]:
     """Rows per (configuration, kernel path, dataset) against the reference, which is measured natively.
     `prompts`: (dataset, rendered prompt text), each cut to its last `max_tokens` tokens."""
-    seqs = [ids for ids in (tokenizer.encode(t.text, add_special_tokens=False)[:max_tokens] for t in texts)]
+    seqs = [tokenizer.encode(t.text, add_special_tokens=False)[:max_tokens] for t in texts]
     keep = [i for i, ids in enumerate(seqs) if len(ids) >= 2]
     seqs, datasets = [seqs[i] for i in keep], [texts[i].dataset for i in keep]
     prompt_ids = [tokenizer.encode(p, add_special_tokens=False)[-max_tokens:] for _, p in prompts]
