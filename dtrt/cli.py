@@ -701,6 +701,40 @@ def quality(
 @click.option("--save-dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
+@click.option(
+    "--features",
+    type=click.Choice(["disk", "memory"]),
+    default=TrainConfig.features,
+    show_default=True,
+    help="disk: the resumable feature store under OUT/.train/data; memory: built on --device on every run, never "
+    "written (a GPU with room for them)",
+)
+@click.option(
+    "--feature-batch", type=int, default=TrainConfig.feature_batch, show_default=True, help="rows featurized at once"
+)
+@click.option(
+    "--autocast",
+    type=click.Choice(["fp32", "bf16"]),
+    default=TrainConfig.autocast,
+    show_default=True,
+    help="the drafter's forward and loss under bf16 autocast",
+)
+@click.option(
+    "--time-limit",
+    "time_limit_s",
+    type=float,
+    default=TrainConfig.time_limit_s,
+    show_default=True,
+    help="seconds of training after which the run evaluates, saves and stops (0: none); the learning rate still "
+    "follows --steps",
+)
+@click.option(
+    "--eval-every-s",
+    type=float,
+    default=TrainConfig.eval_every_s,
+    show_default=True,
+    help="also evaluate once this many seconds of training passed since the last evaluation (0: never)",
+)
 def train_drafter_cmd(
     model, target, model_dir, out, corpus, prompts_file, held_out_sets, data_dirs, chat, resume, **opts
 ):

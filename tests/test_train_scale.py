@@ -129,6 +129,21 @@ def test_the_store_resumes_an_interrupted_build(tiny, case, tmp_path):
     assert rows["tokens"].tolist() == tokens[[4, 1]].tolist() and rows["feats"].dtype == torch.float16
 
 
+def test_data_built_in_memory_is_the_stores(tiny, case, tmp_path):
+    """--features memory: the same labels, top-k and features as the disk store, batches served from the device."""
+    target, drafter, tokens, feats, labels, topk, _ = case
+    lengths = torch.full((tokens.shape[0],), T)
+    taps = drafter.cfg.target_layer_ids
+    store.create(tmp_path / "a", tokens, lengths, feats.shape[-1])
+    store.fill(tmp_path / "a", target, taps, "cpu", batch=4)
+    disk, mem = store.load(tmp_path / "a"), store.in_memory(tokens, lengths, target, taps, "cpu", batch=4)
+    assert isinstance(mem.feats, torch.Tensor)
+    assert np.array_equal(disk.labels, mem.labels) and np.array_equal(disk.topk, mem.topk)
+    assert np.array_equal(disk.feats, mem.feats.numpy())
+    a, b = disk.rows(torch.tensor([5, 0, 2]), "cpu"), mem.rows(torch.tensor([5, 0, 2]), "cpu")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 SMALL = TrainConfig(
     seq_len=64,
     block_size=6,
@@ -230,6 +245,28 @@ def test_a_run_starts_from_a_trained_drafter(tiny, corpus, tmp_path):
         with pytest.raises(DtrtError, match=message):
             train_drafter(tiny.target, tmp_path / "bad", cfg, corpus=[corpus], log=lambda *a: None)
         assert not (tmp_path / "bad" / ".train" / "data").exists()
+
+
+def test_a_time_limited_in_memory_bf16_run(tiny, corpus, tmp_path):
+    """The GPU run's settings on the CPU: features in memory (no store on disk), bf16 autocast, evaluations by the
+    clock, a time limit that stops the run early with an evaluation and a saved best checkpoint, each evaluation
+    reported to on_eval."""
+    cfg = TrainConfig(
+        **{
+            **SMALL.__dict__,
+            **dict(features="memory", autocast="bf16", steps=10_000, eval_every=10_000),
+            **dict(time_limit_s=2.0, eval_every_s=0.5),
+        }
+    )
+    seen = []
+    state = train_drafter(
+        tiny.target, tmp_path / "run", cfg, corpus=[corpus], log=lambda *a: None, on_eval=lambda r, b: seen.append(b)
+    )
+    assert 0 < state["step"] < cfg.steps
+    assert len(seen) == len(state["history"]) >= 2 and seen[0] is True
+    assert state["history"][-1]["step"] == state["step"]  # the last step is evaluated
+    assert not (tmp_path / "run" / ".train" / "data").exists()
+    assert load_drafter(tmp_path / "run" / "domino").head is not None
 
 
 def test_the_ranks_share_a_batch():

@@ -2,7 +2,10 @@
 every position the target's greedy token (the label), its top-k ids and its tapped features, in memory-mapped .npy
 files. The build fills them a chunk of rows at a time and records the finished count in `progress.json`, so an
 interrupted build resumes where it stopped; training reads only the rows of each batch, so the data may be far
-larger than memory (SmolLM2: 1.5 MB of features per 256-token row)."""
+larger than memory (SmolLM2: 1.5 MB of features per 256-token row). `in_memory` builds the same data straight
+onto the training device instead (a GPU with room for it: nothing written, rebuilt on every run).
+
+A store's `feats` is a memory-mapped array, or a tensor on the device for data built in memory."""
 
 import json
 import os
@@ -23,7 +26,7 @@ class DrafterData:
     lengths: torch.Tensor  # Long [S]: the valid prefix of each row
     labels: np.ndarray  # int32 [S, T]: labels[:, t] is the target's greedy token at position t
     topk: np.ndarray  # int32 [S, T, TOPK]: the target's top-k ids at position t (labels[:, t] among them)
-    feats: np.ndarray  # fp16 [S, T, taps*H]
+    feats: np.ndarray | torch.Tensor  # fp16 [S, T, taps*H]
 
     def __len__(self):
         return self.tokens.shape[0]
@@ -36,7 +39,9 @@ class DrafterData:
             "lengths": self.lengths[idx].to(device),
             "labels": torch.from_numpy(self.labels[i].astype(np.int64)).to(device),
             "topk": torch.from_numpy(self.topk[i].astype(np.int64)).to(device),
-            "feats": torch.from_numpy(np.ascontiguousarray(self.feats[i])).to(device),
+            "feats": self.feats[idx.to(self.feats.device)].to(device)
+            if isinstance(self.feats, torch.Tensor)
+            else torch.from_numpy(np.ascontiguousarray(self.feats[i])).to(device),
         }
 
     def split(self, n: int) -> "DrafterData":
@@ -82,6 +87,15 @@ def create(path: Path, tokens: torch.Tensor, lengths: torch.Tensor, feat_dim: in
     _write_progress(path, {"rows": tokens.shape[0], "seq_len": tokens.shape[1], "feat_dim": feat_dim, "done": 0})
 
 
+def _chunk(target, x, taps, mask):
+    """(labels [b, T], top-k [b, T, TOPK], features [b, T, F] fp16) of the rows `x`, all on x's device."""
+    T = x.shape[1]
+    logits, hidden = target(x, torch.arange(T, device=x.device).expand_as(x), mask, taps=taps)
+    top = logits.topk(TOPK, dim=-1).indices  # top-1 is the argmax
+    topk = torch.cat((x[:, :1, None].expand(-1, 1, TOPK), top[:, :-1]), 1)  # the first token: itself only
+    return topk[..., 0], topk, hidden.to(torch.float16)
+
+
 @torch.no_grad()
 def fill(path: Path, target, taps, device, batch: int = 8, log=None) -> dict:
     """Run the target over the rows not done yet, one batched causal forward per chunk; returns the progress."""
@@ -92,14 +106,10 @@ def fill(path: Path, target, taps, device, batch: int = 8, log=None) -> dict:
     out = _arrays(path, S, T, progress["feat_dim"], "r+")
     mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     for i in range(progress["done"], S, batch):
-        x = rows[i : i + batch].to(device)
-        logits, hidden = target(x, torch.arange(T, device=device).expand_as(x), mask, taps=taps)
-        top = logits.topk(TOPK, dim=-1).indices  # top-1 is the argmax
-        out["labels"][i : i + batch, 0] = x[:, 0].cpu().numpy()
-        out["labels"][i : i + batch, 1:] = top[:, :-1, 0].cpu().numpy()
-        out["topk"][i : i + batch, 0] = x[:, :1].cpu().numpy()  # the first token has no prediction: itself only
-        out["topk"][i : i + batch, 1:] = top[:, :-1].cpu().numpy()
-        out["feats"][i : i + batch] = hidden.to(torch.float16).cpu().numpy()
+        labels, topk, feats = _chunk(target, rows[i : i + batch].to(device), taps, mask)
+        out["labels"][i : i + batch] = labels.cpu().numpy()
+        out["topk"][i : i + batch] = topk.cpu().numpy()
+        out["feats"][i : i + batch] = feats.cpu().numpy()
         for a in out.values():
             a.flush()
         progress["done"] = min(i + batch, S)
@@ -107,6 +117,25 @@ def fill(path: Path, target, taps, device, batch: int = 8, log=None) -> dict:
         if log:
             log(progress["done"], S)
     return progress
+
+
+@torch.no_grad()
+def in_memory(tokens: torch.Tensor, lengths: torch.Tensor, target, taps, device, batch: int = 8, log=None):
+    """The data of `tokens` built on `device`: the features stay there, labels and top-k come to the host (the
+    sampled loss draws its candidates there)."""
+    S, T = tokens.shape
+    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    labels, topk, feats = [], [], None
+    for i in range(0, S, batch):
+        lab, top, f = _chunk(target, tokens[i : i + batch].to(device), taps, mask)
+        if feats is None:
+            feats = torch.empty((S, T, f.shape[-1]), dtype=torch.float16, device=device)
+        feats[i : i + batch] = f
+        labels.append(lab.int().cpu())
+        topk.append(top.int().cpu())
+        if log:
+            log(min(i + batch, S), S)
+    return DrafterData(tokens, lengths, torch.cat(labels).numpy(), torch.cat(topk).numpy(), feats)
 
 
 def load(path: Path) -> DrafterData:

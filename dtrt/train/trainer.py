@@ -73,6 +73,15 @@ class TrainConfig:
     # a trained Domino checkpoint (a run's domino/, a shipped drafter) the drafter starts from instead of the
     # target's last layers: more data for a drafter without its first steps again
     init_from: str | None = None
+    # memory: the features are built on the training device on every run, never written (a GPU with room for them:
+    # SmolLM2 takes 1.5 MB a 256-token row); disk: the resumable store under <out>/.train/data
+    features: Literal["disk", "memory"] = "disk"
+    feature_batch: int = 8  # rows the target featurizes per forward
+    autocast: Literal["fp32", "bf16"] = "fp32"  # the drafter's forward and loss under bf16 autocast
+    # 0: none; else the run stops once it has trained this many seconds (evaluated and saved there); the learning
+    # rate still follows --steps, so a caller that knows its step rate sets both
+    time_limit_s: float = 0.0
+    eval_every_s: float = 0.0  # also evaluate once this many seconds of training passed since the last evaluation
 
 
 def taps_for(num_layers: int) -> list[int]:
@@ -257,8 +266,25 @@ class LossModel(torch.nn.Module):
 
 
 def prepare_data(target, target_path, tokenizer, cfg, corpus, prompts, data_dirs, work: Path, progress, log):
-    """Build (or finish building) the run's data store, then open it."""
+    """Build (or finish building) the run's data store; with --features memory, the data itself, on the device."""
     path = work / "data"
+    if cfg.features == "memory":
+        from dtrt.runtime.pipeline import stop_ids
+
+        t0 = time.perf_counter()
+        eos = stop_ids(target.cfg.eos_token_id, tokenizer, target_path)
+        tokens, lengths = build_rows(target, tokenizer, eos, cfg, corpus, prompts, progress, data_dirs, target_path)
+        t1 = time.perf_counter()
+        device = next(target.parameters()).device
+        taps = taps_for(target.cfg.num_layers)
+        data = store.in_memory(tokens, lengths, target, taps, device, cfg.feature_batch, log=progress("features"))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        log(
+            f"data: {tokens.shape[0]} rows x {cfg.seq_len} tokens laid out in {t1 - t0:.0f}s, labelled and "
+            f"featurized on {device} in {time.perf_counter() - t1:.1f}s"
+        )
+        return data
     if (work / "data.pt").is_file():
         raise DtrtError(f"{work / 'data.pt'}: data of an older dtrt; delete it and --resume rebuilds the data")
     if not store.started(path):
@@ -270,8 +296,11 @@ def prepare_data(target, target_path, tokenizer, cfg, corpus, prompts, data_dirs
         store.create(path, tokens, lengths, len(taps_for(target.cfg.num_layers)) * target.cfg.hidden_size)
         log(f"data: {tokens.shape[0]} rows x {cfg.seq_len} tokens laid out in {time.perf_counter() - t0:.0f}s")
     t0 = time.perf_counter()
-    done = store.fill(path, target, taps_for(target.cfg.num_layers), cfg.device, log=progress("features"))
+    done = store.fill(
+        path, target, taps_for(target.cfg.num_layers), cfg.device, cfg.feature_batch, log=progress("features")
+    )
     log(f"data: {done['rows']} rows labelled and featurized ({time.perf_counter() - t0:.0f}s this run) in {path}")
+    return None
 
 
 def train_drafter(
@@ -285,9 +314,11 @@ def train_drafter(
     progress=None,
     data_dirs=(),
     held_out: dict[str, list[str]] | None = None,
+    on_eval=None,
 ) -> dict | None:
     """Train, evaluate and save; returns the run's state (None on ranks other than 0). `held_out`: name -> prompts
-    (as the target reads them) of each set that held-out tau is measured on."""
+    (as the target reads them) of each set that held-out tau is measured on. `on_eval(record, best)`: called after
+    each evaluation, once the drafters are saved when it was the best."""
     ranks = distributed.from_env()
     device = distributed.device_for(cfg.device, ranks)
     out = Path(out)
@@ -300,7 +331,8 @@ def train_drafter(
     distributed.start(ranks, device)
     try:
         state = _train(
-            target_path, out, work, cfg, ranks, device, corpus, prompts, held_out, resume, log, progress, data_dirs
+            target_path, out, work, cfg, ranks, device, corpus, prompts, held_out, resume, log, progress, data_dirs,
+            on_eval,
         )
     except BaseException:
         distributed.stop(ranks, finished=False)
@@ -310,7 +342,7 @@ def train_drafter(
 
 
 def _train(
-    target_path, out, work, cfg, ranks, device, corpus, prompts, held_out, resume, log, progress, data_dirs
+    target_path, out, work, cfg, ranks, device, corpus, prompts, held_out, resume, log, progress, data_dirs, on_eval
 ) -> dict:
     target = load_target(target_path).to(device).requires_grad_(False)
     if isinstance(target, HybridTarget):  # the draft layers start from the target's, and data rows are left-padded
@@ -330,12 +362,15 @@ def _train(
     resuming = resume and (work / "state.pt").is_file()
     # checked before the data, which can take hours to build; a resumed run's weights are in its state
     source = start_point(Path(cfg.init_from), target, cfg, mask_token_id) if cfg.init_from and not resuming else None
+    if cfg.features == "memory" and ranks.world > 1:
+        raise DtrtError("--features memory: one process only; under torchrun use --features disk")
+    data = None
     if ranks.main:
         work.mkdir(parents=True, exist_ok=True)
         (work / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-        prepare_data(target, target_path, tokenizer, cfg, corpus, prompts, data_dirs, work, progress, log)
+        data = prepare_data(target, target_path, tokenizer, cfg, corpus, prompts, data_dirs, work, progress, log)
     distributed.barrier(ranks)
-    data = store.load(work / "data")
+    data = data or store.load(work / "data")
     if held_out:
         eval_ids = {name: [tokenizer.encode(p, add_special_tokens=False) for p in ps] for name, ps in held_out.items()}
     else:  # hold out the last rows' first halves as prompts, and train on the rest
@@ -377,7 +412,8 @@ def _train(
     T, V = cfg.seq_len, target.cfg.vocab_size
     mine = distributed.shard(cfg.batch, ranks)
     bar = progress("train")
-    t0 = time.perf_counter()
+    t0 = last_eval = time.perf_counter()
+    bf16 = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
     try:
         while state["step"] < cfg.steps:
             step = state["step"]
@@ -395,17 +431,18 @@ def _train(
             depth = tau_weights(state["slot_acc"]) if cfg.slot_weighting == "tau" else None
             normalizer = slot_weights(anchors, lengths, K, T, cfg.slot_decay, depth).sum() / ranks.world
             batch = data.rows(idx[mine], device)
-            loss, acc = model(
-                batch["tokens"],
-                batch["feats"],
-                anchors[mine].to(device),
-                cfg.slot_decay,
-                batch["labels"],
-                batch["lengths"],
-                candidates=candidates,
-                normalizer=normalizer.to(device),
-                depth_weights=depth,
-            )
+            with bf16:
+                loss, acc = model(
+                    batch["tokens"],
+                    batch["feats"],
+                    anchors[mine].to(device),
+                    cfg.slot_decay,
+                    batch["labels"],
+                    batch["lengths"],
+                    candidates=candidates,
+                    normalizer=normalizer.to(device),
+                    depth_weights=depth,
+                )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -415,20 +452,27 @@ def _train(
             state["step"] = step = step + 1
             if bar:
                 bar(step, cfg.steps, f"loss {loss.item():.3f} acc@1 {acc[0]:.2f}")
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            now = time.perf_counter()
+            timed_out = cfg.time_limit_s > 0 and now - t0 >= cfg.time_limit_s
+            due = cfg.eval_every_s > 0 and now - last_eval >= cfg.eval_every_s
+            if step % cfg.eval_every == 0 or step == cfg.steps or due or timed_out:
                 if ranks.main:
-                    evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, work, out, log)
+                    evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, work, out, log, on_eval)
                 checkpoint()
                 distributed.barrier(ranks)
+                last_eval = time.perf_counter()
             elif step % cfg.save_every == 0:
                 checkpoint()
+            if timed_out:
+                log(f"stopped at step {step} of {cfg.steps}: --time-limit {cfg.time_limit_s:g}s reached")
+                break
     except KeyboardInterrupt:
         checkpoint()
         raise DtrtError(f"interrupted at step {state['step']}: --resume continues from it") from None
     return state if ranks.main else None  # the other ranks never evaluate
 
 
-def evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, work, out, log):
+def evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, work, out, log, on_eval=None):
     """Held-out tau now; the drafters are saved when it is the best so far."""
     tau = held_out_tau(target, drafter, tokenizer, eval_ids, cfg)
     record = {
@@ -442,9 +486,12 @@ def evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, wo
     state["history"].append(record)
     with open(work / "log.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
-    if state["best"] is None or tau["dominotree"] > state["best"]:
+    best = state["best"] is None or tau["dominotree"] > state["best"]
+    if best:
         state["best"] = tau["dominotree"]
         save_drafters(drafter, target, cfg, out)
+    if on_eval:
+        on_eval(record, best)
     sets = "".join(
         f"; {name} {t['dominotree']:.2f} / {t['dflash']:.2f}" for name, t in tau["sets"].items() if len(tau["sets"]) > 1
     )
