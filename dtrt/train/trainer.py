@@ -330,10 +330,8 @@ def train_drafter(
     distributed.shard(cfg.batch, ranks)  # refuses a batch the ranks cannot share
     distributed.start(ranks, device)
     try:
-        state = _train(
-            target_path, out, work, cfg, ranks, device, corpus, prompts, held_out, resume, log, progress, data_dirs,
-            on_eval,
-        )
+        run = (target_path, out, work, cfg, ranks, device, corpus, prompts, held_out, resume, log, progress)
+        state = _train(*run, data_dirs, on_eval)
     except BaseException:
         distributed.stop(ranks, finished=False)
         raise
