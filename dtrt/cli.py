@@ -725,8 +725,8 @@ def quality(
     type=float,
     default=TrainConfig.time_limit_s,
     show_default=True,
-    help="seconds of training after which the run evaluates, saves and stops (0: none); the learning rate still "
-    "follows --steps",
+    help="seconds after which the run, its data's build included, evaluates, saves and stops (0: none); the "
+    "learning rate still follows --steps",
 )
 @click.option(
     "--eval-every-s",

@@ -255,7 +255,7 @@ def test_a_time_limited_in_memory_bf16_run(tiny, corpus, tmp_path):
         **{
             **SMALL.__dict__,
             **dict(features="memory", autocast="bf16", steps=10_000, eval_every=10_000),
-            **dict(time_limit_s=2.0, eval_every_s=0.5),
+            **dict(time_limit_s=3.0, eval_every_s=0.5),
         }
     )
     seen = []

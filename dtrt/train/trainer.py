@@ -78,8 +78,8 @@ class TrainConfig:
     features: Literal["disk", "memory"] = "disk"
     feature_batch: int = 8  # rows the target featurizes per forward
     autocast: Literal["fp32", "bf16"] = "fp32"  # the drafter's forward and loss under bf16 autocast
-    # 0: none; else the run stops once it has trained this many seconds (evaluated and saved there); the learning
-    # rate still follows --steps, so a caller that knows its step rate sets both
+    # 0: none; else the run stops (evaluated and saved) once this many seconds have passed since it started, the
+    # data's build included; the learning rate still follows --steps, so a caller that knows its step rate sets both
     time_limit_s: float = 0.0
     eval_every_s: float = 0.0  # also evaluate once this many seconds of training passed since the last evaluation
 
@@ -342,6 +342,7 @@ def train_drafter(
 def _train(
     target_path, out, work, cfg, ranks, device, corpus, prompts, held_out, resume, log, progress, data_dirs, on_eval
 ) -> dict:
+    started = time.perf_counter()
     target = load_target(target_path).to(device).requires_grad_(False)
     if isinstance(target, HybridTarget):  # the draft layers start from the target's, and data rows are left-padded
         raise DtrtError(
@@ -407,51 +408,17 @@ def _train(
         )
         os.replace(work / "state.pt.tmp", work / "state.pt")
 
-    T, V = cfg.seq_len, target.cfg.vocab_size
-    mine = distributed.shard(cfg.batch, ranks)
     bar = progress("train")
     t0 = last_eval = time.perf_counter()
-    bf16 = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
     try:
         while state["step"] < cfg.steps:
             step = state["step"]
-            lr = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-            for g in opt.param_groups:
-                g["lr"] = lr
-            idx = torch.randint(0, len(data), (cfg.batch,), generator=gen)
-            lengths = data.lengths[idx]
-            anchors = sample_anchors(lengths, cfg.anchors, gen)
-            candidates = None
-            if cfg.candidates:  # from the whole global batch, so every rank scores the same entries
-                labels = torch.from_numpy(data.labels[idx.numpy()].astype("int64"))
-                topk = torch.from_numpy(data.topk[idx.numpy()].astype("int64"))
-                candidates = draw_candidates(needed_ids(labels, topk, anchors, K), V, cfg.candidates, gen)
-            depth = tau_weights(state["slot_acc"]) if cfg.slot_weighting == "tau" else None
-            normalizer = slot_weights(anchors, lengths, K, T, cfg.slot_decay, depth).sum() / ranks.world
-            batch = data.rows(idx[mine], device)
-            with bf16:
-                loss, acc = model(
-                    batch["tokens"],
-                    batch["feats"],
-                    anchors[mine].to(device),
-                    cfg.slot_decay,
-                    batch["labels"],
-                    batch["lengths"],
-                    candidates=candidates,
-                    normalizer=normalizer.to(device),
-                    depth_weights=depth,
-                )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-            opt.step()
-            mean = distributed.mean(acc.detach().float(), ranks).cpu()  # every rank's, so the ranks weigh alike
-            state["slot_acc"] = [SLOT_EMA * s + (1 - SLOT_EMA) * float(a) for s, a in zip(state["slot_acc"], mean)]
+            loss, acc = train_step(model, opt, data, cfg, gen, state, ranks=ranks, device=device)
             state["step"] = step = step + 1
             if bar:
                 bar(step, cfg.steps, f"loss {loss.item():.3f} acc@1 {acc[0]:.2f}")
             now = time.perf_counter()
-            timed_out = cfg.time_limit_s > 0 and now - t0 >= cfg.time_limit_s
+            timed_out = cfg.time_limit_s > 0 and now - started >= cfg.time_limit_s
             due = cfg.eval_every_s > 0 and now - last_eval >= cfg.eval_every_s
             if step % cfg.eval_every == 0 or step == cfg.steps or due or timed_out:
                 if ranks.main:
@@ -468,6 +435,48 @@ def _train(
         checkpoint()
         raise DtrtError(f"interrupted at step {state['step']}: --resume continues from it") from None
     return state if ranks.main else None  # the other ranks never evaluate
+
+
+def train_step(model, opt, data, cfg: TrainConfig, gen, state: dict, *, ranks, device):
+    """One optimizer step at `state["step"]` on a batch drawn by `gen` (the running per-depth accuracy updated);
+    returns (loss, per-depth accuracy). `model`: the LossModel, or its DistributedDataParallel wrapper."""
+    inner = getattr(model, "module", model)
+    drafter, T, V = inner.drafter, cfg.seq_len, inner.target.cfg.vocab_size
+    K, mine, step = drafter.cfg.k_draft, distributed.shard(cfg.batch, ranks), state["step"]
+    bf16 = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
+    lr = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+    for g in opt.param_groups:
+        g["lr"] = lr
+    idx = torch.randint(0, len(data), (cfg.batch,), generator=gen)
+    lengths = data.lengths[idx]
+    anchors = sample_anchors(lengths, cfg.anchors, gen)
+    candidates = None
+    if cfg.candidates:  # from the whole global batch, so every rank scores the same entries
+        labels = torch.from_numpy(data.labels[idx.numpy()].astype("int64"))
+        topk = torch.from_numpy(data.topk[idx.numpy()].astype("int64"))
+        candidates = draw_candidates(needed_ids(labels, topk, anchors, K), V, cfg.candidates, gen)
+    depth = tau_weights(state["slot_acc"]) if cfg.slot_weighting == "tau" else None
+    normalizer = slot_weights(anchors, lengths, K, T, cfg.slot_decay, depth).sum() / ranks.world
+    batch = data.rows(idx[mine], device)
+    with bf16:
+        loss, acc = model(
+            batch["tokens"],
+            batch["feats"],
+            anchors[mine].to(device),
+            cfg.slot_decay,
+            batch["labels"],
+            batch["lengths"],
+            candidates=candidates,
+            normalizer=normalizer.to(device),
+            depth_weights=depth,
+        )
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+    opt.step()
+    mean = distributed.mean(acc.detach().float(), ranks).cpu()  # every rank's, so the ranks weigh alike
+    state["slot_acc"] = [SLOT_EMA * s + (1 - SLOT_EMA) * float(a) for s, a in zip(state["slot_acc"], mean)]
+    return loss, acc
 
 
 def evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, work, out, log, on_eval=None):
