@@ -481,6 +481,7 @@ def train_step(model, opt, data, cfg: TrainConfig, gen, state: dict, *, ranks, d
 
 def evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, work, out, log, on_eval=None):
     """Held-out tau now; the drafters are saved when it is the best so far."""
+    began = time.perf_counter()
     tau = held_out_tau(target, drafter, tokenizer, eval_ids, cfg)
     record = {
         "step": state["step"],
@@ -489,6 +490,7 @@ def evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, wo
         "slot_acc": [round(a, 3) for a in state["slot_acc"]],  # the running per-depth accuracy
         "tau": tau,
         "elapsed_s": round(time.perf_counter() - t0, 1),
+        "eval_s": round(time.perf_counter() - began, 1),
     }
     state["history"].append(record)
     with open(work / "log.jsonl", "a") as f:

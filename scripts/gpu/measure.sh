@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The loan's measurement call: the verify-cost curve and a DominoTree round's breakdown at Qwen3-4B shapes
+# (benchmarks/gpu_shapes.py), then scripts/gpu_check.sh (the gpu/kernels tests on CUDA, the tree-build time heap
+# vs frontier, the CUDA-graph round), each under its share of the seconds given; everything it wrote comes back
+# as OUT/measure.tgz, the log as OUT/measure.log.
+#
+#   bash scripts/gpu/measure.sh OUT SECONDS [--dry-run]     # --dry-run: the same steps on the CPU, tiny shapes
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="$1"
+seconds="${2:-190}"
+dry="${3:-}"
+work=$(mktemp -d)
+mkdir -p "$out" "$work/gpu-check"
+log="$out/measure.log"
+start=$SECONDS
+rc=0
+shapes_s=$((seconds * 45 / 100))
+if [ "$dry" = "--dry-run" ]; then
+    python3 benchmarks/gpu_shapes.py --device cpu --tiny --budget-s "$shapes_s" --json "$work/gpu_shapes.json" \
+        2>&1 | tee -a "$log" || rc=1
+    python3 benchmarks/tree_build.py --device cpu --vocab 512 --hidden 64 --gru 32 --emb 16 --topm 8 --depth 4 \
+        --budgets 8 --rounds 3 --json "$work/gpu-check/tree_build.json" 2>&1 | tee -a "$log" || rc=1
+    python3 - <<'PY' 2>&1 | tee -a "$log"
+import torch
+print("gpu_check.sh: skipped in the dry run" if not torch.cuda.is_available() else "gpu_check.sh: CUDA is there")
+PY
+else
+    timeout "$((shapes_s + 20))" python3 benchmarks/gpu_shapes.py --device cuda --budget-s "$shapes_s" \
+        --json "$work/gpu_shapes.json" 2>&1 | tee -a "$log" || rc=1
+    left=$((seconds - (SECONDS - start) - 5))
+    GPU_CHECK_OUT="$work/gpu-check" timeout "$left" bash scripts/gpu_check.sh 2>&1 | tee -a "$log" || rc=1
+fi
+tar -czf "$out/measure.tgz" -C "$work" .
+echo "measure: $((SECONDS - start))s, exit $rc; results in measure.tgz" | tee -a "$log"
+exit $rc
