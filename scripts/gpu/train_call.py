@@ -101,8 +101,12 @@ def probe(target, tokenizer, cfg, rows, start, eval_ids, device, *, batches, pro
     settings = choose(timings, cfg.batch)
     for what, t in timings.items():
         log(f"probe: step seconds by {what}: " + ", ".join(f"{k}: {v:.4f}" for k, v in t.items()))
+    drafter = copy.deepcopy(start).to(device)
+    first = next(iter(eval_ids.values()))[:1]
+    held_out_tau(target, drafter, tokenizer, {"warmup": first}, replace(cfg, eval_tokens=8))  # kernels compiled
+    _sync(device)
     t0 = time.perf_counter()
-    tau0 = held_out_tau(target, copy.deepcopy(start).to(device), tokenizer, eval_ids, cfg)
+    tau0 = held_out_tau(target, drafter, tokenizer, eval_ids, cfg)
     eval_s = time.perf_counter() - t0
     log(
         f"probe: held-out evaluation {eval_s:.1f}s; the drafter it starts from: {tau0['dominotree']:.2f} / "
