@@ -7,6 +7,7 @@
 #   bash scripts/gpu/measure.sh OUT SECONDS [--dry-run]     # --dry-run: the same steps on the CPU, tiny shapes
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # dtrt is the checkout there, not an installed package
 out="$1"
 seconds="${2:-190}"
 dry="${3:-}"
