@@ -8,6 +8,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # dtrt is the checkout there, not an installed package
+if ! command -v python >/dev/null 2>&1; then  # gpu_check.sh calls `python`; some images have only python3
+    mkdir -p /tmp/dtrt-bin && ln -sf "$(command -v python3)" /tmp/dtrt-bin/python && export PATH="/tmp/dtrt-bin:$PATH"
+fi
 out="$1"
 seconds="${2:-190}"
 dry="${3:-}"
@@ -30,7 +33,7 @@ else
     timeout "$((shapes_s + 20))" python3 benchmarks/gpu_shapes.py --device cuda --budget-s "$shapes_s" \
         --json "$work/gpu_shapes.json" 2>&1 | tee -a "$log" || rc=1
     left=$((seconds - (SECONDS - start) - 5))
-    GPU_CHECK_OUT="$work/gpu-check" timeout "$left" bash scripts/gpu_check.sh 2>&1 | tee -a "$log" || rc=1
+    GPU_CHECK_OUT="$work/gpu-check" GPU_CHECK_TESTS_S=$((left * 55 / 100)) timeout "$left" bash scripts/gpu_check.sh 2>&1 | tee -a "$log" || rc=1
 fi
 tar -czf "$out/measure.tgz" -C "$work" .
 echo "measure: $((SECONDS - start))s, exit $rc; results in measure.tgz" | tee -a "$log"
