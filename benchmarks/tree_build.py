@@ -33,7 +33,8 @@ def p90(xs: list[float]) -> float:
 
 
 def same_tree(a, b) -> bool:
-    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "parents", "depths"))
+    """The heap's tree is built on the host, the frontier's stays on the device: compared on the host."""
+    return all(torch.equal(getattr(a, f).cpu(), getattr(b, f).cpu()) for f in ("tokens", "parents", "depths"))
 
 
 def main():

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One-command GPU check (PyTorch with CUDA and Triton; TensorRT not needed): every `gpu`- and `kernels`-marked
-# test, then the DominoTree tree-build time per round at Qwen3-4B shapes (V=151936, H=2560, G=1024, E=256,
-# budget 32, M=64, k=8, D=16, random weights), sequential heap vs frontier side by side, drafting + tree
-# building eager vs one CUDA graph on the tiny pair, every method on ONNX Runtime's CUDA provider through IO binding
-# (when onnxruntime-gpu's CUDA provider is installed; nothing is installed here), and a short summary.
+# One-command GPU check (PyTorch with CUDA and Triton; TensorRT not needed): the DominoTree tree-build time per
+# round at Qwen3-4B shapes (V=151936, H=2560, G=1024, E=256, budget 32, M=64, k=8, D=16, random weights),
+# sequential heap vs frontier side by side, drafting + tree building eager vs one CUDA graph on the tiny pair, then
+# every `gpu`- and `kernels`-marked test (last: they compile a kernel per shape and take the longest), every method
+# on ONNX Runtime's CUDA provider through IO binding (when onnxruntime-gpu's CUDA provider is installed; nothing is
+# installed here), and a short summary.
 #
 #   bash scripts/gpu_check.sh            # results also go to gpu-check/ (or $GPU_CHECK_OUT)
 set -euo pipefail
@@ -24,19 +25,6 @@ print(f"gpu_check: {torch.cuda.get_device_name(0)}, torch {torch.__version__} (C
       f"triton {triton.__version__}")
 PY
 
-start=$SECONDS
-set +e
-# only the files that hold such tests: the others need packages a bare CUDA machine may lack (polygraphy, gguf),
-# and one module that fails to import stops the whole collection; the ONNX Runtime CUDA tests run in their own
-# step below
-files=$(grep -l -E "mark\.(gpu|kernels)|pytestmark = .*(gpu|kernels)" tests/test_*.py | grep -v test_ort_device.py)
-# GPU_CHECK_TESTS_S: seconds the tests may take (0, the default: no limit), so that a time-boxed run still reaches
-# the benchmarks below
-timeout "${GPU_CHECK_TESTS_S:-0}" python -m pytest -q -m "gpu or kernels" $files -p no:cacheprovider \
-    --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
-tests_rc=${PIPESTATUS[0]}
-set -e
-tests_s=$((SECONDS - start))
 
 start=$SECONDS
 python benchmarks/tree_build.py --device cuda --budgets 32 --rounds 30 --warmup 3 --json "$out/tree_build.json" \
@@ -50,6 +38,20 @@ python benchmarks/draft_graph.py --device cuda --prompts 4 --max-new-tokens 64 -
 graph_rc=${PIPESTATUS[0]}
 set -e
 graph_s=$((SECONDS - start))
+
+start=$SECONDS
+set +e
+# only the files that hold such tests: the others need packages a bare CUDA machine may lack (polygraphy, gguf),
+# and one module that fails to import stops the whole collection; the ONNX Runtime CUDA tests run in their own
+# step below
+files=$(grep -l -E "mark\.(gpu|kernels)|pytestmark = .*(gpu|kernels)" tests/test_*.py | grep -v test_ort_device.py)
+# GPU_CHECK_TESTS_S: seconds the tests may take (0, the default: no limit), so that a time-boxed run still reaches
+# the benchmarks below
+timeout "${GPU_CHECK_TESTS_S:-0}" python -m pytest -q -m "gpu or kernels" $files -p no:cacheprovider \
+    --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
+tests_rc=${PIPESTATUS[0]}
+set -e
+tests_s=$((SECONDS - start))
 
 start=$SECONDS
 ort_rc=0
