@@ -181,3 +181,16 @@ def test_preflight_runs_the_training_call_on_the_tiny_pair(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.startswith("preflight on cpu") and "held-out tau" in res.stdout
     assert (tmp_path / "out" / "drafter.json").is_file() and (tmp_path / "out" / "train.json").is_file()
+
+
+def test_the_steps_fill_the_call_with_its_evaluations():
+    """The first loan's figures: 275.7 s to train, 0.0269 s a probed step, 29-45 s an evaluation every 60 s. The
+    steps and the evaluations they bring fill the time; the plan of that loan, which counted an evaluation per minute
+    of the whole time (2,980 steps), left 190 s of the call unused."""
+    import train_call
+
+    steps = train_call.plan_steps(275.7, step_s=0.0269, eval_s=45.4, eval_every_s=60)
+    stepping = steps * 0.0269 / train_call.RUN_VS_PROBE
+    assert stepping + (stepping // 60) * 45.4 <= 275.7 + 45.4
+    assert 4000 < steps < 5500
+    assert train_call.plan_steps(100, step_s=0.1, eval_s=50, eval_every_s=0) == 800  # no evaluations by the clock
