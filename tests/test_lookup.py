@@ -1,9 +1,10 @@
 """`--method lookup` on the tiny pair: the AR tokens at T=0 on torch and ONNX Runtime with lookup drafts accepted,
 where the prompt holds the continuation (chains right), partly (right, then wrong) and not (wrong or none); AR's
-very tokens at T>0 with the same seed."""
+very tokens at T>0 with the same seed, and the target's distribution over the first three tokens."""
 
 import pytest
 from helpers import PROMPTS, pipe_for, spec
+from test_sampling import N, T, chi_square_pvalue, exact_triples, sample
 
 from dtrt.runtime.sampling import SamplingConfig
 
@@ -64,3 +65,17 @@ def test_same_seed_commits_ar_tokens(tiny, cases):
             assert g.tokens == ar.generate(ids, 24, cfg).tokens, seed
             accepted += sum(r.accepted - 1 for r in g.rounds)
     assert accepted >= 12, accepted
+
+
+@pytest.mark.parametrize("prompt", ["The moon is very blue blue ", "man still sad city wind, man still sad "])
+def test_tokens_follow_target_distribution(tiny, prompt):
+    """Prompts whose lookup chain (blue ..., city ...) the target takes with probability 0.57 and 0.70: drawn 300
+    times, the first three tokens follow the target's exact distribution (chi-square, tests/test_sampling.py), and
+    the test tells a wrong temperature apart."""
+    pipe = pipe_for(tiny, spec("lookup", budget=4))
+    ids = pipe.tokenizer.encode(prompt, add_special_tokens=False)
+    dist, wrong = (exact_triples(pipe.backend.target, ids, t) for t in (T, 2.0))
+    counts, accepted = sample(pipe, ids)
+    assert accepted >= N // 2, accepted
+    assert chi_square_pvalue(counts, dist, N) > 1e-3
+    assert chi_square_pvalue(counts, wrong, N) < 1e-3
