@@ -50,7 +50,7 @@ def test_quick_tiny(tiny, tmp_path, monkeypatch, capsys):
     assert not list(tmp_path.glob(".*.tmp"))
     report = json.loads((tmp_path / "bench.json").read_text())
     records = report["records"]
-    labels = {"ar", "dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "cadominotree@16"}
+    labels = {"ar", "lookup@16", "dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "cadominotree@16"}
     assert {r["method"] for r in records} == labels and len(labels) == len(METHODS)
     # 2 MT-Bench questions x 2 turns + 2 HumanEval problems, each by every method, at T=0 only
     assert len(records) == 6 * len(labels) and {r["temperature"] for r in records} == {0.0}

@@ -108,3 +108,18 @@ def test_the_loop_keeps_to_the_capacity_it_reset():
     pipe.generate(list(range(50)), 30, SamplingConfig())
     assert backend.past <= backend.capacity
     assert torch.equal(torch.tensor(backend.committed[:50]), torch.arange(50))
+
+
+def test_lookup_gives_the_ar_tokens_on_the_fake_with_right_partly_right_and_wrong_chains():
+    # the stream's suffix 1 8 (8 chosen at prefill) matches at its start: 11 follows (the target's choice), then 0
+    # (the target's is 26); later the target's own cycle repeats and is matched whole
+    prompt = [1, 8, 11, 0, 1]
+    pipe = fake_pipeline("lookup", budget=6)
+    g = pipe.generate(prompt, 80, SamplingConfig())
+    assert g.tokens == ar_chain(80, last=prompt[-1])
+    assert pipe.backend.calls["draft_block"] == 0  # no drafter
+    rounds = [(r.tree_size, r.accepted) for r in g.rounds]
+    assert rounds[0] == (7, 2)  # partly right
+    assert (1, 1) in rounds  # nothing matched: an AR step
+    assert (7, 7) in rounds  # all right
+    assert any(size == 7 and accepted == 1 for size, accepted in rounds), rounds  # wrong from the first token

@@ -165,6 +165,7 @@ def generate(
     logits, hidden = backend.target_forward(torch.tensor(prompt), torch.arange(n), torch.ones(n, n).tril().bool())
     backend.commit(torch.arange(n))
     root = chooser(logits[-1:], sampling, gen)(0)
+    method.begin(prompt)
     if drafter is not None:
         backend.draft_context(hidden, torch.arange(n))
         method.prepare(backend, drafter.cfg.k_draft)
@@ -178,7 +179,7 @@ def generate(
     while end is None:
         t0 = time.perf_counter()
         start = backend.past
-        if drafter is not None and method.drafts(start):
+        if method.drafts(start):
             if pending:
                 hidden_rows, positions = (torch.cat(x) for x in zip(*pending)) if len(pending) > 1 else pending[0]
                 backend.draft_context(hidden_rows, positions)

@@ -1,6 +1,7 @@
 """Speculative methods as small strategy objects: each turns one round's drafter output into a Tree.
 
 ar          no draft; the tree is the root alone
+lookup      chain copied from the request's own tokens (prompt lookup, dtrt.tree.lookup); no drafter
 dflash      chain of the drafter's marginal argmax (one child per node)
 domino      chain of Domino's corrected argmax over the full vocabulary
 ddtree      best-first over the marginals (lazy sibling/child heap), fixed budget
@@ -18,6 +19,7 @@ from dtrt.runtime.calibrate import cost_curve
 from dtrt.runtime.spec import RunSpec
 from dtrt.tree import CostAwareStop, Round, Tree, build_ddtree, build_heap
 from dtrt.tree.adaptive import AcceptanceMap, AdaptiveStop, NodeCost, RoundClock, SpeculationGate
+from dtrt.tree.lookup import LookupIndex
 
 
 class Method:
@@ -30,8 +32,11 @@ class Method:
         """Called once per generation before the backend's caches are reset for it: a method that measures the
         backend does it here."""
 
+    def begin(self, prompt: list[int]):
+        """Called once per generation with its prompt, after prefill, for every method."""
+
     def prepare(self, backend, max_depth: int):
-        """Called once per generation, after prefill."""
+        """Called once per generation, after prefill, for a method with a drafter."""
         self.max_depth = max_depth
 
     def build(self, backend, rnd: Round) -> Tree:
@@ -65,8 +70,26 @@ class Method:
 class AR(Method):
     uses_drafter = False
 
-    def build(self, backend, rnd):
-        return Tree.chain([], root=int(rnd.root[0]))
+    def drafts(self, start):
+        return False
+
+
+class Lookup(Method):
+    """Prompt lookup: the chain is the continuation of the longest earlier match of the request's suffix (its
+    prompt and committed tokens), --budget tokens long; the root alone where nothing matches."""
+
+    uses_drafter = False
+
+    def begin(self, prompt):
+        self.index = LookupIndex(prompt)
+
+    def draft(self, backend, root, start):
+        self.index.extend([root])
+        chains = self.index.propose(max_len=self.cfg.budget)
+        return Tree.chain(chains[0] if chains else [], root=root), time.perf_counter()
+
+    def observe(self, tree, accepted):
+        self.index.extend(tree.tokens[accepted[1:]].tolist())  # the root joined the stream when drafting
 
 
 class Chain(Method):
@@ -217,6 +240,7 @@ class CaDominoTree(CostAware, DominoTree):
 def make_method(cfg: RunSpec) -> Method:
     return {
         "ar": lambda: AR(cfg),
+        "lookup": lambda: Lookup(cfg),
         "dflash": lambda: Chain(cfg, "marg"),
         "domino": lambda: DominoChain(cfg),
         "ddtree": lambda: DDTree(cfg),

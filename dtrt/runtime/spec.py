@@ -9,7 +9,7 @@ from typing import Literal, get_args
 
 from dtrt.errors import DtrtError
 
-Method = Literal["ar", "dflash", "domino", "ddtree", "caddtree", "dominotree", "cadominotree"]
+Method = Literal["ar", "lookup", "dflash", "domino", "ddtree", "caddtree", "dominotree", "cadominotree"]
 Builder = Literal["heap", "frontier"]
 Arm = Literal["dominotree", "condstatic", "marg"]
 BackendName = Literal["torch", "onnxruntime", "tensorrt"]
@@ -23,7 +23,9 @@ BACKENDS: tuple[str, ...] = get_args(BackendName)
 DTYPES: tuple[str, ...] = get_args(DType)
 QUANTS: tuple[str, ...] = get_args(Quant)
 TREE_METHODS = ("dominotree", "cadominotree")  # Domino's per-path scorer: --builder, --arm, --node-topk
-BUDGET_METHODS = ("ddtree", "caddtree", "dominotree", "cadominotree")  # the methods whose trees --budget sizes
+# the methods whose trees --budget sizes (lookup: its chain)
+BUDGET_METHODS = ("lookup", "ddtree", "caddtree", "dominotree", "cadominotree")
+TARGET_ALONE = ("ar", "lookup")  # the methods that run without a drafter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +55,8 @@ class RunSpec:
     method: Method = "dominotree"
     """How a round's drafter output becomes a tree (README, Methods)."""
     budget: int = 16
-    """Draft nodes per tree, the verify width minus one (caddtree, cadominotree: the cap)."""
+    """Draft nodes per tree, the verify width minus one (caddtree, cadominotree: the cap; lookup: the chain's
+    length)."""
     builder: Builder = "heap"
     """DominoTree's builder: the sequential best-first heap, or the fixed-shape frontier."""
     arm: Arm = "dominotree"
@@ -124,7 +127,7 @@ class RunSpec:
 
     @property
     def uses_drafter(self) -> bool:
-        return self.method != "ar"
+        return self.method not in TARGET_ALONE
 
     @property
     def label(self) -> str:
