@@ -194,3 +194,23 @@ def test_the_steps_fill_the_call_with_its_evaluations():
     assert stepping + (stepping // 60) * 45.4 <= 275.7 + 45.4
     assert 4000 < steps < 5500
     assert train_call.plan_steps(100, step_s=0.1, eval_s=50, eval_every_s=0) == 800  # no evaluations by the clock
+
+
+def test_hold_and_release_move_the_inputs_aside_and_back(tmp_path, monkeypatch):
+    import loan
+
+    repo = tmp_path / "repo"
+    for rel in calls.HELD:
+        (repo / rel).mkdir(parents=True)
+        (repo / rel / "f").write_text(rel)
+    monkeypatch.setattr(loan, "REPO", repo)
+    monkeypatch.setattr(loan, "LOAN", repo / ".gpu-loan")
+    monkeypatch.setattr(calls, "tree_bytes", lambda repo: 0)
+    loan.cmd_hold(None)
+    assert not any((repo / rel).exists() for rel in calls.HELD)
+    (repo / calls.HELD[0]).mkdir(parents=True)  # something came back where a held path was
+    with pytest.raises(SystemExit, match="release: .* is already there"):
+        loan.cmd_release(None)
+    (repo / calls.HELD[0]).rmdir()
+    loan.cmd_release(None)
+    assert all((repo / rel / "f").read_text() == rel for rel in calls.HELD)

@@ -87,25 +87,24 @@ def _held_dir() -> Path:
     return LOAN / "held"
 
 
-def cmd_hold(args):
+def _move(verb: str, src_root: Path, dst_root: Path):
+    """Every held path from under `src_root` to under `dst_root`, refusing to overwrite one already there."""
     for rel in calls.HELD:
-        src, dst = REPO / rel, _held_dir() / rel
+        src, dst = src_root / rel, dst_root / rel
         if src.exists():
             if dst.exists():
-                raise SystemExit(f"hold: {dst} is already there; `loan.py release` first")
+                raise SystemExit(f"{verb}: {dst} is already there; compare it with {src} and remove one")
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(src, dst)
+
+
+def cmd_hold(args):
+    _move("hold", REPO, _held_dir())
     print(f"held: {', '.join(calls.HELD)}; the tree that travels: {calls.tree_bytes(REPO) / MiB:.1f} MiB")
 
 
 def cmd_release(args):
-    for rel in calls.HELD:
-        src, dst = _held_dir() / rel, REPO / rel
-        if src.exists():
-            if dst.exists():
-                raise SystemExit(f"release: {dst} is there again; compare it with {src} and remove one")
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(src, dst)
+    _move("release", _held_dir(), REPO)
     print(f"released: {', '.join(calls.HELD)}")
 
 
