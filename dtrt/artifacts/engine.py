@@ -1,4 +1,4 @@
-"""The engine directory contract (DESIGN.md section 4): one plan per stage, the timing cache and
+"""The engine directory contract (DESIGN.md section 6): one plan per stage, the timing cache and
 manifest.json, checked against the machine before any plan is deserialized."""
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""The custom ops of the plugin boundary (DESIGN.md section 3).
+"""The custom ops of the plugin boundary (DESIGN.md section 5).
 
 Each op is defined once: an eager PyTorch implementation (the reference, also registered as
 `torch.ops.dtrt.<name>`), and an ONNX function `dtrt::<Name>` of standard ops. During `torch.onnx.export`

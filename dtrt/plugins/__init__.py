@@ -1,4 +1,4 @@
-"""TensorRT plugins for the dtrt ops (DESIGN.md section 3): Triton kernels, one module per op.
+"""TensorRT plugins for the dtrt ops (DESIGN.md section 5): Triton kernels, one module per op.
 
 Each op module holds the kernel, a torch launcher (`run`, on CUDA tensors: the GPU tests compare it with the
 op's eager reference in dtrt.ops) and the launch configuration both the launcher and TensorRT use. trt.py
