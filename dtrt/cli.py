@@ -124,6 +124,11 @@ def method_options(f):
             is_flag=True,
             help="dominotree --builder frontier on --device cuda: replay drafting + tree building as one CUDA graph",
         ),
+        click.option(
+            "--lookup",
+            is_flag=True,
+            help="dominotree, cadominotree (heap builder): the tree also takes prompt lookup's chains, one budget",
+        ),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -893,6 +898,7 @@ def _progress(what):
     is_flag=True,
     help="with --device cuda: the dominotree rows replay drafting + tree building as one CUDA graph",
 )
+@click.option("--lookup", is_flag=True, help="the dominotree and cadominotree rows also take prompt lookup's chains")
 @click.option(
     "--gguf",
     type=click.Path(),

@@ -1,6 +1,7 @@
 """`--method lookup` on the tiny pair: the AR tokens at T=0 on torch and ONNX Runtime with lookup drafts accepted,
 where the prompt holds the continuation (chains right), partly (right, then wrong) and not (wrong or none); AR's
-very tokens at T>0 with the same seed, and the target's distribution over the first three tokens."""
+very tokens at T>0 with the same seed, and the target's distribution over the first three tokens; dominotree with
+--lookup: the AR tokens with lookup nodes accepted (torch, ONNX Runtime), AR's tokens at T>0 with the same seed."""
 
 import pytest
 from helpers import PROMPTS, pipe_for, spec
@@ -79,3 +80,32 @@ def test_tokens_follow_target_distribution(tiny, prompt):
     assert accepted >= N // 2, accepted
     assert chi_square_pvalue(counts, dist, N) > 1e-3
     assert chi_square_pvalue(counts, wrong, N) < 1e-3
+
+
+def check_mixed(pipe, cases):
+    """--lookup: the AR tokens, lookup nodes among those accepted, within the budget."""
+    taken = 0
+    for ids, want in cases:
+        g = pipe.generate(ids, NEW, SamplingConfig())
+        assert g.tokens == want
+        assert all(r.tree_size <= BUDGET + 1 for r in g.rounds)
+        taken += sum(r.lookup for r in g.rounds)
+    assert taken > 0, "lookup nodes accepted"
+    source = pipe.method.lookup
+    assert sum(source.verified.values()) > sum(source.accepted.values()), "some lookup nodes rejected"
+
+
+def test_dominotree_with_lookup_gives_the_ar_tokens(tiny, cases):
+    check_mixed(pipe_for(tiny, spec("dominotree", budget=BUDGET, lookup=True)), cases)
+
+
+def test_dominotree_with_lookup_on_onnxruntime(tiny_export, cases):
+    run = spec("dominotree", budget=BUDGET, lookup=True)
+    check_mixed(pipe_for(None, run, backend="onnxruntime", export=tiny_export.path, threads=1), cases)
+
+
+def test_dominotree_with_lookup_same_seed_commits_ar_tokens(tiny, cases):
+    ar, pipe = pipe_for(tiny, spec("ar")), pipe_for(tiny, spec("dominotree", budget=BUDGET, lookup=True))
+    for ids, _ in cases[1::2]:
+        cfg = SamplingConfig(1.0, 0.9, 0)
+        assert pipe.generate(ids, 24, cfg).tokens == ar.generate(ids, 24, cfg).tokens

@@ -335,3 +335,15 @@ def test_budget_defaults_to_the_models_measured_one(tiny, monkeypatch, capsys):
     out = run_json(monkeypatch, capsys, "--max-new-tokens", "24", PROMPT)
     assert out["budget"] == 3 and max(out["tree_sizes"]) == 4
     assert run_json(monkeypatch, capsys, "--budget", "5", "--max-new-tokens", "4", PROMPT)["budget"] == 5
+
+
+def test_lookup_flag_on_the_tree_methods(tiny, monkeypatch, capsys):
+    base = ("--max-new-tokens", "32", "--threads", "1")
+    ref = run_json(monkeypatch, capsys, "--method", "ar", *base, PROMPT)
+    prompt = PROMPT + ref["text"] + PROMPT
+    want = run_json(monkeypatch, capsys, "--method", "ar", *base, prompt)["tokens"]
+    for method in ("dominotree", "cadominotree"):
+        res = run_json(monkeypatch, capsys, "--method", method, "--lookup", *base, prompt)
+        assert res["tokens"] == want and len(res["from_lookup"]) == res["rounds"], method
+    code, _, err = run_cli(monkeypatch, capsys, "run", *on_tiny("--method", "ddtree", "--lookup", PROMPT))
+    assert code == 2 and "--lookup" in err and len(err.strip().splitlines()) == 1, err

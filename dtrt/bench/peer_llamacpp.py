@@ -38,6 +38,7 @@ def generate(llm, text: str, max_new_tokens: int, temperature: float, top_p: flo
         "stage_s": {},
         "accepted": [],
         "tree_sizes": [],
+        "from_lookup": [],
         "text": llm.detokenize(tokens).decode("utf-8", errors="replace"),
     }
 

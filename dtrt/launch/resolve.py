@@ -10,7 +10,7 @@ no --model, --target or --export     the embedded default model (zoo.registry.DE
 --budget                             the model's entry in the registry table for that quantization (16 where it
                                      says nothing; the cap of the cost-aware methods: 16)
 --builder                            frontier on a CUDA torch backend or under --cuda-graph, else heap
-                                     (cadominotree always grows its tree on the host heap)
+                                     (cadominotree and --lookup always grow their trees on the host heap)
 """
 
 from pathlib import Path
@@ -24,10 +24,11 @@ def default_backend(named: bool, export, device: str) -> str:
     return "onnxruntime" if (export is not None or not named) and device_kind(device) != "cuda" else "torch"
 
 
-def default_builder(method: str, device: str, cuda_graph: bool = False) -> str:
+def default_builder(method: str, device: str, cuda_graph: bool = False, lookup: bool = False) -> str:
     """The frontier builder on a CUDA device (no host synchronization per node) or under --cuda-graph (which
-    captures it), the heap on the CPU; cadominotree always grows its tree on the host heap."""
-    return "frontier" if (device_kind(device) == "cuda" or cuda_graph) and method != "cadominotree" else "heap"
+    captures it), the heap on the CPU; cadominotree and --lookup always grow their trees on the host heap."""
+    heap_only = method == "cadominotree" or lookup
+    return "frontier" if (device_kind(device) == "cuda" or cuda_graph) and not heap_only else "heap"
 
 
 def check_cuda(device: str):
@@ -63,6 +64,7 @@ def resolve_spec(
     topm: int = 64,
     node_topk: int = 8,
     cuda_graph: bool = False,
+    lookup: bool = False,
     **unused,
 ) -> RunSpec:
     """The RunSpec the flags describe, defaults applied and every value checked (RunSpec checks its values; the
@@ -91,11 +93,12 @@ def resolve_spec(
         threads=threads,
         method=method,
         budget=default_budget(model, quant, method) if budget is None else budget,
-        builder=builder or default_builder(method, device, cuda_graph),
+        builder=builder or default_builder(method, device, cuda_graph, lookup),
         arm=arm,
         topm=topm,
         node_topk=node_topk,
         cuda_graph=cuda_graph,
+        lookup=lookup,
     )
     if spec.backend == "onnxruntime" and device_kind(device) == "cuda":  # its CUDA provider first: the fix differs
         import onnxruntime as ort

@@ -26,6 +26,7 @@ class RoundStats:
     build_s: float
     verify_s: float
     commit_s: float
+    lookup: int = 0  # accepted draft nodes that came from lookup (--lookup)
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token at most, as OpenAI's top_logprobs
@@ -94,7 +95,7 @@ class Generation:
 
     def stats(self) -> dict:
         """What `dtrt run --json` and `dtrt bench` report of a generation: tokens, tau, rates, times, stop reason,
-        per-stage totals and per-round acceptance."""
+        per-stage totals and per-round acceptance (and how many of the accepted drafts came from --lookup)."""
         return {
             "tokens": self.tokens,
             "tau": self.tau,
@@ -106,6 +107,7 @@ class Generation:
             "stage_s": {k: sum(getattr(r, f"{k}_s") for r in self.rounds) for k in STAGES},
             "accepted": [r.accepted for r in self.rounds],
             "tree_sizes": [r.tree_size for r in self.rounds],
+            "from_lookup": [r.lookup for r in self.rounds],
         }
 
     @property
@@ -193,13 +195,13 @@ def generate(
         t2 = time.perf_counter()
         logits, hidden = backend.target_forward(tree.tokens, tree.positions(start), tree.mask)
         accepted, bonus = accept(tree, chooser(logits, sampling, gen))
-        method.observe(tree, accepted)
+        from_lookup = method.observe(tree, accepted) or 0
         t3 = time.perf_counter()
         backend.commit(accepted)
         if drafter is not None:
             pending.append((hidden[torch.tensor(accepted)], start + torch.arange(len(accepted))))
         t4 = time.perf_counter()
-        stats = RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        stats = RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3, from_lookup)
         tokens, end = cut(tree.tokens[accepted[1:]].tolist() + [bonus])
         produced += len(tokens)
         lps = None

@@ -6,7 +6,8 @@ dflash      chain of the drafter's marginal argmax (one child per node)
 domino      chain of Domino's corrected argmax over the full vocabulary
 ddtree      best-first over the marginals (lazy sibling/child heap), fixed budget
 caddtree    ddtree with the cost-aware stopping rule on this backend's verify-cost curve (measured once per machine)
-dominotree  best-first over corrected scores, per realized path (`--arm` condstatic / marg for ablations)
+dominotree  best-first over corrected scores, per realized path (`--arm` condstatic / marg for ablations); with
+            --lookup, the heap builder also takes the lookup chains' nodes (dtrt.tree.lookup_source)
 cadominotree  dominotree with the adaptive budget (dtrt.tree.adaptive: calibrated acceptance, every per-node cost,
             the root alone when drafting does not pay; heap builder; --budget is the cap)
 """
@@ -20,6 +21,7 @@ from dtrt.runtime.spec import RunSpec
 from dtrt.tree import CostAwareStop, Round, Tree, build_ddtree, build_heap
 from dtrt.tree.adaptive import AcceptanceMap, AdaptiveStop, NodeCost, RoundClock, SpeculationGate
 from dtrt.tree.lookup import LookupIndex
+from dtrt.tree.lookup_source import LookupSource
 
 
 class Method:
@@ -63,8 +65,9 @@ class Method:
         """A best-first builder's stopping rule for this round (None: the fixed budget)."""
         return None
 
-    def observe(self, tree: Tree, accepted: list[int]):
-        """Called after each verify with the verified tree and its accepted node indices (root included)."""
+    def observe(self, tree: Tree, accepted: list[int]) -> int | None:
+        """Called after each verify with the verified tree and its accepted node indices (root included); returns
+        how many accepted nodes came from lookup where the tree mixes sources (--lookup), else None."""
 
 
 class AR(Method):
@@ -148,6 +151,11 @@ class CaDDTree(CostAware, DDTree):
 
 class DominoTree(Method):
     graph = None
+    lookup = None
+
+    def begin(self, prompt):
+        if self.cfg.lookup:
+            self.lookup = LookupSource(prompt)
 
     def rows(self, backend):
         if self.cfg.builder == "frontier":  # the exported frontier stage's shapes are fixed: every row
@@ -165,7 +173,11 @@ class DominoTree(Method):
         c = self.cfg
         if c.builder == "frontier":
             return self.trees(backend, rnd).tree(0)
-        return build_heap(backend.scorer(c.arm, rnd, c.node_topk, c.topm), c.budget, self.max_depth, self.stop(backend))
+        scorer = backend.scorer(c.arm, rnd, c.node_topk, c.topm)
+        if self.lookup is not None:
+            depth = min(c.budget, self.max_depth, scorer.depth)
+            scorer = self.lookup.scorer(scorer, root=int(rnd.root[0]), max_len=depth)
+        return build_heap(scorer, c.budget, self.max_depth, self.stop(backend))
 
     def trees(self, backend, rnd):
         """The frontier's FrontierTrees, still on the round's device (on an export backend: one stage call)."""
@@ -177,6 +189,9 @@ class DominoTree(Method):
             return super().draft(backend, root, start)
         tree = self.graph(root, start)  # one replay: the draft time includes the build
         return tree, time.perf_counter()
+
+    def observe(self, tree, accepted):
+        return None if self.lookup is None else self.lookup.observe(tree, accepted)
 
 
 class CaDominoTree(CostAware, DominoTree):
@@ -224,17 +239,19 @@ class CaDominoTree(CostAware, DominoTree):
         return tree, drafted
 
     def observe(self, tree, accepted):
+        from_lookup = super().observe(tree, accepted)
         self._verified = time.perf_counter()
         if self._drafted is not None:
             predicted = self.curve.verify_cost(tree.num_nodes, self._start)
             self.clock.observe_verify(self._verified - self._drafted, predicted)
         if self._built is None:  # a root-alone round: nothing drafted
-            return
+            return from_lookup
         draft_s, build_s, nodes = self._built
         self._built = None
         self.acceptance.observe(tree.scores.tolist(), set(accepted))
         self.node_cost.observe(nodes, build_s)
         self.draft_s = 0.9 * self.draft_s + 0.1 * draft_s
+        return from_lookup
 
 
 def make_method(cfg: RunSpec) -> Method:

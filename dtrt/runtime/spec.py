@@ -68,6 +68,9 @@ class RunSpec:
     """Children per tree node, k."""
     cuda_graph: bool = False
     """DominoTree with the frontier on a CUDA torch backend: drafting and building replayed as one CUDA graph."""
+    lookup: bool = False
+    """DominoTree's heap builder also takes prompt lookup's chains (`--lookup`): one tree, one budget, each lookup
+    node scored by its parent's path probability times the request's measured acceptance of lookup nodes."""
 
     def __post_init__(self):
         for flag, value, allowed in (
@@ -91,6 +94,17 @@ class RunSpec:
                 raise DtrtError(f"{flag} {value}: must be >= {low}")
         if self.threads is not None and self.threads < 1:
             raise DtrtError(f"--threads {self.threads}: must be >= 1")
+        if self.lookup and self.method not in TREE_METHODS:
+            raise DtrtError(
+                f"--lookup: adds lookup nodes to DominoTree's tree, not to --method {self.method}; use --method "
+                f"dominotree or cadominotree (or --method lookup, lookup alone)"
+            )
+        if self.lookup and self.cuda_graph:
+            raise DtrtError("--lookup: the heap builder takes lookup nodes, --cuda-graph does not; drop --cuda-graph")
+        if self.lookup and self.builder != "heap":
+            raise DtrtError(
+                f"--lookup: the heap builder takes lookup nodes, --builder {self.builder} does not; use --builder heap"
+            )
         if self.method == "cadominotree" and self.builder != "heap":
             raise DtrtError(
                 f"--builder {self.builder}: cadominotree decides per node whether to grow the tree, which the host "
@@ -131,8 +145,9 @@ class RunSpec:
 
     @property
     def label(self) -> str:
-        """The method with its budget where the budget sizes its trees (bench rows, logs)."""
-        return f"{self.method}@{self.budget}" if self.method in BUDGET_METHODS else self.method
+        """The method (+lookup under --lookup) with its budget where the budget sizes its trees (bench rows, logs)."""
+        name = f"{self.method}+lookup" if self.lookup else self.method
+        return f"{name}@{self.budget}" if self.method in BUDGET_METHODS else name
 
 
 def device_kind(device: str) -> str:

@@ -1,0 +1,53 @@
+"""Lookup as a second source of DominoTree's nodes (`--lookup`): per request, the index over its tokens
+(dtrt.tree.lookup), the chains proposed each round as a trie, and a calibrated acceptance per draft depth.
+
+A lookup node is verified when its parent is accepted; at depth d it is accepted with the running rate
+(accepted + 1) / (verified + 2) of this request's verified lookup nodes at d (prior 0.5), so its path
+probability is its parent's times that rate: log_accept[d] is what the heap builder adds to its parent's score."""
+
+import math
+
+from dtrt.tree.lookup import LookupIndex
+from dtrt.tree.lookup_scorer import LookupScorer, Trie
+from dtrt.tree.tree import Tree
+
+CHAINS = 1
+"""Lookup chains proposed per round (distinct continuations of the matched suffix, most recent first)."""
+
+
+class LookupSource:
+    def __init__(self, prompt=(), *, chains: int = CHAINS):
+        self.index = LookupIndex(prompt)
+        self.chains = chains
+        self.verified: dict[int, int] = {}
+        self.accepted: dict[int, int] = {}
+        self.trie = Trie()
+        self.rooted = False  # whether this round's root joined the stream when drafting
+
+    def log_accept(self, depth: int) -> float:
+        return math.log((self.accepted.get(depth, 0) + 1) / (self.verified.get(depth, 0) + 2))
+
+    def scorer(self, inner, *, root: int, max_len: int) -> LookupScorer:
+        """`inner` with this round's chains (at most `max_len` tokens after `root`) added."""
+        self.index.extend([root])
+        self.rooted = True
+        self.trie = Trie.of(self.index.propose(max_len=max_len, n_alternatives=self.chains))
+        return LookupScorer(inner, self.trie, [self.log_accept(d) for d in range(inner.depth)])
+
+    def observe(self, tree: Tree, accepted: list[int]) -> int:
+        """Count the verified tree's lookup nodes whose parent was accepted, and which of them were; commit the
+        accepted tokens to the index. Returns the accepted nodes that were lookup nodes."""
+        at = self.trie.nodes(tree) if self.rooted else [-1] * len(tree)
+        on_path = set(accepted)
+        taken = 0
+        for i, p in enumerate(tree.parents.tolist()[1:], 1):
+            if at[i] < 0 or p not in on_path:
+                continue
+            d = int(tree.depths[i]) - 1
+            self.verified[d] = self.verified.get(d, 0) + 1
+            if i in on_path:
+                self.accepted[d] = self.accepted.get(d, 0) + 1
+                taken += 1
+        self.index.extend(tree.tokens[accepted[1 if self.rooted else 0 :]].tolist())
+        self.rooted, self.trie = False, Trie()
+        return taken

@@ -1,0 +1,157 @@
+"""`--lookup`: DominoTree's heap builder takes lookup chains' nodes as well as the drafter's, in one tree of one
+budget. On the fake backend: the AR tokens with lookup nodes accepted, the same tree as without --lookup where
+nothing matches, the trie's merging and scoring, and the flags that refuse it."""
+
+import math
+
+import pytest
+import torch
+from fake_backend import D, FakeBackend, fake_pipeline, successor
+
+from dtrt.errors import DtrtError
+from dtrt.launch import resolve_spec
+from dtrt.runtime.sampling import SamplingConfig
+from dtrt.runtime.spec import RunSpec
+from dtrt.tree import MarginalScorer, Round, build_heap
+from dtrt.tree.lookup_scorer import LookupScorer, Trie
+from dtrt.tree.lookup_source import LookupSource
+
+BUDGET, NEW = 8, 40
+
+
+def chain_from(t: int, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        out.append(t)
+        t = successor(t)
+    return out
+
+
+def repeating() -> list[int]:
+    return chain_from(1, 12) * 2
+
+
+def partly_wrong() -> list[int]:
+    """Right for three tokens after the match, then a token the target never gives there."""
+    c = chain_from(1, 8)
+    return c[:5] + [(successor(c[4]) + 7) % 32] + c[:2]
+
+
+def trees_of(pipe):
+    built = []
+    build = pipe.method.build
+
+    def record(backend, rnd):
+        tree = build(backend, rnd)
+        built.append(tree)
+        return tree
+
+    pipe.method.build = record
+    return built
+
+
+@pytest.mark.parametrize("method", ["dominotree", "cadominotree"])
+def test_ar_tokens_with_lookup_nodes_accepted(method):
+    ar = fake_pipeline("ar")
+    pipe = fake_pipeline(method, lookup=True, budget=BUDGET)
+    if method == "cadominotree":
+        from test_methods import LINEAR_COST
+
+        pipe.method.curve = LINEAR_COST
+    taken = 0
+    for prompt in (repeating(), partly_wrong(), [0, 2, 4]):
+        g = pipe.generate(prompt, NEW, SamplingConfig())
+        assert g.tokens == ar.generate(prompt, NEW, SamplingConfig()).tokens
+        assert all(r.tree_size <= BUDGET + 1 for r in g.rounds)
+        assert g.stats()["from_lookup"] == [r.lookup for r in g.rounds]
+        taken += sum(r.lookup for r in g.rounds)
+    assert taken > 0
+
+
+def test_lookup_partly_wrong_is_measured():
+    pipe = fake_pipeline("dominotree", lookup=True, budget=16)
+    g = pipe.generate(partly_wrong(), 6, SamplingConfig())
+    assert g.tokens == fake_pipeline("ar").generate(partly_wrong(), 6, SamplingConfig()).tokens
+    source = pipe.method.lookup
+    assert sum(source.verified.values()) > sum(source.accepted.values()) > 0, (source.verified, source.accepted)
+
+
+def test_no_match_builds_the_tree_without_lookup():
+    prompt = [0, 2, 4, 6]  # the first root, successor(6) = 13, has not occurred: no chain
+    plain, mixed = fake_pipeline("dominotree", budget=BUDGET), fake_pipeline("dominotree", lookup=True, budget=BUDGET)
+    a, b = trees_of(plain), trees_of(mixed)
+    plain.generate(prompt, 2, SamplingConfig())
+    mixed.generate(prompt, 2, SamplingConfig())
+    assert len(a) == len(b) >= 1
+    for x, y in zip(a, b):
+        for f in ("tokens", "parents", "depths", "scores", "mask"):
+            assert torch.equal(getattr(x, f), getattr(y, f)), f
+
+
+def fake_round(root: int, start: int):
+    _, base = FakeBackend().draft_block(root, start, rows=D)
+    return Round(torch.zeros(1, D, 1), base[None], torch.tensor([root]))
+
+
+def test_lookup_children_merge_and_score():
+    rnd = fake_round(1, 2)  # mode 1: depth 2's drafter argmax is wrong, the right token second
+    inner = MarginalScorer(rnd, 2)
+    plain = build_heap(MarginalScorer(rnd, 2), 6, D)
+    right = chain_from(successor(1), D)
+    other = [right[0], right[1], 30, 31]  # shares two tokens with the drafter's children, then off them
+    trie = Trie.of([right, other])
+    tree = build_heap(LookupScorer(inner, trie, [math.log(0.9)] * D), 6, D)
+    assert len(tree) == len(plain) == 7
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    paths = set()
+    for i in range(len(tree)):
+        path, j = [], i
+        while j > 0:
+            path.append(tokens[j])
+            j = parents[j]
+        paths.add(tuple(reversed(path)))
+    assert len(paths) == len(tree)  # siblings distinct: shared prefixes merged
+    at = trie.nodes(tree)
+    assert at[1] >= 0 and tokens[1] == right[0]  # the drafter's first child is also the chains' first token
+    assert tuple(right[:3]) in paths and (right[0], right[1], 30) in paths
+    assert sum(a >= 0 for a in at[1:]) >= 4
+
+
+def test_acceptance_is_calibrated_per_depth():
+    src = LookupSource(chain_from(1, 6) * 2)
+    assert src.log_accept(0) == pytest.approx(math.log(0.5))
+    scorer = src.scorer(MarginalScorer(fake_round(successor(chain_from(1, 6)[-1]), 0), 2), root=1, max_len=3)
+    tree = build_heap(scorer, 6, D)
+    at = src.trie.nodes(tree)
+    first = at.index(next(a for a in at[1:] if a >= 0))
+    taken = src.observe(tree, [0, first])
+    assert taken == 1 and src.accepted[0] == 1 and src.verified[0] >= 1
+    assert src.log_accept(0) > math.log(0.5)
+
+
+@pytest.mark.parametrize(
+    "fields, fragment",
+    [
+        ({"method": "ddtree", "lookup": True}, "--method ddtree"),
+        ({"method": "dominotree", "builder": "frontier", "lookup": True}, "--builder frontier"),
+        ({"method": "dominotree", "cuda_graph": True, "device": "cuda", "lookup": True}, "--cuda-graph"),
+        ({"method": "dominotree", "builder": "frontier", "cuda_graph": True, "lookup": True}, "--cuda-graph"),
+    ],
+)
+def test_lookup_refused_where_the_heap_does_not_build(fields, fragment):
+    with pytest.raises(DtrtError) as e:
+        RunSpec(**fields)
+    msg = str(e.value)
+    assert "--lookup" in msg and fragment in msg and "\n" not in msg
+
+
+def test_lookup_reaches_the_spec_with_the_heap_builder():
+    spec = resolve_spec(model="smollm2-135m", backend="torch", method="dominotree", lookup=True)
+    assert spec.lookup and spec.builder == "heap" and spec.label.startswith("dominotree+lookup@")
+
+
+def test_bench_grid_gives_lookup_to_the_tree_rows():
+    from dtrt.bench.engines import grid
+
+    specs = grid({"model": "smollm2-135m", "backend": "torch"}, ["ddtree", "dominotree"], [4], [None], lookup=True)
+    assert [(s.method, s.lookup) for s in specs] == [("ar", False), ("ddtree", False), ("dominotree", True)]
