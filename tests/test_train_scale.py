@@ -103,12 +103,18 @@ def test_sampled_loss_estimates_the_full_loss(case):
     assert torch.nn.functional.cosine_similarity(torch.cat([g_one[n].flatten() for n in g_full]), ref, dim=0) > 0.8
 
 
+def filled_store(case, path, batch):
+    """The case's rows built into a store at `path` in chunks of `batch`; returns (lengths, taps)."""
+    target, drafter, tokens, feats, *_ = case
+    lengths, taps = torch.full((tokens.shape[0],), T), drafter.cfg.target_layer_ids
+    store.create(path, tokens, lengths, feats.shape[-1])
+    store.fill(path, target, taps, "cpu", batch=batch)
+    return lengths, taps
+
+
 def test_the_store_resumes_an_interrupted_build(tiny, case, tmp_path):
     target, drafter, tokens, feats, labels, topk, _ = case
-    lengths = torch.full((tokens.shape[0],), T)
-    taps = drafter.cfg.target_layer_ids
-    store.create(tmp_path / "a", tokens, lengths, feats.shape[-1])
-    store.fill(tmp_path / "a", target, taps, "cpu", batch=2)
+    lengths, taps = filled_store(case, tmp_path / "a", 2)
 
     def stop_after_first(done, total):
         if done >= 2:
@@ -131,11 +137,8 @@ def test_the_store_resumes_an_interrupted_build(tiny, case, tmp_path):
 
 def test_data_built_in_memory_is_the_stores(tiny, case, tmp_path):
     """--features memory: the same labels, top-k and features as the disk store, batches served from the device."""
-    target, drafter, tokens, feats, labels, topk, _ = case
-    lengths = torch.full((tokens.shape[0],), T)
-    taps = drafter.cfg.target_layer_ids
-    store.create(tmp_path / "a", tokens, lengths, feats.shape[-1])
-    store.fill(tmp_path / "a", target, taps, "cpu", batch=4)
+    target, _, tokens, *_ = case
+    lengths, taps = filled_store(case, tmp_path / "a", 4)
     disk, mem = store.load(tmp_path / "a"), store.in_memory(tokens, lengths, target, taps, "cpu", batch=4)
     assert isinstance(mem.feats, torch.Tensor)
     assert np.array_equal(disk.labels, mem.labels) and np.array_equal(disk.topk, mem.topk)

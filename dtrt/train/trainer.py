@@ -267,13 +267,16 @@ class LossModel(torch.nn.Module):
 
 def prepare_data(target, target_path, tokenizer, cfg, corpus, prompts, data_dirs, work: Path, progress, log):
     """Build (or finish building) the run's data store; with --features memory, the data itself, on the device."""
+    from dtrt.runtime.pipeline import stop_ids
+
+    def rows():
+        eos = stop_ids(target.cfg.eos_token_id, tokenizer, target_path)
+        return build_rows(target, tokenizer, eos, cfg, corpus, prompts, progress, data_dirs, target_path)
+
     path = work / "data"
     if cfg.features == "memory":
-        from dtrt.runtime.pipeline import stop_ids
-
         t0 = time.perf_counter()
-        eos = stop_ids(target.cfg.eos_token_id, tokenizer, target_path)
-        tokens, lengths = build_rows(target, tokenizer, eos, cfg, corpus, prompts, progress, data_dirs, target_path)
+        tokens, lengths = rows()
         t1 = time.perf_counter()
         device = next(target.parameters()).device
         taps = taps_for(target.cfg.num_layers)
@@ -289,10 +292,7 @@ def prepare_data(target, target_path, tokenizer, cfg, corpus, prompts, data_dirs
         raise DtrtError(f"{work / 'data.pt'}: data of an older dtrt; delete it and --resume rebuilds the data")
     if not store.started(path):
         t0 = time.perf_counter()
-        from dtrt.runtime.pipeline import stop_ids
-
-        eos = stop_ids(target.cfg.eos_token_id, tokenizer, target_path)
-        tokens, lengths = build_rows(target, tokenizer, eos, cfg, corpus, prompts, progress, data_dirs, target_path)
+        tokens, lengths = rows()
         store.create(path, tokens, lengths, len(taps_for(target.cfg.num_layers)) * target.cfg.hidden_size)
         log(f"data: {tokens.shape[0]} rows x {cfg.seq_len} tokens laid out in {time.perf_counter() - t0:.0f}s")
     t0 = time.perf_counter()

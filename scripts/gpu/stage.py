@@ -8,6 +8,8 @@ from pathlib import Path
 
 import target_codec
 
+from dtrt.artifacts.files import sha256
+
 # the settings of the shipped SmolLM2 drafter's last run (dtrt/assets/smollm2-135m/TRAINING.md), on all windows
 SMOLLM2 = {
     "config": {
@@ -65,7 +67,7 @@ def build(
         target_codec.encode(target, gguf, out / "target")
     else:
         shutil.copytree(target, out / "target")
-        record = {"model.safetensors": target_codec.sha256(target / "model.safetensors")}
+        record = {"model.safetensors": sha256(target / "model.safetensors")}
         (out / "target" / target_codec.FINGERPRINT).write_text(json.dumps(record) + "\n")
     for d in data:
         shutil.copytree(d, out / "data" / d.name, ignore=shutil.ignore_patterns(".lock", "*.tmp*"))
@@ -103,7 +105,7 @@ def restore_target(stage: Path, into: Path) -> Path:
     if (stage / target_codec.WEIGHTS).is_file():
         return target_codec.decode(stage, into)
     want = json.loads((stage / target_codec.FINGERPRINT).read_text())["model.safetensors"]
-    if target_codec.sha256(stage / "model.safetensors") != want:
+    if sha256(stage / "model.safetensors") != want:
         raise target_codec.CodecError(f"{stage / 'model.safetensors'}: not the staged target (sha256)")
     shutil.copytree(stage, into, dirs_exist_ok=True)
     return into

@@ -3,7 +3,6 @@ own quantized blocks (Q4_1, Q8_0, F32) under the checkpoint's tensor names, with
 header. `decode` rebuilds model.safetensors with the same arithmetic the `gguf` package dequantizes with, and
 refuses a result whose sha256 is not the checkpoint's."""
 
-import hashlib
 import json
 import shutil
 import struct
@@ -11,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
+
+from dtrt.artifacts.files import sha256
 
 SMALL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 WEIGHTS = "weights.safetensors"
@@ -20,14 +21,6 @@ BLOCK = 32
 
 class CodecError(Exception):
     pass
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _dequantize(kind: str, raw: np.ndarray) -> np.ndarray:
