@@ -28,6 +28,10 @@ from dtrt.train.trainer import TrainConfig
 from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, method_help, names, quant_help
 
 MODEL_DIR_HELP = "where registry checkpoints are looked up before the Hugging Face cache"
+DRAFT_VOCAB_HELP = (
+    "the vocabulary the drafter drafts from: full, or a subset file (dtrt draft-vocab); default: the drafter's own "
+    "d2t.safetensors where it has one (an export: the one it was exported with), else full"
+)
 QUANT_HELP = (
     "the target's linear layers, lm_head included, as weight-only int8 (per output channel) or int4 (per block); "
     "the quantized model is the target every method reproduces"
@@ -129,6 +133,7 @@ def method_options(f):
             is_flag=True,
             help="dominotree, cadominotree (heap builder): the tree also takes prompt lookup's chains, one budget",
         ),
+        click.option("--draft-vocab", help=DRAFT_VOCAB_HELP),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -447,6 +452,7 @@ def serve(
     show_default=True,
     help="rtn: scale = absmax / qmax; mse: the clip of absmax with the least squared error per channel or block",
 )
+@click.option("--draft-vocab", help=DRAFT_VOCAB_HELP)
 @click.option("--force", is_flag=True, help="replace an existing export directory")
 def export(
     model,
@@ -464,6 +470,7 @@ def export(
     quant,
     quant_block,
     quant_method,
+    draft_vocab,
     force,
 ):
     """Export every stage to ONNX, with manifest.json, into OUT (complete or not at all)."""
@@ -484,6 +491,7 @@ def export(
         drafter_quant,
         tuple(k.strip() for k in drafters.split(",") if k.strip()) if drafters else None,
         quant=qspec,
+        draft_vocab=draft_vocab,
         log=_log,
     )
     size = sum(m["size"] for m in exp.manifest["files"].values())
@@ -840,6 +848,55 @@ def drafter_data_cmd(model, target, model_dir, out, prompts_file, corpus, resume
     click.echo(
         f"{out}: {r['rows']} response rows from {r['done_units']}/{r['units']} (prompt, sample) pairs, "
         f"{r['response_tokens']:,} response tokens{rate}; {c['rows']} corpus rows, {c['tokens']:,} tokens"
+    )
+
+
+@cli.command("draft-vocab")
+@click.option("--model", help=f"registry name of the pair: {', '.join(names())}")
+@click.option("--target", type=click.Path(), help="target checkpoint directory")
+@click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (the subset is written beside it)")
+@click.option("--model-dir", type=click.Path(), help=MODEL_DIR_HELP)
+@click.option(
+    "--data",
+    "data_dirs",
+    multiple=True,
+    required=True,
+    type=click.Path(),
+    help="a `dtrt drafter-data` directory (repeat): its answer tokens are counted",
+)
+@click.option("--size", type=click.IntRange(min=1), required=True, help="tokens in the subset (e.g. 8192, 16384)")
+@click.option("--out", type=click.Path(), help="the file to write (default: d2t.safetensors in the drafter directory)")
+@click.option("--force", is_flag=True, help="replace an existing file")
+def draft_vocab_cmd(model, target, drafter, model_dir, data_dirs, size, out, force):
+    """Write a reduced draft vocabulary: the target's most frequent answer tokens, EOS and chat markup always kept."""
+    from dtrt.models.config import generation_eos, read_json
+    from dtrt.models.tokenizer import load_tokenizer
+    from dtrt.train.draft_vocab import build_draft_vocab
+
+    spec = resolve_spec(model=model, target=target, drafter=drafter, model_dir=model_dir, backend="torch")
+    pair = load_pair(spec, log=_log)
+    drafter_dir = pair.drafter_for(pair.domino is not None) if drafter is None else Path(drafter)
+    if out is None and drafter_dir is None:
+        raise DtrtError("--out: the pair has no drafter directory to write beside; pass --out FILE")
+    out = Path(out) if out is not None else Path(drafter_dir) / "d2t.safetensors"
+    if out.exists() and not force:
+        raise DtrtError(f"--out {out}: already exists; pass --force to replace it")
+    cfg = read_json(Path(pair.target) / "config.json")
+    tokenizer = load_tokenizer(pair.target)
+    eos = set(generation_eos(pair.target))
+    eos |= {cfg["eos_token_id"]} if isinstance(cfg.get("eos_token_id"), int) else set(cfg.get("eos_token_id") or ())
+    vocab, meta = build_draft_vocab(
+        [Path(d) for d in data_dirs], pair.target, tokenizer, cfg["vocab_size"], sorted(eos), size
+    )
+    tokenizer_json = Path(pair.target) / "tokenizer.json"
+    if tokenizer_json.is_file():
+        from dtrt.artifacts.files import sha256
+
+        meta["tokenizer_sha256"] = sha256(tokenizer_json)
+    vocab.save(out, meta)
+    click.echo(
+        f"{out}: {vocab.size} of {vocab.vocab_size} tokens, covering {meta['coverage']:.2%} of "
+        f"{meta['answer_tokens']:,} answer tokens ({meta['always_kept']} always kept)"
     )
 
 

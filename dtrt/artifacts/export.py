@@ -21,9 +21,10 @@ FORMAT = "dtrt-export"
 # layers never join their past with the new tokens (scores side by side, values read from the cache); 9 = its
 # rotations as ONNX RotaryEmbedding (opset 23); 10 = int8 drafter stages with 7-bit weights (dtrt.exporter.quantize);
 # 11 = a quantized target's layers read their past keys from the K cache too (no per-layer slice of it); 12 = the
-# drafters' block stages take `rows` and return the base logits of those rows only (scorer_setup any rows).
+# drafters' block stages take `rows` and return the base logits of those rows only (scorer_setup any rows); 13 = a
+# block stage may cover a reduced draft vocabulary, kept beside it (<kind>.d2t.safetensors, dtrt.models.draft_vocab).
 # The export made on first use is made again when it is older.
-LAYOUT = 12
+LAYOUT = 13
 
 
 @dataclass
@@ -37,6 +38,18 @@ class Export:
     @property
     def drafters(self) -> dict:
         return self.manifest.get("drafters", {})
+
+    def draft_vocab(self, kind: str):
+        """The DraftVocab the `kind` drafter's block stage covers (None: the whole vocabulary)."""
+        from dtrt.models.draft_vocab import load_draft_vocab
+
+        rec = self.drafters.get(kind, {}).get("draft_vocab")
+        if not rec:
+            return None
+        vocab = load_draft_vocab(self.path / rec["file"], rec["vocab_size"])
+        if vocab.sha256 != rec["sha256"]:
+            raise DtrtError(f"{self.path / rec['file']}: is not the subset {self.path / MANIFEST} records")
+        return vocab
 
     @property
     def dtype(self) -> str:
@@ -74,6 +87,7 @@ class Export:
             "node_topk": m.get("node_topk"),
             "drafter_quant": None if m.get("drafter_quant", "none") == "none" else m["drafter_quant"],
             "drafters": ",".join(m["drafters_asked"]) if m.get("drafters_asked") else None,
+            "draft_vocab": m.get("draft_vocab_asked"),
             **quant_flags(m.get("quant")),
         } | changes
         if flags.get("quant") in (None, "none"):  # the default: no quantization flags

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dtrt import __version__
 from dtrt.artifacts.export import FORMAT, LAYOUT, Export, load_export
-from dtrt.artifacts.files import checkpoint_hashes, staging, write_manifest
+from dtrt.artifacts.files import checkpoint_hashes, sha256, staging, write_manifest
 from dtrt.artifacts.verify import record_verified
 from dtrt.errors import DtrtError
 from dtrt.exporter.onnx_export import OPSET, export_stage
@@ -19,6 +19,7 @@ from dtrt.exporter.target_quant import ordered_attention, quantize_target
 from dtrt.exporter.weights import WEIGHTS, share_weights
 from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import HybridConfig
+from dtrt.models.draft_vocab import check_vocab_size, draft_vocab_file, resolve_draft_vocab
 from dtrt.models.quant import QuantSpec, weight_names
 
 DRAFTER_KINDS = ("dflash", "domino")
@@ -72,12 +73,17 @@ def load_models(target_path: Path, drafter_paths: dict, dtype):
     return target, drafters, (taps.pop() if taps else ())
 
 
-def pair_stages(target, taps, drafters: dict, budget: int, topm: int, node_topk: int) -> list:
+def vocab_record(vocab, kind: str) -> dict | None:
+    return {**vocab.record(), "file": draft_vocab_file(kind)} if vocab is not None else None
+
+
+def pair_stages(target, taps, drafters: dict, budget: int, topm: int, node_topk: int, vocabs=None) -> list:
     """Every stage of an export, in manifest order: the target, then per drafter kind its context and block
-    stages and, with a Domino head, the scorer and frontier stages."""
+    stages (base logits over `vocabs[kind]`, None: the whole vocabulary) and, with a Domino head, the scorer and
+    frontier stages."""
     stages = [target_stage(target, taps)]
     for kind, d in drafters.items():
-        stages += drafter_stages(target, d, kind)
+        stages += drafter_stages(target, d, kind, (vocabs or {}).get(kind))
         if d.head is not None:
             for stage in scorer_stages(target, d, budget, topm, node_topk):
                 stage.name = f"{kind}.{stage.name}"
@@ -98,11 +104,14 @@ def export_pair(
     drafter_quant: str = "none",
     drafter_kinds: tuple[str, ...] | None = None,
     quant: QuantSpec | None = None,
+    draft_vocab: str | Path | None = None,
     log=None,
 ) -> Export:
     """`drafter_kinds`: the drafters to export (dflash, domino; None: every one the pair has). A Domino drafter
     serves every method (its body is a DFlash drafter), so `("domino",)` is the smallest export that runs them all.
-    `quant`: the target's linear layers weight-only quantized (dtrt.exporter.target_quant; None: as `dtype`)."""
+    `quant`: the target's linear layers weight-only quantized (dtrt.exporter.target_quant; None: as `dtype`).
+    `draft_vocab`: the drafters' base logits over a reduced vocabulary (dtrt.models.draft_vocab: None or "auto",
+    each drafter's own d2t.safetensors where it has one; "full"; a file)."""
     log = log or (lambda msg: None)
     out = Path(out)
     if dtype not in EXPORT_DTYPES:
@@ -137,7 +146,14 @@ def export_pair(
                 have = ", ".join(drafters) or "none"
                 raise DtrtError(f"--drafters {kind}: the pair has no {kind} drafter (it has: {have})")
         drafters = {k: v for k, v in drafters.items() if k in drafter_kinds}
-    stages = pair_stages(target, taps, {k: d for k, (_, d) in drafters.items()}, budget, topm, node_topk)
+    tokenizer_sha = sha256(pair.target / "tokenizer.json") if (pair.target / "tokenizer.json").is_file() else None
+    vocabs = {
+        k: resolve_draft_vocab(draft_vocab, p, target.cfg.vocab_size, target.cfg.eos_token_id, tokenizer_sha)
+        for k, (p, _) in drafters.items()
+    }
+    for vocab in vocabs.values():
+        check_vocab_size(vocab, topm, node_topk)
+    stages = pair_stages(target, taps, {k: d for k, (_, d) in drafters.items()}, budget, topm, node_topk, vocabs)
 
     with staging(out) as tmp:
         stage_meta = {}
@@ -155,6 +171,9 @@ def export_pair(
             log(f"{len(quantized_weights)} weights quantized in {time.perf_counter() - t0:.1f}s, {products} products")
         quantized = quantize_drafters(tmp, stage_meta, drafter_quant, log)
         weights = share_weights(tmp, [m["file"] for m in stage_meta.values()], log)
+        for kind, vocab in vocabs.items():  # beside the engines too: parity and the runtime read the subset here
+            if vocab is not None:
+                vocab.save(tmp / draft_vocab_file(kind))
         (tmp / "tokenizer").mkdir()
         for name in TOKENIZER_FILES:
             if (pair.target / name).is_file():
@@ -178,6 +197,7 @@ def export_pair(
             else {**quant.to_json(), "format": "qdq", "weights": len(names), "products": products},
             "ordered_attention": None if quant is None else ordered_attention(),
             "drafters_asked": list(drafter_kinds) if drafter_kinds is not None else None,
+            "draft_vocab_asked": None if draft_vocab in (None, "auto") else str(draft_vocab),
             "weights": {"file": WEIGHTS, **weights},
             "source": {
                 "model": model,
@@ -198,7 +218,9 @@ def export_pair(
                 "eos_token_id": list(cfg.eos_token_id),
                 **(cfg.recurrent_dims() if isinstance(cfg, HybridConfig) else {}),
             },
-            "drafters": {k: drafter_dims(d) for k, (_, d) in drafters.items()},
+            "drafters": {
+                k: {**drafter_dims(d), "draft_vocab": vocab_record(vocabs[k], k)} for k, (_, d) in drafters.items()
+            },
             "stages": stage_meta,
         }
         write_manifest(tmp, manifest)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dtrt.models.draft_vocab import DraftHead, DraftVocab
 from dtrt.models.drafter import Drafter
 from dtrt.models.hybrid import HybridTarget, tree_parents
 from dtrt.models.target import Target
@@ -100,11 +101,11 @@ class DrafterBlockStage(nn.Module):
     block runs (every slot attends to every other), but only its first `rows` proposal rows leave it: a round's tree
     reaches no deeper, and the lm_head over the others was most of the stage's cost."""
 
-    def __init__(self, target: Target, drafter: Drafter):
+    def __init__(self, target: Target, drafter: Drafter, vocab: DraftVocab | None = None):
         super().__init__()
         self.drafter = drafter
         self.embed = target.model.embed_tokens
-        self.lm_head = target.lm_head
+        self.head = DraftHead(target.lm_head, vocab)
         cfg = drafter.cfg
         self.register_buffer("slots", torch.arange(cfg.block_size), persistent=False)
         self.register_buffer("mask_ids", torch.full((cfg.block_size - 1,), cfg.mask_token_id), persistent=False)
@@ -118,7 +119,7 @@ class DrafterBlockStage(nn.Module):
         torch._check(n >= 1)
         torch._check(n <= ph.shape[0])
         ph = ph.narrow(0, 0, n)
-        return ph, self.lm_head(ph.to(self.lm_head.weight.dtype)).float()
+        return ph, self.head(ph)
 
 
 @dataclass
@@ -230,8 +231,9 @@ def target_stage(target: Target, taps: tuple[int, ...]) -> Stage:
     )
 
 
-def drafter_stages(target: Target, drafter: Drafter, kind: str) -> list[Stage]:
-    """`<kind>.context` and `<kind>.block` for a drafter (kind: dflash or domino)."""
+def drafter_stages(target: Target, drafter: Drafter, kind: str, vocab: DraftVocab | None = None) -> list[Stage]:
+    """`<kind>.context` and `<kind>.block` for a drafter (kind: dflash or domino); the block's base logits cover
+    `vocab` (None: the whole vocabulary)."""
     return [
         Stage(
             f"{kind}.context",
@@ -243,7 +245,7 @@ def drafter_stages(target: Target, drafter: Drafter, kind: str) -> list[Stage]:
         ),
         Stage(
             f"{kind}.block",
-            DrafterBlockStage(target, drafter),
+            DrafterBlockStage(target, drafter, vocab),
             ["root", "start", "rows", "cache_k", "cache_v"],
             ["ph", "base"],
             {"cache_k": {2: "P"}, "cache_v": {2: "P"}},

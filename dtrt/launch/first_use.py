@@ -24,17 +24,24 @@ def export_pair(*args, **kwargs) -> Export:
     return export(*args, **kwargs)
 
 
-def cached_export(pair: Pair, model: str, log=None, quant: str = "none") -> Export:
-    """`quant`: the target's quantization (`dtrt export --quant`, its default block and method); each has its own
+def cached_export(pair: Pair, model: str, log=None, quant: str = "none", draft_vocab: str | None = None) -> Export:
+    """`quant`: the target's quantization (`dtrt export --quant`, its default block and method); `draft_vocab`:
+    the drafters' vocabulary (`--draft-vocab`; None: each drafter's own subset, where it has one); each has its own
     directory."""
     log = log or (lambda msg: None)
-    path = cache_dir() / "exports" / (f"{model}-{__version__}" + ("" if quant == "none" else f"-{quant}"))
-    qspec = quant_spec(quant)
     drafters = {k: p for k, p in (("dflash", pair.dflash), ("domino", pair.domino)) if p is not None}
+    vocabs = pair_vocabs(pair, drafters, draft_vocab)
+    tag = "" if draft_vocab in (None, "auto") else "-fullvocab" if draft_vocab == "full" else f"-vocab{_short(vocabs)}"
+    path = cache_dir() / "exports" / (f"{model}-{__version__}" + ("" if quant == "none" else f"-{quant}") + tag)
+    qspec = quant_spec(quant)
     if path.exists():
         try:
             exp = load_export(path)
             check_source(exp, pair.target, model, drafters)
+            for kind, sha in vocabs.items():
+                rec = exp.drafters.get(kind, {}).get("draft_vocab") or {}
+                if rec.get("sha256") != sha:
+                    raise DtrtError(f"{path / MANIFEST}: the {kind} drafter's draft vocabulary is not {sha or 'full'}")
             if exp.manifest.get("drafter_quant", "none") != DRAFTER_QUANT:
                 raise DtrtError(f"{path / MANIFEST}: drafter_quant is not {DRAFTER_QUANT}")
             if exp.quant != qspec:
@@ -55,4 +62,24 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none") -> Expo
             )
     check_first_use(pair, model, quant=quant)
     log(f"exporting {model} to ONNX in {path} (first use only)")
-    return export_pair(pair, Path(path), model, force=True, drafter_quant=DRAFTER_QUANT, quant=qspec, log=log)
+    return export_pair(
+        pair, Path(path), model, force=True, drafter_quant=DRAFTER_QUANT, quant=qspec, draft_vocab=draft_vocab, log=log
+    )
+
+
+def pair_vocabs(pair: Pair, drafters: dict, draft_vocab: str | None) -> dict[str, str | None]:
+    """Per drafter kind, the sha256 of the draft vocabulary an export of `pair` under `--draft-vocab` would cover
+    (None: the whole vocabulary)."""
+    from dtrt.models.config import read_json
+    from dtrt.models.draft_vocab import resolve_draft_vocab
+
+    vocab_size = read_json(Path(pair.target) / "config.json")["vocab_size"]
+    out = {}
+    for kind, path in drafters.items():
+        vocab = resolve_draft_vocab(draft_vocab, path, vocab_size)
+        out[kind] = vocab.sha256 if vocab is not None else None
+    return out
+
+
+def _short(vocabs: dict) -> str:
+    return next((sha[:8] for sha in vocabs.values() if sha), "")

@@ -65,6 +65,7 @@ def resolve_spec(
     node_topk: int = 8,
     cuda_graph: bool = False,
     lookup: bool = False,
+    draft_vocab: str | None = None,
     **unused,
 ) -> RunSpec:
     """The RunSpec the flags describe, defaults applied and every value checked (RunSpec checks its values; the
@@ -99,6 +100,7 @@ def resolve_spec(
         node_topk=node_topk,
         cuda_graph=cuda_graph,
         lookup=lookup,
+        draft_vocab=draft_vocab,
     )
     if spec.backend == "onnxruntime" and device_kind(device) == "cuda":  # its CUDA provider first: the fix differs
         import onnxruntime as ort

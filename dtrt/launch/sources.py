@@ -44,7 +44,7 @@ def open_sources(spec: RunSpec, log=None, pair: Pair | None = None) -> Sources:
         if pair is not None:
             check_source(exp, pair.target, spec.model)
     elif spec.model is not None:
-        exp = cached_export(pair, spec.model, log, spec.quant or "none")
+        exp = cached_export(pair, spec.model, log, spec.quant or "none", spec.draft_vocab)
     else:
         raise DtrtError(
             "--backend onnxruntime needs --export DIR (write one with `dtrt export --model NAME --out DIR`) or "

@@ -109,7 +109,8 @@ def reference_stages(exp: Export) -> dict[str, Stage]:
     check_source(exp, Path(src["target"]), drafters=drafter_paths)
     target, drafters, taps = load_models(Path(src["target"]), drafter_paths, parse_dtype(m["dtype"]))
     models = {k: d for k, (_, d) in drafters.items()}
-    built = {s.name: s for s in pair_stages(target, taps, models, m["budget"], m["topm"], m["node_topk"])}
+    vocabs = {k: exp.draft_vocab(k) for k in models}
+    built = {s.name: s for s in pair_stages(target, taps, models, m["budget"], m["topm"], m["node_topk"], vocabs)}
     if exp.quant is not None:  # the quantized model: the same dequantized weights; the drafters keep the others
         built["target"].module.target = dequantized(target, exp.quant)
     out = {}
@@ -190,8 +191,8 @@ class Recorder(TorchBackend):
     """The torch backend, keeping the stage inputs of calls 1, 2, 4, 8, ... of each stage: a few per generation,
     spread from prefill to long pasts."""
 
-    def __init__(self, target, drafter, kind: str, calls: dict):
-        super().__init__(target, drafter)
+    def __init__(self, target, drafter, kind: str, calls: dict, vocab=None):
+        super().__init__(target, drafter, draft_vocab=vocab)
         self.kind, self.calls, self.seen = kind, calls, defaultdict(int)
 
     def keep(self, stage: str, inputs: dict):
@@ -301,7 +302,7 @@ def real_inputs(exp: Export, stages: dict[str, Stage], prompts: int) -> dict[str
         spec = RunSpec(method=method, budget=m["budget"], topm=m["topm"], node_topk=m["node_topk"])
         for prompt in PROMPTS[:prompts]:
             ids = tokenizer.encode(prompt, add_special_tokens=False)
-            backend = Recorder(target, drafter, kind, calls)
+            backend = Recorder(target, drafter, kind, calls, exp.draft_vocab(kind) if kind else None)
             collect(generate(backend, make_method(spec), ids, MAX_NEW_TOKENS, SamplingConfig(), eos))
     for name, stage in stages.items():
         kind = name.split(".")[0]

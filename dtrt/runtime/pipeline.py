@@ -7,9 +7,11 @@ from pathlib import Path
 
 from dtrt.artifacts.engine import Engine
 from dtrt.artifacts.export import Export
+from dtrt.artifacts.files import sha256
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import generation_eos, read_json
+from dtrt.models.draft_vocab import check_vocab_size, load_draft_vocab, resolve_draft_vocab
 from dtrt.models.quant import dequantized, quant_spec
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.backends.base import Backend
@@ -121,6 +123,8 @@ def open_pipeline(spec: RunSpec, sources: Sources) -> Pipeline:
                 f"tokens for trees of at most {order['max_rows']} nodes; use --budget {order['max_rows'] - 1} or less"
             )
         kind = _drafter_kind(spec, exp)
+        if kind is not None:
+            check_draft_vocab(spec.draft_vocab, exp, kind)
         if spec.backend == "onnxruntime" and exp.dtype == "bf16" and spec.device == "cpu":
             raise DtrtError(
                 f"{exp.path} holds bf16 graphs, which ONNX Runtime's CPU provider cannot run (it has no bf16 kernels); "
@@ -166,8 +170,40 @@ def _torch_backend(spec: RunSpec, pair: Pair):
     tokenizer = load_tokenizer(pair.target)
     config = Path(pair.target) / "config.json"
     limit = read_json(config).get("max_position_embeddings")
-    backend = TorchBackend(target, drafter, spec.device, limit, f"max_position_embeddings in {config}")
+    vocab = None
+    if drafter is not None:
+        tokenizer_json = Path(pair.target) / "tokenizer.json"
+        vocab = resolve_draft_vocab(
+            spec.draft_vocab,
+            path,
+            target.cfg.vocab_size,
+            target.cfg.eos_token_id,
+            sha256(tokenizer_json) if tokenizer_json.is_file() else None,
+        )
+    check_vocab_size(vocab, spec.topm, spec.node_topk)
+    backend = TorchBackend(target, drafter, spec.device, limit, f"max_position_embeddings in {config}", vocab)
     return backend, tokenizer, stop_ids(target.cfg.eos_token_id, tokenizer, pair.target)
+
+
+def check_draft_vocab(choice: str | None, exp: Export, kind: str):
+    """An export's block stage covers the draft vocabulary it was exported with: `--draft-vocab` may only name it."""
+    if choice in (None, "auto"):
+        return
+    have = exp.draft_vocab(kind)
+    if choice == "full":
+        if have is not None:
+            raise DtrtError(
+                f"--draft-vocab full: {exp.path} drafts from a {have.size}-token subset; drop --draft-vocab or "
+                f"re-export with `{exp.fix_hint(draft_vocab='full')}`"
+            )
+        return
+    want = load_draft_vocab(choice, exp.manifest["target"]["vocab_size"])
+    if have is None or have.sha256 != want.sha256:
+        what = "the whole vocabulary" if have is None else f"another subset ({have.size} tokens)"
+        raise DtrtError(
+            f"--draft-vocab {choice}: {exp.path} drafts from {what}; drop --draft-vocab or re-export with "
+            f"`{exp.fix_hint(draft_vocab=choice)}`"
+        )
 
 
 def _drafter_kind(spec: RunSpec, exp: Export) -> str | None:

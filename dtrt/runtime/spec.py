@@ -68,6 +68,11 @@ class RunSpec:
     """Children per tree node, k."""
     cuda_graph: bool = False
     """DominoTree with the frontier on a CUDA torch backend: drafting and building replayed as one CUDA graph."""
+    draft_vocab: str | None = None
+    """The vocabulary the drafter's base logits cover (`--draft-vocab`): None, the drafter's own d2t.safetensors
+    where it has one (an export: the subset it was exported with), else the whole vocabulary; `full`, the whole
+    vocabulary; a path, that subset file (`dtrt draft-vocab` writes one). Tokens outside it are never drafted; the
+    target still verifies over its whole vocabulary, so the output is unchanged."""
     lookup: bool = False
     """DominoTree's heap builder also takes prompt lookup's chains (`--lookup`): one tree, one budget, each lookup
     node scored by its parent's path probability times the request's measured acceptance of lookup nodes."""

@@ -210,10 +210,12 @@ def build_rows(
 
 
 @torch.no_grad()
-def held_out_tau(target: Target, drafter: Drafter, tokenizer, sets: dict[str, list], cfg: TrainConfig) -> dict:
+def held_out_tau(
+    target: Target, drafter: Drafter, tokenizer, sets: dict[str, list], cfg: TrainConfig, vocab=None
+) -> dict:
     """Tau of DominoTree and of the DFlash chain on each held-out set of prompts (torch backend, T=0): per set
     (`sets`: name -> method -> mean over its prompts) and the mean of the sets (method -> tau), which picks the
-    best checkpoint."""
+    best checkpoint. `vocab`: the draft vocabulary (dtrt.models.draft_vocab; None: the whole one)."""
     from dtrt.runtime.backends.torch import TorchBackend
     from dtrt.runtime.generate import collect, generate
     from dtrt.runtime.methods import make_method
@@ -221,7 +223,7 @@ def held_out_tau(target: Target, drafter: Drafter, tokenizer, sets: dict[str, li
     from dtrt.runtime.spec import RunSpec
 
     drafter.eval()
-    backend = TorchBackend(target, drafter)
+    backend = TorchBackend(target, drafter, draft_vocab=vocab)
     per_set = {}
     for set_name, prompts in sets.items():
         per_set[set_name] = {}

@@ -4,6 +4,7 @@ and gets logits and drafter rows back on the device."""
 
 import torch
 
+from dtrt.models.draft_vocab import DraftHead, DraftVocab
 from dtrt.models.drafter import DraftCache, Drafter
 from dtrt.models.target import KVCache, Target
 from dtrt.runtime.backends.base import Backend, check_rows
@@ -21,12 +22,15 @@ class TorchBackend(Backend):
         device: str | torch.device | None = None,
         max_context: int | None = None,
         context_source: str = "",
+        draft_vocab: DraftVocab | None = None,
     ):
         """The models are moved to `device` (default: where the target is); the target taps the layers the drafter
-        reads."""
+        reads; the drafter's base logits cover `draft_vocab` (None: the whole vocabulary)."""
         self.device = torch.device(device) if device is not None else target.lm_head.weight.device
         self.target = target.to(self.device)
         self.drafter = drafter.to(self.device) if drafter is not None else None
+        self.draft_vocab = draft_vocab
+        self.draft_head = DraftHead(self.target.lm_head, draft_vocab) if drafter is not None else None
         self.taps = tuple(drafter.cfg.target_layer_ids) if drafter is not None else ()
         self.max_context, self.context_source = max_context, context_source
         self.cache: KVCache | None = None
@@ -97,7 +101,7 @@ class TorchBackend(Backend):
         """The block's first `rows` proposal rows (None: all) and their base logits."""
         x = self.target.model.embed_tokens(ids).to(self.drafter.dtype)
         ph = self.drafter.proposal_rows(self.drafter.block(x, positions, ctx, mask))[:rows]
-        return ph, self.target.lm_head(ph.to(self.target.dtype)).float()
+        return ph, self.draft_head(ph)
 
     def scorer(self, arm: str, rnd: Round, k: int, topm: int):
         if arm == "marg":
