@@ -7,6 +7,7 @@ beside a run's `log.jsonl`. Tau at T=0 does not depend on timing: this runs on a
 """
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -15,6 +16,7 @@ from dtrt.bench.datasets import held_out_set
 from dtrt.launch import resolve_spec
 from dtrt.launch.sources import load_pair
 from dtrt.models.checkpoint import load_drafter, load_target
+from dtrt.models.draft_vocab import load_draft_vocab
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.train.trainer import TrainConfig, held_out_tau
 
@@ -27,6 +29,12 @@ def main():
         action="append",
         default=[],
         help="NAME=DIR of a Domino checkpoint (repeatable); default: the model's own",
+    )
+    ap.add_argument(
+        "--draft-vocab",
+        action="append",
+        default=[],
+        help="NAME=FILE of a draft vocabulary (dtrt draft-vocab; repeatable): every drafter again over it",
     )
     ap.add_argument("--held-out", action="append", default=[], help="as train-drafter's (repeatable)")
     ap.add_argument("--eval-prompts", type=int, default=TrainConfig.eval_prompts)
@@ -47,9 +55,13 @@ def main():
     print("| drafter | " + " | ".join(f"{s} dominotree / dflash" for s in ids) + " | mean |")
     print("|---|" + "---|" * (len(ids) + 1))
     rows = []
-    for name, path in drafters.items():
-        tau = held_out_tau(target, load_drafter(path), tokenizer, ids, cfg)
-        rows.append({"drafter": name, "path": str(path), "tau": tau})
+    vocabs = {"full": None} | {
+        v.split("=", 1)[0]: load_draft_vocab(v.split("=", 1)[1], target.cfg.vocab_size) for v in args.draft_vocab
+    }
+    for (dname, path), (vname, vocab) in itertools.product(drafters.items(), vocabs.items()):
+        name = dname if not args.draft_vocab else f"{dname} / {vname}"
+        tau = held_out_tau(target, load_drafter(path), tokenizer, ids, cfg, vocab)
+        rows.append({"drafter": dname, "draft_vocab": vname, "path": str(path), "tau": tau})
         cells = [f"{t['dominotree']:.2f} / {t['dflash']:.2f}" for t in tau["sets"].values()]
         print(f"| {name} | " + " | ".join(cells) + f" | {tau['dominotree']:.2f} / {tau['dflash']:.2f} |", flush=True)
     if args.json:
