@@ -956,6 +956,7 @@ def _progress(what):
     help="with --device cuda: the dominotree rows replay drafting + tree building as one CUDA graph",
 )
 @click.option("--lookup", is_flag=True, help="the dominotree and cadominotree rows also take prompt lookup's chains")
+@click.option("--draft-vocab", help=DRAFT_VOCAB_HELP)
 @click.option(
     "--gguf",
     type=click.Path(),

@@ -48,11 +48,15 @@ class BenchOptions:
     peer_timeout: float = 900.0  # seconds a peer (llama.cpp) may take per generation before its row is failed
     resume: str | None = None  # an interrupted run's --out to continue
     context_bins: str | None = None  # prompt lengths in tokens for the long datasets; None: those that fit
+    draft_vocab: str | None = None  # the drafter's vocabulary, as `dtrt run --draft-vocab`; None: the drafter's own
 
     @property
     def sources(self) -> dict:
         """The flags resolve_spec takes."""
-        keys = ("model", "target", "drafter", "model_dir", "backend", "export", "dtype", "quant", "threads", "device")
+        keys = (
+            *("model", "target", "drafter", "model_dir", "backend", "export", "dtype", "quant", "threads", "device"),
+            "draft_vocab",
+        )
         return {k: getattr(self, k) for k in keys}
 
 
