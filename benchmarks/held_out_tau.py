@@ -36,6 +36,7 @@ def main():
         default=[],
         help="NAME=FILE of a draft vocabulary (dtrt draft-vocab; repeatable): every drafter again over it",
     )
+    ap.add_argument("--no-full", action="store_true", help="with --draft-vocab: those vocabularies only")
     ap.add_argument("--held-out", action="append", default=[], help="as train-drafter's (repeatable)")
     ap.add_argument("--eval-prompts", type=int, default=TrainConfig.eval_prompts)
     ap.add_argument("--eval-tokens", type=int, default=TrainConfig.eval_tokens)
@@ -55,7 +56,7 @@ def main():
     print("| drafter | " + " | ".join(f"{s} dominotree / dflash" for s in ids) + " | mean |")
     print("|---|" + "---|" * (len(ids) + 1))
     rows = []
-    vocabs = {"full": None} | {
+    vocabs = ({} if args.no_full else {"full": None}) | {
         v.split("=", 1)[0]: load_draft_vocab(v.split("=", 1)[1], target.cfg.vocab_size) for v in args.draft_vocab
     }
     for (dname, path), (vname, vocab) in itertools.product(drafters.items(), vocabs.items()):
