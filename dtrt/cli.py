@@ -645,8 +645,8 @@ def quality(
     multiple=True,
     help="a set of prompts that held-out tau is measured on (repeat for several, each reported and the best "
     "checkpoint chosen by their mean): a file in the --prompts formats, or a bench dataset (mt-bench, humaneval, "
-    "math500, aime, aime24: the first turns of the seeded --eval-prompts subset `dtrt bench` takes); default: the "
-    "last --eval-prompts of --prompts, else the first halves of the last data rows",
+    "math500, aime, aime24, code-edit: the first turns of the seeded --eval-prompts subset `dtrt bench` takes); "
+    "default: the last --eval-prompts of --prompts, else the first halves of the last data rows",
 )
 @click.option(
     "--data",
@@ -926,8 +926,9 @@ def _progress(what):
     "dataset_names",
     default="mt-bench,humaneval,math500,aime",
     show_default=True,
-    help="comma list of mt-bench, humaneval, math500, aime, aime24, and the long-context summarisation datasets "
-    "lexsum (Multi-LexSum) and essays (windows of Paul Graham's essays), run per --context-bins",
+    help="comma list of mt-bench, humaneval, math500, aime, aime24, code-edit (HumanEval's functions, each with a "
+    "small edit asked for: the answer copies its prompt), and the long-context summarisation datasets lexsum "
+    "(Multi-LexSum) and essays (windows of Paul Graham's essays), run per --context-bins",
 )
 @click.option(
     "--context-bins",

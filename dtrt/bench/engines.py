@@ -34,6 +34,7 @@ class DtrtEngine:
         self.label, self.pipe, self.tokenizer = label, pipe, pipe.tokenizer
         self.method, self.budget = spec.method, spec.budget if spec.method in BUDGET_METHODS else None
         self.quant = spec.quant
+        self.lookup = spec.lookup or spec.method == "lookup"  # its trees hold prompt lookup's nodes
 
     def generate(self, text: str, max_new_tokens: int, sampling: SamplingConfig) -> dict:
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -19,9 +19,10 @@ def key(r):
 
 def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None) -> list[dict]:
     """One row per method x dataset (and `all`) x temperature: mean over prompts of the per-prompt tau and tok/s,
-    speedup over AR with its paired bootstrap CI, and whether every T=0 output equals AR's. A row is paired with
-    the AR of its own quantization (a record's `quant`); a peer (llama.cpp) with the AR of the first of `quants`
-    (the grid's, in order; None: the first AR record's)."""
+    speedup over AR with its paired bootstrap CI, whether every T=0 output equals AR's, and the share of the
+    accepted draft tokens that came from prompt lookup (pooled_lookup_share). A row is paired with the AR of its own
+    quantization (a record's `quant`); a peer (llama.cpp) with the AR of the first of `quants` (the grid's, in
+    order; None: the first AR record's)."""
     ars = [r for r in records if r.get("base_method", r["method"]) == "ar"]
     ar = {(r.get("quant"), *key(r)): r for r in ars}
     first = quants[0] if quants else next((r.get("quant") for r in ars), None)
@@ -61,6 +62,7 @@ def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None)
                         "paired": sp.n,
                         "exact": exact,
                         "round_ms": round_ms(timed),
+                        "lookup_share": pooled_lookup_share(rs),
                     }
                 )
     return rows
@@ -76,29 +78,49 @@ def round_ms(records: list[dict]) -> dict[str, float] | None:
     return {k: 1000 * sum(r["stage_s"].get(k, 0.0) for r in timed) / rounds for k in STAGES}
 
 
+def lookup_share(accepted: list[int], from_lookup: list[int]) -> float | None:
+    """The share of a generation's accepted draft tokens that came from prompt lookup: its rounds' `from_lookup`
+    over their accepted draft tokens (`accepted` - 1 a round: the bonus token is the target's); None where no draft
+    was accepted."""
+    drafts = sum(a - 1 for a in accepted)
+    return sum(from_lookup) / drafts if drafts else None
+
+
+def pooled_lookup_share(records: list[dict]) -> float | None:
+    """A row's lookup share: its records' accepted draft tokens from lookup over all their accepted draft tokens,
+    summed over the records that carry a share (those of a row drafting from lookup: `lookup`, `--lookup`). None
+    for a row without lookup nodes (ar, dominotree without --lookup, a peer) and for records written by a dtrt
+    that did not record the share."""
+    shared = [r for r in records if r.get("lookup_share") is not None]
+    return lookup_share([a for r in shared for a in r["accepted"]], [n for r in shared for n in r["from_lookup"]])
+
+
 def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
 def markdown(rows: list[dict], title: str, failed: dict | None = None, note: str | None = None) -> str:
-    """The table, with the conditions of the timings (`note`) and a line per peer row that failed."""
+    """The table, with the conditions of the timings (`note`) and a line per peer row that failed. `lookup share`:
+    the row's lookup share (pooled_lookup_share), `-` where it has none."""
     lines = [f"### {title}", ""]
     if note:
         lines += [note, ""]
     lines += [
-        f"| method | dataset | T | n | tau | tok/s | speedup [95% CI] | = AR | ms a round ({' / '.join(STAGES)}) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| method | dataset | T | n | tau | lookup share | tok/s | speedup [95% CI] | = AR | "
+        f"ms a round ({' / '.join(STAGES)}) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         sp = "n/a" if math.isnan(r["speedup"]) else f"{r['speedup']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
         exact = {None: "", True: "yes", False: "**no**"}[r["exact"]]
         ms = " / ".join(f"{r['round_ms'][k]:.2f}" for k in STAGES) if r.get("round_ms") else ""
+        share = "-" if r.get("lookup_share") is None else f"{r['lookup_share']:.0%}"
         lines.append(
-            f"| {r['method']} | {r['dataset']} | {r['temperature']:g} | {r['n']} | {r['tau']:.2f} | "
+            f"| {r['method']} | {r['dataset']} | {r['temperature']:g} | {r['n']} | {r['tau']:.2f} | {share} | "
             f"{r['tokens_per_s']:.1f} | {sp} | {exact} | {ms} |"
         )
     for label, why in (failed or {}).items():
-        lines.append(f"| {label} | failed: {why} | | | | | | | |")
+        lines.append(f"| {label} | failed: {why} | | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 

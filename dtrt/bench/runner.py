@@ -9,6 +9,7 @@ from dataclasses import replace
 from dtrt.bench.datasets import Prompt
 from dtrt.bench.engines import render
 from dtrt.bench.peer import PeerFailed
+from dtrt.bench.report import lookup_share
 from dtrt.runtime.requests import Request
 from dtrt.runtime.sampling import SamplingConfig
 
@@ -100,4 +101,6 @@ def annotate(rec: dict, engine, dataset: str, prompt_id, turn: int, temperature:
         n_tokens=n,
         tokens_per_s=n / rec["decode_s"] if rec["decode_s"] > 0 else 0.0,
         tpot_s=rec["decode_s"] / n if n else 0.0,
+        # None where the engine's trees hold no lookup nodes (ar, dominotree without --lookup, a peer)
+        lookup_share=lookup_share(rec["accepted"], rec["from_lookup"]) if getattr(engine, "lookup", False) else None,
     )

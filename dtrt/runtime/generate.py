@@ -26,7 +26,7 @@ class RoundStats:
     build_s: float
     verify_s: float
     commit_s: float
-    lookup: int = 0  # accepted draft nodes that came from lookup (--lookup)
+    lookup: int = 0  # accepted draft nodes that came from lookup (--method lookup: all of them; --lookup)
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token at most, as OpenAI's top_logprobs

@@ -67,7 +67,8 @@ class Method:
 
     def observe(self, tree: Tree, accepted: list[int]) -> int | None:
         """Called after each verify with the verified tree and its accepted node indices (root included); returns
-        how many accepted nodes came from lookup where the tree mixes sources (--lookup), else None."""
+        how many accepted draft nodes came from prompt lookup where the tree holds lookup nodes (--method lookup:
+        all of them; --lookup), else None."""
 
 
 class AR(Method):
@@ -93,6 +94,7 @@ class Lookup(Method):
 
     def observe(self, tree, accepted):
         self.index.extend(tree.tokens[accepted[1:]].tolist())  # the root joined the stream when drafting
+        return len(accepted) - 1  # every accepted draft node is lookup's
 
 
 class Chain(Method):
