@@ -38,6 +38,16 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
+def _threads_kept():
+    """torch's intra-op threads as they were before the test: a pipeline opened with --threads sets them for the
+    process, and a worker's later tests on more threads than its share of the cores crawl on a busy machine."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def cost_store(tmp_path, monkeypatch):
     """Where this test's cost-aware methods keep their measured cost curves: its own, so none is read from
     another test or an earlier run."""
@@ -95,10 +105,21 @@ def server(pipe):
 
 @pytest.fixture(scope="session")
 def tiny_export(tiny, tmp_path_factory):
-    """The tiny pair exported once per test session with `dtrt export` defaults (budget 16, fp32)."""
+    """The tiny pair exported once per test session with `dtrt export` defaults (budget 16, fp32). With workers
+    (`-n`), the first worker that needs it exports it into the session's shared folder while the others wait, then
+    load it: one export per session rather than one per worker (the tests copy it before changing anything)."""
+    from filelock import FileLock
+
+    from dtrt.artifacts.export import load_export
     from dtrt.exporter.export import export_pair
 
-    return export_pair(tiny, tmp_path_factory.mktemp("export") / "tiny", model="tiny", max_context=512)
+    if not _WORKERS:
+        return export_pair(tiny, tmp_path_factory.mktemp("export") / "tiny", model="tiny", max_context=512)
+    path = tmp_path_factory.getbasetemp().parent / "tiny-export"  # the workers' basetemps share this parent
+    with FileLock(f"{path}.lock"):
+        if path.is_dir():
+            return load_export(path)
+        return export_pair(tiny, path, model="tiny", max_context=512)
 
 
 @pytest.fixture(scope="session")

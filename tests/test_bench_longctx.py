@@ -175,6 +175,7 @@ def test_missing_package_is_one_line(monkeypatch, capsys, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_bench_rows_per_bin_and_resume(tiny, tmp_path, monkeypatch, capsys):
     need("lexsum")
     need("essays")

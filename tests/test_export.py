@@ -31,6 +31,7 @@ def test_graphs_have_dtrt_nodes_with_functions_and_dynamic_dims(tiny_export):
     load_export(tiny_export.path, full_check=True)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_exports(tiny, tmp_path):
     target = load_target(tiny.target)
     src = tmp_path / "sharded"
@@ -145,6 +146,7 @@ def test_every_weight_is_stored_once(tiny_export):
     assert (path / WEIGHTS).stat().st_size < w["stored"] + 4096 * w["distinct"]
 
 
+@pytest.mark.slow
 def test_only_the_drafters_asked_for(tiny, tmp_path, monkeypatch, capsys):
     code, out, err = run_cli(
         monkeypatch, capsys, "export", "--model", "tiny", "--out", str(tmp_path / "e"), "--drafters", "dflash",
@@ -162,6 +164,7 @@ def test_only_the_drafters_asked_for(tiny, tmp_path, monkeypatch, capsys):
         export_pair(hybrid_like, tmp_path / "y", drafter_kinds=("dflash",))
 
 
+@pytest.mark.slow
 def test_export_cli_takes_every_dtype_the_exporter_supports(tiny, monkeypatch, capsys, tmp_path):
     """`dtrt export --dtype bf16` (the exporter has supported it; the CLI's choice once refused it)."""
     from dtrt.exporter.precision import EXPORT_DTYPES

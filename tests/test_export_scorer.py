@@ -200,6 +200,7 @@ def assert_outputs_match(got, want):
             assert np.array_equal(g, w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPS))
 def test_exported_stage_matches_torch(exported, name):
     stage, path, sess = exported[name]
@@ -215,6 +216,7 @@ def test_exported_stage_matches_torch(exported, name):
         assert_outputs_match(got, want if isinstance(want, tuple) else (want,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [1, 2, None])
 def test_setup_is_the_domino_scorers_round_precompute(models, exported, rows):
     """Over the rows a round's block computed (None: every one, k_draft)."""
@@ -245,6 +247,7 @@ def assert_same_tree(a, b):
     assert torch.allclose(a.scores, b.scores, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix_len", [0, 1, 2])
 def test_heap_on_onnxruntime_scorer_is_the_torch_heap(models, exported, prefix_len):
     target, drafter = models
@@ -258,6 +261,7 @@ def test_heap_on_onnxruntime_scorer_is_the_torch_heap(models, exported, prefix_l
         assert_same_tree(got, want)
 
 
+@pytest.mark.slow
 def test_heap_on_onnxruntime_scorer_over_the_full_vocabulary(models, exported, tmp_path):
     """topm = 0: the split stages take M = V candidates."""
     target, drafter = models
@@ -284,11 +288,13 @@ def frontier_matches(models, stage, sess, budget, k, topm):
         assert bool(torch.isfinite(want.scores).all())
 
 
+@pytest.mark.slow
 def test_exported_frontier_is_build_frontier(models, exported):
     stage, _, sess = exported["frontier"]
     frontier_matches(models, stage, sess, BUDGET, K, TOPM)
 
 
+@pytest.mark.slow
 def test_exported_frontier_with_fewer_lanes_than_children(models, tmp_path):
     """budget 3 < node_topk 4 = M, so each keep step drops part of an expansion; a 4-deep block whose first two
     depths are the base marginal."""

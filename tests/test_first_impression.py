@@ -51,6 +51,7 @@ def pipes():
     return default, reference
 
 
+@pytest.mark.slow
 def test_readme_examples_answer_like_the_fp32_reference(pipes):
     default, reference = pipes
     assert default.spec.backend == "onnxruntime" and default.spec.model == "smollm2-135m"

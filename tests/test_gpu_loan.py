@@ -141,6 +141,7 @@ def test_the_plan_fits_the_machine_for_the_staged_sizes(tmp_path):
             d.rmdir()
 
 
+@pytest.mark.slow
 def test_the_target_weights_rebuild_bit_for_bit(tmp_path):
     """SmolLM2's GGUF blocks under the checkpoint's names: the rebuilt model.safetensors has the sha256 of the one
     dtrt converts, and a damaged tensor is refused."""
@@ -165,6 +166,7 @@ def test_the_target_weights_rebuild_bit_for_bit(tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_the_dry_run_runs_every_call_within_the_limits(tmp_path):
     res = loan("dry-run", "--keep", str(tmp_path / "dry"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -176,6 +178,7 @@ def test_the_dry_run_runs_every_call_within_the_limits(tmp_path):
     assert (tmp_path / "dry" / "back" / "domino" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_preflight_runs_the_training_call_on_the_tiny_pair(tmp_path):
     res = loan("preflight", "--out", str(tmp_path / "out"))
     assert res.returncode == 0, res.stderr[-2000:]

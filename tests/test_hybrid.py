@@ -251,6 +251,7 @@ def prefix_agreement(gens, ar_tokens):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_every_method_gives_the_ar_tokens_with_drafts_accepted(pair, export, ar_tokens, backend):
     assert [g.tokens for g in generate(pipeline(pair, export, spec("ar"), backend))] == ar_tokens
@@ -262,6 +263,7 @@ def test_every_method_gives_the_ar_tokens_with_drafts_accepted(pair, export, ar_
         assert max(r.tree_size for r in rounds) > 1 and all(r.tree_size <= draft.budget + 1 for r in rounds)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_flattened_tree_negative_control_drifts(pair, export, ar_tokens, backend):
     """Updating the recurrent state as if the tree were one chain lets rejected siblings into the accepted path's
@@ -276,6 +278,7 @@ def test_flattened_tree_negative_control_drifts(pair, export, ar_tokens, backend
     assert prefix_agreement(generate(chain, flatten_tree=True), ar_tokens) == [MAX_NEW] * len(PROMPTS)
 
 
+@pytest.mark.slow
 def test_export_has_the_recurrent_dtrt_ops(export):
     m = onnx.load(str(export.stage("target")), load_external_data=False)
     ops = [n.op_type for n in m.graph.node if n.domain == "dtrt"]
@@ -289,6 +292,7 @@ def test_export_has_the_recurrent_dtrt_ops(export):
     assert meta["target"]["kv_layers"] == 1 and meta["target"]["recurrent_layers"] == 3
 
 
+@pytest.mark.slow
 def test_parity_covers_the_recurrent_states(export):
     report = run_parity(export, prompts=2)
     assert report.ok, report.table()
@@ -297,6 +301,7 @@ def test_parity_covers_the_recurrent_states(export):
     assert all(r.rel <= 1e-4 for r in rows)
 
 
+@pytest.mark.slow
 def test_cli_runs_the_hybrid_on_both_backends(pair, export, ar_tokens, monkeypatch, capsys):
     for extra in ([], ["--backend", "onnxruntime", "--export", str(export.path)]):
         code, out, err = run_cli(

@@ -71,6 +71,7 @@ def _tokens(pair, monkeypatch, mode: str, method: str, builder: str = "heap", n:
     return g.tokens, g.tau
 
 
+@pytest.mark.slow
 @interpreted
 @pytest.mark.kernels
 @pytest.mark.parametrize("name", ["tiny", "tiny-hybrid"])

@@ -69,6 +69,7 @@ def test_same_seed_commits_ar_tokens(tiny, cases):
     assert accepted >= 12, accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", ["The moon is very blue blue ", "man still sad city wind, man still sad "])
 def test_tokens_follow_target_distribution(tiny, prompt):
     """Prompts whose lookup chain (blue ..., city ...) the target takes with probability 0.57 and 0.70: drawn 300

@@ -85,7 +85,7 @@ class DtrtServe:
             raise AssertionError(f"dtrt serve did not stop within {timeout} s after SIGTERM: {self.log}") from None
 
 
-@pytest.fixture(scope="module", params=["process", "replicas"])
+@pytest.fixture(scope="module", params=["process", pytest.param("replicas", marks=pytest.mark.slow)])
 def endpoint(request, tiny, tiny_chat, local_pipe):  # noqa: F811
     """(kind, base URL, DtrtServe or None) of `dtrt serve` in this process, or of `dtrt serve --replicas 2` (Ray
     Serve) in a subprocess, which must stop cleanly on SIGTERM afterwards."""

@@ -24,6 +24,7 @@ def bf16_export(tiny, tmp_path_factory):
     return export_pair(tiny, tmp_path_factory.mktemp("bf16") / "tiny", "tiny", dtype="bf16", max_context=256)
 
 
+@pytest.mark.slow
 def test_bf16_export_holds_bf16_graphs(bf16_export):
     assert bf16_export.manifest["dtype"] == "bf16" and "--dtype bf16" in bf16_export.fix_hint()
     graph = onnx.load(str(bf16_export.stage("target")), load_external_data=False).graph
@@ -33,6 +34,7 @@ def test_bf16_export_holds_bf16_graphs(bf16_export):
     assert weights and all(i.data_type == onnx.TensorProto.BFLOAT16 for i in weights)
 
 
+@pytest.mark.slow
 def test_onnxruntime_and_parity_refuse_bf16_in_one_line(bf16_export, monkeypatch, capsys):
     with pytest.raises(DtrtError, match=r"holds bf16 graphs, which ONNX Runtime's CPU provider cannot run") as e:
         pipe_for(None, spec("dominotree"), backend="onnxruntime", export=bf16_export.path)
@@ -43,6 +45,7 @@ def test_onnxruntime_and_parity_refuse_bf16_in_one_line(bf16_export, monkeypatch
         run_parity(bf16_export, prompts=0)
 
 
+@pytest.mark.slow
 def test_build_engine_takes_a_bf16_export(bf16_export, tmp_path, fake_trt):  # noqa: F811
     eng = build_engines(bf16_export.path, tmp_path / "engines")
     target = eng.manifest["stages"]["target"]

@@ -129,6 +129,7 @@ def test_quant_flags_are_checked():
 
 
 # the export
+@pytest.mark.slow
 def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_export):
     m = int4_export.manifest
     layers = m["target"]["num_layers"]
@@ -184,6 +185,7 @@ def test_quantized_export_holds_dequantize_matmul_and_ordered_attention(int4_exp
     [spec("dominotree"), spec("dominotree", builder="frontier"), spec("ddtree"), spec("dflash"), spec("domino")],
     ids=lambda d: d.method + ("/" + d.builder if d.method == "dominotree" else ""),
 )
+@pytest.mark.slow
 def test_every_method_gives_the_quantized_ar_tokens_with_drafts_accepted(int4_export, int4_ar, draft):
     gens = generate_all(ort_pipeline(int4_export, draft))
     assert [g.tokens for g in gens] == int4_ar
@@ -191,6 +193,7 @@ def test_every_method_gives_the_quantized_ar_tokens_with_drafts_accepted(int4_ex
     assert sum(r.accepted for r in rounds) / len(rounds) > 2
 
 
+@pytest.mark.slow
 def test_trees_stay_inside_the_aligned_block_across_its_boundary(int4_export):
     """A 200-token generation crosses position 128: DominoTree still gives the AR tokens, and every verify keeps its
     rows inside the 128-aligned block of its past (where plain decoding sums the same columns)."""
@@ -241,6 +244,7 @@ def test_torch_backend_runs_the_dequantized_target(tiny):
 
 
 # parity
+@pytest.mark.slow
 def test_parity_passes_and_a_corrupted_integer_fails(int4_export, tmp_path):
     stages = {"target": reference_stages(int4_export)["target"]}
     report = run_parity(int4_export, 1, stages=stages)
@@ -264,6 +268,7 @@ def test_parity_passes_and_a_corrupted_integer_fails(int4_export, tmp_path):
     assert any(not r.ok for r in report.rows if "activations" not in r.case and "tree" not in r.case)
 
 
+@pytest.mark.slow
 def test_prefills_take_the_whole_row_as_their_head(int4_export):
     """A call of more than max_rows rows (a prefill) runs the same per-layer ops as a verify, its plan putting the
     head's end at the last column (an empty tail): it matches the dequantized reference like every other call."""
@@ -279,6 +284,7 @@ def test_prefills_take_the_whole_row_as_their_head(int4_export):
     assert "If" not in {n.op_type for n in planned.node}  # one path for every call: no If per layer
 
 
+@pytest.mark.slow
 def test_order_check_catches_plain_attention(int4_export, tmp_path, monkeypatch):
     """The same layers with the plain formulation (the past and new values joined, one Softmax) in place of the
     ordered attention: its tree rows differ from plain decoding's, and the order check says so."""
@@ -313,6 +319,7 @@ def test_order_check_catches_plain_attention(int4_export, tmp_path, monkeypatch)
     assert all(np.abs(want - got).max() == 0 for _, _, want, got in order_check(int4_export))
 
 
+@pytest.mark.slow
 def test_int8_export_passes_parity_and_keeps_its_ar_tokens(int8_export):
     m = int8_export.manifest
     assert m["quant"]["bits"] == 8 and m["quant"]["block"] is None
@@ -329,6 +336,7 @@ def test_int8_export_passes_parity_and_keeps_its_ar_tokens(int8_export):
 
 
 # errors
+@pytest.mark.slow
 def test_quantized_exports_refuse_what_they_cannot_do(int4_export, tmp_path, monkeypatch, capsys):
     with pytest.raises(
         DtrtError, match=r"^--quant int8: .* holds an int4 target; drop --quant or re-export with `dtrt"
@@ -352,6 +360,7 @@ def test_quantized_exports_refuse_what_they_cannot_do(int4_export, tmp_path, mon
     assert code == 2 and "int3" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_quality_reports_agreement_and_nll_per_quantization(tiny_export, int8_export, int4_export, monkeypatch, capsys):
     paths = [str(e.path) for e in (tiny_export, int8_export, int4_export)]
     code, out, err = run_cli(
@@ -376,6 +385,7 @@ def test_quality_reports_agreement_and_nll_per_quantization(tiny_export, int8_ex
     assert code == 2 and err.count("\n") == 1 and "dtrt quality scores text of humaneval, mt-bench" in err
 
 
+@pytest.mark.slow
 def test_onnx_runtime_fuses_every_quantized_linear(int4_export, int8_export, tmp_path):
     """Every DequantizeLinear -> MatMul pair becomes MatMulNBits at session load (none left dequantizing on every
     call), and RMSNorm fuses too."""
@@ -388,6 +398,7 @@ def test_onnx_runtime_fuses_every_quantized_linear(int4_export, int8_export, tmp
         assert "DequantizeLinear" not in ops and "Gemm" not in ops and "SimplifiedLayerNormalization" in ops
 
 
+@pytest.mark.slow
 def test_fp16_quantized_export_runs_its_parity(tiny, tmp_path):
     """An fp16 export with an int8 target (what a 4B model needs to fit a 24 GB CPU machine): the whole of `dtrt
     parity`, the order check feeding its fp16 past included."""
@@ -407,6 +418,7 @@ def _kernel():
         pytest.skip(f"dtrt's ONNX Runtime kernel: {ort_ops.status() or 'its build failed'}")
 
 
+@pytest.mark.slow
 def test_kernel_runs_the_ordered_attention_in_order(int4_export):
     """With dtrt's ONNX Runtime kernel in place of the function body (dtrt.runtime.backends.ort_ops): the same
     outputs as the body up to fp32 rounding, in use (not bit-identical to it), and tree rows = plain decoding."""
@@ -430,6 +442,7 @@ def test_kernel_runs_the_ordered_attention_in_order(int4_export):
     assert all(np.array_equal(want, got) for _, _, want, got in order_check(int4_export))
 
 
+@pytest.mark.slow
 def test_kernel_serves_only_what_it_computes(int4_export, tiny_export, monkeypatch, tmp_path):
     from dtrt.runtime.backends import ort_ops
 
@@ -445,6 +458,7 @@ def test_kernel_serves_only_what_it_computes(int4_export, tiny_export, monkeypat
     assert ort_ops.status() == "turned off (DTRT_ORT_OPS=0)"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("qemu-x86_64") is None, reason="needs qemu-user (the emulated AVX2 kernel path)")
 def test_quality_measures_a_second_kernel_path(tiny_export, int8_export, monkeypatch, capsys):
     """`--kernel-path avx2` runs the configurations in a child process on ONNX Runtime's AVX2 kernels (under QEMU's

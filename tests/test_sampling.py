@@ -91,6 +91,7 @@ def sample(pipe, ids, n=N, first_seed=0):
     return counts, accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ar", "dflash", "domino", "ddtree", "caddtree", "dominotree"])
 def test_tokens_follow_target_distribution(tiny, exact, method):
     pipe = pipe_for(tiny, spec(method))

@@ -89,6 +89,7 @@ def chat_ids(pair):
     return load_tokenizer(pair.target).apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
 
 
+@pytest.mark.slow
 @needs_packages
 def test_checkpoint_layout_and_chat_template(pair, chat_ids):
     from dtrt.models.tokenizer import load_tokenizer
@@ -107,6 +108,7 @@ def test_checkpoint_layout_and_chat_template(pair, chat_ids):
     assert tok.convert_ids_to_tokens(tok.encode("x  1", add_special_tokens=False)) == ["x", "ĠĠ", "1"]
 
 
+@pytest.mark.slow
 @needs_packages
 def test_weights_equal_transformers_gguf_loader(pair, hf):
     from safetensors.torch import load_file
@@ -118,6 +120,7 @@ def test_weights_equal_transformers_gguf_loader(pair, hf):
         assert torch.equal(w, theirs[name]), name  # dequantized and Q/K rows un-permuted exactly alike
 
 
+@pytest.mark.slow
 @needs_packages
 @torch.no_grad()
 def test_logits_and_tree_verify_match_transformers(ours, hf, chat_ids):
@@ -142,6 +145,7 @@ def test_logits_and_tree_verify_match_transformers(ours, hf, chat_ids):
         assert (logits[i] - ref).abs().max() <= 1e-4 * ref.abs().max(), i
 
 
+@pytest.mark.slow
 @needs_packages
 def test_greedy_ar_equals_transformers_generate(pair, hf, chat_ids):
     from dtrt.runtime.sampling import SamplingConfig
@@ -167,6 +171,7 @@ def test_a_drafter_ships_in_the_released_layout():
     assert size <= 40e6
 
 
+@pytest.mark.slow
 @needs_packages
 def test_shipped_drafter_is_exact_and_accepted(pair, chat_ids):
     from dtrt.runtime.sampling import SamplingConfig

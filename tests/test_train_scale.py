@@ -339,6 +339,7 @@ def test_data_parallel_gradients_equal_one_process(tiny, case):
     assert not torch.allclose(drafter.head.w2.grad, g_one["head.embed_proj.2.weight"], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_torchrun_trains_and_saves(tiny, corpus, tmp_path):
     """`torchrun --nproc_per_node 2 -m dtrt.cli train-drafter` on the CPU: one run directory, both drafters saved."""
     out = tmp_path / "run"
