@@ -183,6 +183,7 @@ def test_export_and_run_refuse_another_vocabulary(tiny, exported, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_t1_follows_the_target_with_tokens_outside_the_subset(tiny, tmp_path):
     """At T=1 with a subset that misses much of the target's mass, committed tokens still follow the target's
     distribution: the residual max(0, p - q) carries the tokens the drafter can never propose."""
