@@ -237,47 +237,14 @@ def test_draft_vocab_command(tiny, tmp_path, monkeypatch, capsys):
     assert set(answers.unique().tolist()) <= set(vocab.ids.tolist())  # 72 covers every answer token of this data
     gens = generate_all(pipe_for(tiny, spec("dominotree", draft_vocab=str(out))))
     assert sum(g.tau for g in gens) / len(gens) > 2
+    again = ["draft-vocab", "--model", "tiny", "--size", "72", "--data"]
+    expect_error(monkeypatch, capsys, *again, str(data), "--out", str(out), fragments=["already exists; pass --force"])
     expect_error(
-        monkeypatch,
-        capsys,
-        "draft-vocab",
-        "--model",
-        "tiny",
-        "--data",
-        str(data),
-        "--size",
-        "72",
-        "--out",
-        str(out),
-        fragments=["already exists; pass --force"],
+        monkeypatch, capsys, *again, str(tmp_path), "--out", str(tmp_path / "x"), fragments=["no progress.json"]
     )
-    expect_error(
-        monkeypatch,
-        capsys,
-        "draft-vocab",
-        "--model",
-        "tiny",
-        "--data",
-        str(tmp_path),
-        "--size",
-        "72",
-        "--out",
-        str(tmp_path / "x"),
-        fragments=["no progress.json"],
-    )
-    expect_error(
-        monkeypatch,
-        capsys,
-        "run",
-        "--model",
-        "tiny",
-        "--backend",
-        "torch",
-        "--draft-vocab",
-        str(tmp_path / "missing.safetensors"),
-        "hi",
-        fragments=["no such file"],
-    )
+    missing = str(tmp_path / "missing.safetensors")
+    run = ["run", "--model", "tiny", "--backend", "torch", "--draft-vocab", missing, "hi"]
+    expect_error(monkeypatch, capsys, *run, fragments=["no such file"])
 
 
 def answer_rows(data, tiny):
