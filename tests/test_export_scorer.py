@@ -256,9 +256,29 @@ def test_heap_on_onnxruntime_scorer_is_the_torch_heap(models, exported, prefix_l
     for seed, budget in ((0, 5), (1, 12), (2, 30)):
         rnd = random_round(1, D, drafter.cfg.hidden_size, drafter.cfg.vocab_size, seed=seed)
         want = build_heap(DominoScorer(rnd, drafter.head, target.model.embed_tokens, K, TOPM, prefix_len), budget, D)
-        got = build_heap(StageDominoScorer(session_runner(sessions), rnd, K, prefix_len), budget, D)
+        got = build_heap(StageDominoScorer(session_runner(sessions), rnd, K, prefix_len, TOPM), budget, D)
         assert len(got) == budget + 1
         assert_same_tree(got, want)
+
+
+@pytest.mark.parametrize("budget, want", [(1, []), (2, ["setup", "root", "advance", "children"])])
+def test_the_scorer_stages_run_when_the_heap_needs_them(models, exported, budget, want):
+    """A budget-1 tree (prefix_len 1) is the base marginal's best draft: no scorer stage runs; at budget 2 each stage
+    runs once, the advance for the one node expanded."""
+    target, drafter = models
+    sessions = {name: sess for name, (_, _, sess) in exported.items()}
+    run, calls = session_runner(sessions), []
+
+    def counting(stage, **feeds):
+        calls.append((stage.removeprefix("domino.scorer_"), len(feeds.get("tokens", [0]))))
+        return run(stage, **feeds)
+
+    rnd = random_round(1, budget, drafter.cfg.hidden_size, drafter.cfg.vocab_size, seed=5)
+    got = build_heap(StageDominoScorer(counting, rnd, K, 1, TOPM), budget, budget)
+    want_tree = build_heap(DominoScorer(rnd, drafter.head, target.model.embed_tokens, K, TOPM, 1), budget, budget)
+    assert_same_tree(got, want_tree)
+    assert sorted(name for name, _ in calls) == sorted(want)
+    assert all(rows == 1 for name, rows in calls if name == "advance")
 
 
 @pytest.mark.slow
@@ -273,7 +293,7 @@ def test_heap_on_onnxruntime_scorer_over_the_full_vocabulary(models, exported, t
     for seed in range(3):
         rnd = random_round(1, D, drafter.cfg.hidden_size, drafter.cfg.vocab_size, seed=seed)
         want = build_heap(DominoScorer(rnd, drafter.head, target.model.embed_tokens, K, 0, 1), BUDGET, D)
-        assert_same_tree(build_heap(StageDominoScorer(session_runner(sessions), rnd, K, 1), BUDGET, D), want)
+        assert_same_tree(build_heap(StageDominoScorer(session_runner(sessions), rnd, K, 1, 0), BUDGET, D), want)
 
 
 def frontier_matches(models, stage, sess, budget, k, topm):

@@ -185,6 +185,73 @@ def test_heap_does_not_expand_the_last_pop():
     assert len(calls) == 4  # the root and the first three pops; the fourth pop is never expanded
 
 
+def eager_heap(scorer, budget: int, max_depth: int) -> Tree:
+    """The heap as it was before states were computed on demand: every pushed child advanced at once."""
+    import heapq
+    import itertools
+
+    depth_limit, heap, counter = min(max_depth, scorer.depth), [], itertools.count()
+
+    def push(state, cum, depth, parent):
+        tokens, logprobs = scorer.children(state, depth)
+        cums = (logprobs[0, 0] + cum).tolist()
+        states = None
+        if depth + 1 < depth_limit:
+            states = scorer.advance(state.expand(1, tokens.shape[-1], state.shape[-1]), tokens[:, 0])
+        for j, tok in enumerate(tokens[0, 0].tolist()):
+            child = None if states is None else states[:, j : j + 1]
+            heapq.heappush(heap, (-cums[j], next(counter), tok, depth, parent, child))
+
+    tokens, parents, scores = [int(scorer.round.root[0])], [-1], [0.0]
+    push(scorer.root_states()[:, None], 0.0, 0, 0)
+    while heap and len(tokens) <= budget:
+        neg_cum, _, tok, depth, parent, state = heapq.heappop(heap)
+        tokens.append(tok), parents.append(parent), scores.append(-neg_cum)
+        if len(tokens) <= budget and depth + 1 < depth_limit:
+            push(state, -neg_cum, depth + 1, len(tokens) - 1)
+    return Tree.from_parents(tokens, parents, scores)
+
+
+class CountingDomino(DominoScorer):
+    """DominoScorer counting the states it computes: roots, and rows advanced."""
+
+    def root_states(self):
+        self.roots = getattr(self, "roots", 0) + 1
+        return super().root_states()
+
+    def advance(self, states, tokens):
+        self.advanced = getattr(self, "advanced", 0) + tokens.numel()
+        return super().advance(states, tokens)
+
+
+@pytest.mark.parametrize("topm, prefix_len", DOMINO_CONFIGS)
+@pytest.mark.parametrize("budget", [1, 2, 3, 8, 30])
+def test_heap_states_on_demand_give_the_eager_tree(topm, prefix_len, budget):
+    """States computed only for popped-and-expanded nodes: the same tree as advancing every pushed child, with at most
+    one advanced row per expanded node (the eager heap advanced k)."""
+    model = make_model(seed=3)
+    for seed in range(4):
+        rnd = make_round(1, 5, seed=seed)
+        lazy = CountingDomino(rnd, *model, 4, topm, prefix_len)
+        got = build_heap(lazy, budget, 5)
+        assert_same_tree(got, eager_heap(DominoScorer(rnd, *model, 4, topm, prefix_len), budget, 5))
+        expanded = sum(1 for i in range(1, len(got)) if i < budget and int(got.depths[i]) < 5)
+        assert getattr(lazy, "advanced", 0) <= expanded
+
+
+def test_a_budget_one_tree_over_the_prefix_computes_no_state():
+    """prefix_len 1, budget 1: the one draft is the base marginal's best; no GRU step runs (on exported stages, no
+    scorer stage runs: tests/test_export_scorer.py)."""
+    model, rnd = make_model(), make_round(1, 5, seed=2)
+    lazy = CountingDomino(rnd, *model, 4, 8, 1)
+    tree = build_heap(lazy, 1, 5)
+    assert getattr(lazy, "roots", 0) == 0 and getattr(lazy, "advanced", 0) == 0
+    assert int(tree.tokens[1]) == int(rnd.base[0, 0].argmax())
+    deeper = CountingDomino(rnd, *model, 4, 8, 1)
+    build_heap(deeper, 2, 5)
+    assert deeper.roots == 1 and deeper.advanced == 1  # the first pop only
+
+
 @pytest.mark.parametrize("n", [0, 1, 5, 11])
 def test_heap_with_a_stop_is_a_prefix_of_the_full_heap(n):
     """cadominotree's stop: the tree is the first n pops of the fixed-budget heap, and the rule saw the scores of

@@ -36,6 +36,9 @@ class DominoScorer:
             self.basec = torch.gather(round.base, -1, self.cand).float()
             self.w2c = head.w2[self.cand].float()  # [bs, D, M, E]
 
+    def reads_state(self, depth: int) -> bool:
+        return depth >= self.prefix_len
+
     @torch.no_grad()
     def root_states(self) -> torch.Tensor:
         x = self.embed(self.round.root).to(self.dtype)

@@ -8,6 +8,13 @@ import torch
 from dtrt.tree.tree import Tree
 
 
+def reads_state(scorer, depth: int) -> bool:
+    """Whether `scorer.children(states, depth)` reads the states (Domino's depths below prefix_len and the tables do
+    not: they take the base marginal whatever the path); a scorer that does not say reads them."""
+    says = getattr(scorer, "reads_state", None)
+    return True if says is None else says(depth)
+
+
 @torch.no_grad()
 def build_heap(scorer, budget: int, max_depth: int, stop=None) -> Tree:
     """Pop the highest cumulative log-prob first (ties FIFO); each pop is the next node and pushes its k children.
@@ -15,31 +22,44 @@ def build_heap(scorer, budget: int, max_depth: int, stop=None) -> Tree:
     Tree index = 1 + pop order, so scores are non-increasing in index and parents precede children; any prefix
     of the pop order is a tree. `stop` (optional, as build_ddtree's): start() once, then admit(n_nodes_so_far,
     logw) for each popped node; building ends at the first False (the cost-aware budget of cadominotree).
+
+    States are computed on demand: a node's state (scorer.advance of its parent's) only when the node is popped and
+    expanded, the root's only when a child of it is or its children read it. The pops, hence the tree, are those of
+    advancing every pushed child, at a fraction of the calls: a budget-1 tree over a scorer whose first depth
+    reads no state costs one children() call.
     """
     if scorer.batch != 1:
         raise ValueError(f"build_heap builds one tree; the scorer holds {scorer.batch} requests")
     depth_limit = min(max_depth, scorer.depth)
     heap: list = []
     counter = itertools.count()
+    root_state = []
+
+    def root() -> torch.Tensor:
+        if not root_state:
+            root_state.append(scorer.root_states()[:, None])
+        return root_state[0]
 
     def push(state, cum: float, depth: int, parent: int):
+        """Push the children of node `parent` (at `depth`), whose state is `state` (or `root`, not yet computed)."""
+        if state is root:
+            state = root() if reads_state(scorer, depth) else torch.zeros(1, 1, 1)
+            parent_state = root
+        else:
+            parent_state = state
         tokens, logprobs = scorer.children(state, depth)  # [1, 1, k]
         # float32 sums, exactly as the frontier accumulates them
         cums = (logprobs[0, 0] + cum).tolist()
-        states = None
-        if depth + 1 < depth_limit:  # leaves at the depth limit are never expanded
-            states = scorer.advance(state.expand(1, tokens.shape[-1], state.shape[-1]), tokens[:, 0])
         for j, tok in enumerate(tokens[0, 0].tolist()):
-            child = None if states is None else states[:, j : j + 1]
-            heapq.heappush(heap, (-cums[j], next(counter), tok, depth, parent, child))
+            heapq.heappush(heap, (-cums[j], next(counter), tok, depth, parent, parent_state))
 
     tokens, parents, scores = [int(scorer.round.root[0])], [-1], [0.0]
     if stop is not None:
         stop.start()
     if budget > 0 and depth_limit > 0:
-        push(scorer.root_states()[:, None], 0.0, 0, 0)
+        push(root, 0.0, 0, 0)
     while heap and len(tokens) <= budget:
-        neg_cum, _, tok, depth, parent, state = heapq.heappop(heap)
+        neg_cum, _, tok, depth, parent, parent_state = heapq.heappop(heap)
         if stop is not None and not stop.admit(len(tokens) - 1, -neg_cum):
             break
         tokens.append(tok)
@@ -48,5 +68,7 @@ def build_heap(scorer, budget: int, max_depth: int, stop=None) -> Tree:
         if len(tokens) > budget:
             break
         if depth + 1 < depth_limit:
+            above = root() if parent_state is root else parent_state
+            state = scorer.advance(above, torch.tensor([[tok]], device=scorer.round.root.device))
             push(state, -neg_cum, depth + 1, len(tokens) - 1)
     return Tree.from_parents(tokens, parents, scores)

@@ -5,6 +5,8 @@ A scorer answers three questions, batched over requests (bs) and nodes (n):
     children(states, depth)      -> tokens, logprobs  Long/float32 [bs, n, k], top-k sorted descending
     advance(states, tokens)      -> [bs, n, G]        state of each child
 `depth` is the 0-based draft depth of the children: row `depth` of the drafter block predicts them.
+A scorer may say `reads_state(depth)` is False where children() ignores the states: the heap builder then computes no
+state for it (dtrt.tree.heap).
 Builders also read `round`, `batch`, `depth` (D, the number of draft depths) and `k` from a scorer.
 The builders import no model: Domino's scorers live in dtrt.scoring, the exported ones in the backends.
 """
@@ -60,6 +62,9 @@ class TableScorer:
         self.round = round
         self.tokens, self.logprobs = tokens, logprobs  # [bs, D, k]
         self.batch, self.depth, self.k = tokens.shape
+
+    def reads_state(self, depth: int) -> bool:
+        return False
 
     def root_states(self) -> torch.Tensor:
         return torch.zeros(self.batch, 1, device=self.tokens.device)

@@ -318,7 +318,8 @@ class ExportedBackend(Backend):
     def scorer(self, arm: str, rnd: Round, k: int, topm: int):
         if arm == "marg":
             return MarginalScorer(rnd, k)
-        domino = StageDominoScorer(self.runner, rnd, k, self.drafter.cfg.pure_draft_prefix_len)
+        prefix_len, exported_topm = self.drafter.cfg.pure_draft_prefix_len, self.export.manifest["topm"]
+        domino = StageDominoScorer(self.runner, rnd, k, prefix_len, exported_topm)
         return domino if arm == "dominotree" else TableScorer(domino.round, *greedy_chain_tables(domino))
 
     def domino_chain(self, rnd: Round) -> torch.Tensor:
