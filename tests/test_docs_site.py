@@ -33,6 +33,7 @@ def test_the_site_builds_strictly_with_the_cli_reference(site):
     cli = (site / "cli" / "index.html").read_text()
     for command in ("run", "serve", "export", "bench", "train-drafter", "draft-vocab"):
         assert f"dtrt {command}" in cli, command
+    assert "--max-new-tokens" in cli and "Sentinel" not in cli  # the flags, as --help prints them
 
 
 def test_the_readme_links_into_the_built_pages(site):
