@@ -67,3 +67,22 @@ def test_domino_gru_step_is_torch_gru(tmp_path):
     z = torch.randn(5, 64)
     naive = torch.nn.functional.silu(torch.cat((z, s), -1) @ w1.T) @ w2.T
     assert (head.delta(z, s) - naive).abs().max() < 1e-5
+
+
+@torch.no_grad()
+def test_split_attention_is_attention_over_the_joined_context():
+    """The round's attention (no join, no repeated K/V head) against SDPA over the joined, repeated keys and values,
+    GQA and an empty context included."""
+    import torch.nn.functional as F
+
+    from dtrt.models.drafter import split_attention
+
+    gen = torch.Generator().manual_seed(0)
+    for heads, kv_heads, ctx in ((4, 2, 9), (6, 3, 0), (2, 2, 33)):
+        q = torch.randn(heads, 8, 16, generator=gen)
+        ck, cv = (torch.randn(kv_heads, ctx, 16, generator=gen) for _ in range(2))
+        k, v = (torch.randn(kv_heads, 8, 16, generator=gen) for _ in range(2))
+        g = heads // kv_heads
+        kk, vv = (torch.cat(t, 1).repeat_interleave(g, 0) for t in ((ck, k), (cv, v)))
+        want = F.scaled_dot_product_attention(q[None], kk[None], vv[None])[0]
+        torch.testing.assert_close(split_attention(q, ck, cv, k, v), want, rtol=1e-5, atol=1e-6)

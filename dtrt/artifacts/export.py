@@ -22,9 +22,10 @@ FORMAT = "dtrt-export"
 # rotations as ONNX RotaryEmbedding (opset 23); 10 = int8 drafter stages with 7-bit weights (dtrt.exporter.quantize);
 # 11 = a quantized target's layers read their past keys from the K cache too (no per-layer slice of it); 12 = the
 # drafters' block stages take `rows` and return the base logits of those rows only (scorer_setup any rows); 13 = a
-# block stage may cover a reduced draft vocabulary, kept beside it (<kind>.d2t.safetensors, dtrt.models.draft_vocab).
-# The export made on first use is made again when it is older.
-LAYOUT = 13
+# block stage may cover a reduced draft vocabulary, kept beside it (<kind>.d2t.safetensors, dtrt.models.draft_vocab);
+# 14 = a block's attention never joins the context with the block nor repeats it per query head
+# (dtrt.models.drafter.split_attention). The export made on first use is made again when it is older.
+LAYOUT = 14
 
 
 @dataclass

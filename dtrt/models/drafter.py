@@ -30,9 +30,29 @@ class DraftLayer(nn.Module):
         h = self.input_layernorm(x)
         q = self.self_attn.q(h, cos, sin)
         k, v = self.self_attn.kv(h, cos, sin)
-        k, v = torch.cat((ctx_k, k), dim=-2), torch.cat((ctx_v, v), dim=-2)
-        x = x + self.self_attn.out(attention(q, k, v, mask))
+        if mask is None and q.dim() == 3:  # a round's block (and its exported stage)
+            a = split_attention(q, ctx_k, ctx_v, k, v)
+        else:
+            a = attention(q, torch.cat((ctx_k, k), dim=-2), torch.cat((ctx_v, v), dim=-2), mask)
+        x = x + self.self_attn.out(a)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def split_attention(q, ctx_k, ctx_v, k, v):
+    """The block's unmasked attention over the cached context and the block, q [H, B, hd], ctx_k/ctx_v [KVH, C, hd],
+    k/v [KVH, B, hd] -> [H, B, hd], written so that the exported stage never copies the context: the query heads of a
+    K/V head are rows of one product (no K/V head repeated), the context's and the block's scores are two products
+    side by side (no join of the cache with the block's keys), and so are the values. Joined, repeated per query head
+    and transposed, the context was copied several times a layer (SmolLM2's int8 block, 2 rows, one thread: 6.9 ->
+    4.3 ms a call at a past of 2,048, 2.3 ms either way at 128)."""
+    heads, rows, hd = q.shape
+    kv_heads = ctx_k.shape[0]
+    qg = (q * hd**-0.5).reshape(kv_heads, heads // kv_heads * rows, hd)
+    scores = torch.cat((qg @ ctx_k.transpose(-1, -2), qg @ k.transpose(-1, -2)), dim=-1)
+    p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    c = ctx_k.shape[-2]
+    out = p[..., :c] @ ctx_v + p[..., c:] @ v
+    return out.reshape(heads, rows, hd)
 
 
 class DraftCache:
