@@ -1,11 +1,12 @@
 """`--method lookup` on the tiny pair: the AR tokens at T=0 on torch and ONNX Runtime with lookup drafts accepted,
 where the prompt holds the continuation (chains right), partly (right, then wrong) and not (wrong or none); AR's
 very tokens at T>0 with the same seed, and the target's distribution over the first three tokens; dominotree with
---lookup: the AR tokens with lookup nodes accepted (torch, ONNX Runtime), AR's tokens at T>0 with the same seed."""
+--lookup: the AR tokens with lookup nodes accepted (torch, ONNX Runtime), AR's tokens at T>0 with the same seed,
+and on ONNX Runtime the target's distribution with lookup nodes accepted."""
 
 import pytest
 from helpers import PROMPTS, pipe_for, spec
-from test_sampling import N, T, chi_square_pvalue, exact_triples, sample
+from test_sampling import TOP_P, N, T, chi_square_pvalue, exact_triples, sample
 
 from dtrt.runtime.sampling import SamplingConfig
 
@@ -111,3 +112,22 @@ def test_dominotree_with_lookup_same_seed_commits_ar_tokens(tiny, cases):
     for ids, _ in cases[1::2]:
         cfg = SamplingConfig(1.0, 0.9, 0)
         assert pipe.generate(ids, 24, cfg).tokens == ar.generate(ids, 24, cfg).tokens
+
+
+@pytest.mark.slow
+def test_dominotree_with_lookup_follows_the_target_distribution_on_onnxruntime(tiny, tiny_export):
+    """T > 0 on ONNX Runtime: DominoTree's tree with lookup's chain in it (the prompt's `blue ...`, which the target
+    takes with probability 0.57), drawn 300 times: the first three tokens follow the target's exact distribution
+    (chi-square), lookup nodes are accepted, and a wrong temperature is told apart."""
+    run = spec("dominotree", budget=4, lookup=True)
+    pipe = pipe_for(None, run, backend="onnxruntime", export=tiny_export.path, threads=1)
+    ids = pipe.tokenizer.encode("The moon is very blue blue ", add_special_tokens=False)
+    dist, wrong = (exact_triples(pipe_for(tiny, spec("ar")).backend.target, ids, t) for t in (T, 2.0))
+    counts, lookup = {}, 0
+    for seed in range(N):
+        g = pipe.generate(ids, 3, SamplingConfig(T, TOP_P, seed))
+        counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
+        lookup += sum(r.lookup for r in g.rounds)
+    assert lookup >= N // 4, lookup
+    assert chi_square_pvalue(counts, dist, N) > 1e-3
+    assert chi_square_pvalue(counts, wrong, N) < 1e-3
