@@ -174,3 +174,36 @@ def test_export_cli_takes_every_dtype_the_exporter_supports(tiny, monkeypatch, c
     code, _, err = run_cli(monkeypatch, capsys, "export", "--model", "tiny", "--dtype", "bf16", "--out", str(out))
     assert code == 0, err
     assert json.loads((out / MANIFEST).read_text())["dtype"] == "bf16"
+
+
+@pytest.mark.parametrize("heads, kv_heads, n, past", [(9, 3, 2, 40), (4, 2, 7, 0), (4, 4, 5, 17), (6, 1, 9, 3)])
+def test_tree_attention_function_is_the_reference(heads, kv_heads, n, past):
+    """The TreeAttention function ONNX Runtime runs (the exported targets' attention where dtrt's kernel is not
+    built) against the op's reference: GQA, a past, a tree mask; it groups query heads instead of repeating K/V
+    heads, so its body holds no Expand (a copy of the whole past per layer)."""
+    import onnxruntime as ort
+    import torch
+    from onnx import TensorProto, helper
+
+    from dtrt.exporter.stages import random_tree_mask
+    from dtrt.ops import onnx_functions
+    from dtrt.ops.tree_attention import tree_attention_ref
+
+    (fn,) = onnx_functions(["TreeAttention"])
+    assert "Expand" not in {node.op_type for node in fn.node}
+    io = [("q", TensorProto.FLOAT), ("k", TensorProto.FLOAT), ("v", TensorProto.FLOAT), ("mask", TensorProto.BOOL)]
+    graph = helper.make_graph(
+        [helper.make_node("TreeAttention", [name for name, _ in io], ["o"], domain="dtrt")],
+        "attention",
+        [helper.make_tensor_value_info(name, t, None) for name, t in io],
+        [helper.make_tensor_value_info("o", TensorProto.FLOAT, None)],
+    )
+    opsets = [helper.make_opsetid("", 20), helper.make_opsetid("dtrt", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, functions=[fn])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    g = torch.Generator().manual_seed(n + past)
+    q = torch.randn(heads, n, 16, generator=g)
+    k, v = (torch.randn(kv_heads, past + n, 16, generator=g) for _ in range(2))
+    mask = torch.cat((torch.ones(n, past, dtype=torch.bool), random_tree_mask(n, g)[1]), 1)
+    got = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "mask": mask.numpy()})[0]
+    torch.testing.assert_close(torch.from_numpy(got), tree_attention_ref(q, k, v, mask), rtol=1e-5, atol=1e-6)

@@ -24,7 +24,8 @@ FORMAT = "dtrt-export"
 # drafters' block stages take `rows` and return the base logits of those rows only (scorer_setup any rows); 13 = a
 # block stage may cover a reduced draft vocabulary, kept beside it (<kind>.d2t.safetensors, dtrt.models.draft_vocab);
 # 14 = a block's attention never joins the context with the block nor repeats it per query head
-# (dtrt.models.drafter.split_attention). The export made on first use is made again when it is older.
+# (dtrt.models.drafter.split_attention), and the TreeAttention function repeats no K/V head per query head either
+# (dtrt.ops.functions.tree_attention). The export made on first use is made again when it is older.
 LAYOUT = 14
 
 

@@ -12,19 +12,22 @@ from dtrt.ops.tree_attention import ORDER_ALIGN, ORDER_ROWS
 @register_function
 @onnxscript.script(OPSET, default_opset=op)
 def TreeAttention(q: FLOAT, k: FLOAT, v: FLOAT, mask: BOOL) -> FLOAT:
+    # the query heads of a K/V head are rows of one product: no K/V head is repeated per query head (an Expand of
+    # the whole past, twice a layer), and the keys' transpose folds into the product (ONNX Runtime's FusedMatMul)
     heads = op.Shape(q, start=0, end=1)
+    n = op.Shape(q, start=1, end=2)
+    hd = op.Shape(q, start=2, end=3)
     kv_heads = op.Shape(k, start=0, end=1)
+    m = op.Shape(k, start=1, end=2)
     groups = op.Div(heads, kv_heads)
-    expanded = op.Concat(kv_heads, groups, op.Shape(k, start=1), axis=0)
-    merged = op.Concat(heads, op.Shape(k, start=1), axis=0)
-    kk = op.Reshape(op.Expand(op.Unsqueeze(k, [1]), expanded), merged)
-    vv = op.Reshape(op.Expand(op.Unsqueeze(v, [1]), expanded), merged)
-    head_dim = op.CastLike(op.Shape(q, start=2, end=3), q)
-    scale = op.Div(op.CastLike(op.Constant(value_float=1.0), q), op.Sqrt(head_dim))
-    scores = op.Mul(op.MatMul(q, op.Transpose(kk, perm=[0, 2, 1])), scale)
-    scores = op.Where(op.Unsqueeze(mask, [0]), scores, op.CastLike(op.Constant(value_float=-1e30), q))
-    out = op.MatMul(op.Softmax(scores, axis=-1), vv)
-    return out
+    rows = op.Mul(groups, n)
+    qg = op.Reshape(q, op.Concat(kv_heads, rows, hd, axis=0))
+    scale = op.Div(op.CastLike(op.Constant(value_float=1.0), q), op.Sqrt(op.CastLike(hd, q)))
+    scores = op.Mul(op.MatMul(qg, op.Transpose(k, perm=[0, 2, 1])), scale)
+    scores = op.Reshape(scores, op.Concat(kv_heads, groups, n, m, axis=0))
+    scores = op.Where(mask, scores, op.CastLike(op.Constant(value_float=-1e30), q))
+    weights = op.Reshape(op.Softmax(scores, axis=-1), op.Concat(kv_heads, rows, m, axis=0))
+    return op.Reshape(op.MatMul(weights, v), op.Concat(heads, n, hd, axis=0))
 
 
 @register_function
