@@ -753,7 +753,8 @@ def train_drafter_cmd(
 ):
     """Distil a DFlash drafter and a Domino head from a target into OUT/dflash and OUT/domino."""
     from dtrt.bench.datasets import held_out_set
-    from dtrt.train.trainer import read_prompts, train_drafter
+    from dtrt.runtime.prompts import read_prompts
+    from dtrt.train.trainer import train_drafter
 
     cfg = TrainConfig(**opts)
     check_cuda(cfg.device)

@@ -510,38 +510,3 @@ def evaluate(target, drafter, tokenizer, eval_ids, cfg, state, loss, acc, t0, wo
         f"step {state['step']}: held-out tau dominotree {tau['dominotree']:.2f} dflash {tau['dflash']:.2f}{sets} "
         f"(best {state['best']:.2f})"
     )
-
-
-def read_prompts(path, target_path: Path, chat: bool, flag: str = "--prompts") -> list[str]:
-    """Prompts from JSONL ({"prompt": ...} or {"turns": [...]}) or plain text lines, chat-templated if asked and
-    the target's tokenizer has a template."""
-    path = Path(path)
-    if not path.is_file():
-        raise DtrtError(f"{flag} {path}: not found")
-    prompts = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        if path.suffix == ".jsonl":
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise DtrtError(f"{path}:{i}: not valid JSON") from None
-            text = rec.get("prompt") or (rec.get("turns") or [None])[0]
-            if not isinstance(text, str):
-                raise DtrtError(f"{path}:{i}: needs a 'prompt' string (or 'turns')")
-        else:
-            text = line
-        prompts.append(text)
-    return as_chat(prompts, target_path, chat)
-
-
-def as_chat(texts: list[str], target_path: Path, chat: bool) -> list[str]:
-    """Each text as the first user message of a chat, as `dtrt run` and `dtrt bench` render it (Qwen3: thinking
-    off), when asked and the target's tokenizer has a template; else the texts themselves."""
-    from dtrt.runtime.requests import has_chat_template, render_chat
-
-    tokenizer = load_tokenizer(target_path)
-    if chat and has_chat_template(tokenizer):
-        return [render_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
-    return list(texts)

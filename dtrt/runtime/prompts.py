@@ -1,0 +1,43 @@
+"""Prompt files and plain texts as `dtrt bench` (its datasets, `--held-out`) and `dtrt train-drafter` (`--prompts`)
+feed the target: each the first user message of a chat, as `dtrt run` renders one, where the target's tokenizer has
+a template (Qwen3: thinking off)."""
+
+import json
+from pathlib import Path
+
+from dtrt.errors import DtrtError
+from dtrt.models.tokenizer import load_tokenizer
+from dtrt.runtime.requests import has_chat_template, render_chat
+
+
+def read_prompts(path, target_path: Path, chat: bool, flag: str = "--prompts") -> list[str]:
+    """Prompts from JSONL ({"prompt": ...} or {"turns": [...]}) or plain text lines, chat-templated if asked and
+    the target's tokenizer has a template."""
+    path = Path(path)
+    if not path.is_file():
+        raise DtrtError(f"{flag} {path}: not found")
+    prompts = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise DtrtError(f"{path}:{i}: not valid JSON") from None
+            text = rec.get("prompt") or (rec.get("turns") or [None])[0]
+            if not isinstance(text, str):
+                raise DtrtError(f"{path}:{i}: needs a 'prompt' string (or 'turns')")
+        else:
+            text = line
+        prompts.append(text)
+    return as_chat(prompts, target_path, chat)
+
+
+def as_chat(texts: list[str], target_path: Path, chat: bool) -> list[str]:
+    """Each text as the first user message of a chat, as `dtrt run` and `dtrt bench` render it (Qwen3: thinking
+    off), when asked and the target's tokenizer has a template; else the texts themselves."""
+    tokenizer = load_tokenizer(target_path)
+    if chat and has_chat_template(tokenizer):
+        return [render_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    return list(texts)
