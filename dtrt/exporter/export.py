@@ -21,6 +21,7 @@ from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, 
 from dtrt.models.config import HybridConfig
 from dtrt.models.draft_vocab import check_vocab_size, draft_vocab_file, resolve_draft_vocab
 from dtrt.models.quant import QuantSpec, weight_names
+from dtrt.runtime.spec import RunSpec
 
 DRAFTER_KINDS = ("dflash", "domino")
 TOKENIZER_FILES = (
@@ -97,9 +98,9 @@ def export_pair(
     model: str | None = None,
     dtype: str = "fp32",
     max_context: int = 4096,
-    budget: int = 16,
-    topm: int = 64,
-    node_topk: int = 8,
+    budget: int = RunSpec.budget,
+    topm: int = RunSpec.topm,
+    node_topk: int = RunSpec.node_topk,
     force: bool = False,
     drafter_quant: str = "none",
     drafter_kinds: tuple[str, ...] | None = None,

@@ -13,6 +13,7 @@ import torch
 from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.methods import Method
 from dtrt.runtime.sampling import SamplingConfig, chooser
+from dtrt.runtime.spec import RunSpec
 from dtrt.tree import Tree, accept
 
 STAGES = ("draft", "build", "verify", "commit")
@@ -141,7 +142,7 @@ def generate(
     max_new_tokens: int,
     sampling: SamplingConfig,
     eos: tuple[int, ...] = (),
-    budget: int = 16,
+    budget: int = RunSpec.budget,
     logprobs: int | None = None,
 ) -> Iterator[Step]:
     """Up to `max_new_tokens` tokens after `prompt`, one Step per round; with `logprobs` k (0..MAX_TOP_LOGPROBS)

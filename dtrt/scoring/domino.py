@@ -17,7 +17,7 @@ class DominoScorer:
     """
 
     @torch.no_grad()
-    def __init__(self, round: Round, head, embed: torch.nn.Embedding, k: int, topm: int = 64, prefix_len: int = 1):
+    def __init__(self, round: Round, head, embed: torch.nn.Embedding, k: int, topm: int, prefix_len: int = 1):
         if k < 1 or topm < 0 or prefix_len < 0:
             raise ValueError(f"need k >= 1, topm >= 0, prefix_len >= 0 (got {k}, {topm}, {prefix_len})")
         self.round, self.head, self.embed = round, head, embed
@@ -106,7 +106,7 @@ class CondStaticScorer(TableScorer):
         head,
         embed: torch.nn.Embedding,
         k: int,
-        topm: int = 64,
+        topm: int,
         prefix_len: int = 1,
         domino=None,
     ):

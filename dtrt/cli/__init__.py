@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from dtrt import __version__
+from dtrt.cli.options import FILLED_IN, option_from
 from dtrt.errors import BackendFault, DtrtError
 from dtrt.exporter.precision import EXPORT_DTYPES
 from dtrt.exporter.quantize import DRAFTER_QUANTS
@@ -21,7 +22,7 @@ from dtrt.models.quant import INT4_BLOCKS, QUANTS, quant_spec
 from dtrt.models.quant import METHODS as QUANT_METHODS
 from dtrt.runtime.pipeline import open_pipeline, tokenizer_dir
 from dtrt.runtime.requests import FLAGS, check_thinking, has_chat_template, make_request, read_requests
-from dtrt.runtime.spec import ARMS, BACKENDS, BUILDERS, DTYPES, METHODS
+from dtrt.runtime.spec import RunSpec
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
 from dtrt.train.datagen import DataGenConfig
 from dtrt.train.trainer import TrainConfig
@@ -74,24 +75,21 @@ def source_options(f, *, quant_sweep: bool = False):
         click.option("--target", type=click.Path(), help="target checkpoint directory (Hugging Face layout)"),
         click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)"),
         click.option("--model-dir", type=click.Path(), help=MODEL_DIR_HELP),
-        click.option("--dtype", type=click.Choice(DTYPES), help="default fp32 (an export backend: the export's)"),
+        option_from(RunSpec, "dtype", default=FILLED_IN),
         click.option("--quant", type=None if quant_sweep else click.Choice(QUANTS), help=quant_help_),
-        click.option(
-            "--backend",
-            type=click.Choice(BACKENDS),
-            help="default: onnxruntime for the default model or an --export, torch for --model/--target",
+        option_from(
+            RunSpec,
+            "backend",
+            default=FILLED_IN,
+            help="Default: onnxruntime for the default model or an --export, torch for --model/--target.",
         ),
         click.option(
             "--export",
             type=click.Path(),
             help="export directory (dtrt export) for onnxruntime; engine directory (dtrt build-engine) for tensorrt",
         ),
-        click.option("--threads", type=int, help="intra-op threads of torch and ONNX Runtime (default: theirs)"),
-        click.option(
-            "--device",
-            help="cpu (default), cuda or cuda:N: the torch backend's models (the ops run their Triton kernels "
-            "there) or ONNX Runtime's CUDA provider (onnxruntime-gpu)",
-        ),
+        option_from(RunSpec, "threads"),
+        option_from(RunSpec, "device", default=FILLED_IN, help="Default cpu; on CUDA the ops run Triton kernels."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -101,39 +99,15 @@ def source_options(f, *, quant_sweep: bool = False):
 def method_options(f):
     """The flags that choose the method and its tree, shared by `run` and `serve`."""
     opts = [
-        click.option("--method", type=click.Choice(METHODS), help=f"default {method_help()}"),
-        click.option(
-            "--builder",
-            type=click.Choice(BUILDERS),
-            help="dominotree tree builder (default: frontier on --device cuda, else heap)",
-        ),
-        click.option(
-            "--arm",
-            type=click.Choice(ARMS),
-            default="dominotree",
-            show_default=True,
-            help="dominotree scoring: per path (dominotree), per depth on the greedy chain (condstatic), none (marg)",
-        ),
-        click.option(
-            "--budget",
-            type=int,
-            help=f"draft nodes per tree (caddtree, cadominotree: the cap); default {budget_help()}",
-        ),
-        click.option(
-            "--topm", type=int, default=64, show_default=True, help="Domino candidates per depth (0 = full vocab)"
-        ),
-        click.option("--node-topk", type=int, default=8, show_default=True, help="children per tree node"),
-        click.option(
-            "--cuda-graph",
-            is_flag=True,
-            help="dominotree --builder frontier on --device cuda: replay drafting + tree building as one CUDA graph",
-        ),
-        click.option(
-            "--lookup",
-            is_flag=True,
-            help="dominotree, cadominotree (heap builder): the tree also takes prompt lookup's chains, one budget",
-        ),
-        click.option("--draft-vocab", help=DRAFT_VOCAB_HELP),
+        option_from(RunSpec, "method", default=FILLED_IN, help=f"Default {method_help()}."),
+        option_from(RunSpec, "builder", default=FILLED_IN, help="Default: frontier on --device cuda, else heap."),
+        option_from(RunSpec, "arm"),
+        option_from(RunSpec, "budget", default=FILLED_IN, help=f"Default {budget_help()}."),
+        option_from(RunSpec, "topm"),
+        option_from(RunSpec, "node_topk"),
+        option_from(RunSpec, "cuda_graph"),
+        option_from(RunSpec, "lookup"),
+        option_from(RunSpec, "draft_vocab", replace_help=True, help=DRAFT_VOCAB_HELP),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -422,9 +396,9 @@ def serve(
     help="the stages' precision (bf16: for TensorRT; ONNX Runtime's CPU provider has no bf16 kernels)",
 )
 @click.option("--max-context", type=int, default=4096, show_default=True, help="largest past + new tokens")
-@click.option("--budget", type=int, default=16, show_default=True, help="tree budget of the fixed-shape stages")
-@click.option("--topm", type=int, default=64, show_default=True)
-@click.option("--node-topk", type=int, default=8, show_default=True)
+@option_from(RunSpec, "budget", replace_help=True, help="tree budget of the fixed-shape stages (frontier, chain)")
+@option_from(RunSpec, "topm")
+@option_from(RunSpec, "node_topk")
 @click.option(
     "--drafter-quant",
     type=click.Choice(DRAFTER_QUANTS),
@@ -1050,7 +1024,3 @@ def main():
             raise
         _log(f"fault: {e} (a backend failed on valid input; DTRT_TRACEBACK=1 shows the traceback)")
         sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,100 @@
+"""Options generated from the config classes (dtrt.cli.options): a flag's type, choices, default and help come from
+the field it sets, and the defaults `docs/DESIGN.md` says are decided once are written once."""
+
+import re
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Literal
+
+import click
+import pytest
+
+from dtrt.cli import cli
+from dtrt.cli.options import FILLED_IN, click_type, field_docs, option_from
+from dtrt.runtime.spec import RunSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    mode: Literal["a", "b"] = "a"
+    """How it runs."""
+    count: int = 3
+    """How many
+    of them."""
+    where: Path | None = None
+    """A directory."""
+    fast: bool = False
+    """Faster."""
+    undocumented: int | None = None
+
+
+def params(*options) -> dict[str, click.Option]:
+    @click.command()
+    def command(**kw):
+        pass
+
+    for opt in options:
+        command = opt(command)
+    return {p.name: p for p in command.params}
+
+
+def test_an_option_is_its_field():
+    got = params(
+        option_from(Config, "mode"),
+        option_from(Config, "count", default=FILLED_IN, help="Default: the launch layer's."),
+        option_from(Config, "where"),
+        option_from(Config, "fast"),
+        option_from(Config, "undocumented", "--other", replace_help=True, help="its own help"),
+    )
+    assert got["mode"].type.choices == ("a", "b") and got["mode"].default == "a" and got["mode"].help == "How it runs."
+    assert got["count"].type is click.INT and got["count"].default is None
+    assert got["count"].help == "How many of them. Default: the launch layer's."
+    assert isinstance(got["where"].type, click.Path) and got["where"].opts == ["--where"]
+    assert got["fast"].is_flag and got["fast"].default is False
+    assert got["undocumented"].opts == ["--other"] and got["undocumented"].help == "its own help"
+    assert field_docs(Config) == {"mode": "How it runs.", "count": "How many of them.", "where": "A directory.",
+                                  "fast": "Faster."}  # fmt: skip
+
+
+GENERATED = {
+    "run": ("dtype", "backend", "threads", "device", "method", "builder", "arm", "budget", "topm", "node_topk",
+            "cuda_graph", "lookup", "draft_vocab"),
+    "export": ("budget", "topm", "node_topk"),
+}  # fmt: skip
+GENERATED["serve"] = GENERATED["run"]
+
+
+@pytest.mark.parametrize("command", ["run", "serve", "export"])
+def test_the_commands_take_run_spec_fields_from_run_spec(command):
+    """Each flag that sets a RunSpec field has the field's choices, its default (or none: the launch layer's) and,
+    unless the command says what it is for itself, its docstring as help."""
+    spec, hints, docs = {f.name: f for f in fields(RunSpec)}, typing.get_type_hints(RunSpec), field_docs(RunSpec)
+    got = {p.name: p for p in cli.commands[command].params}
+    for name in GENERATED[command]:
+        p, kind = got[name], click_type(hints[name])
+        if isinstance(kind, click.Choice):
+            assert tuple(p.type.choices) == tuple(kind.choices), name
+        assert p.default in (None, spec[name].default), (name, p.default)
+        if name != "draft_vocab" and not (command == "export" and name == "budget"):
+            assert p.help.startswith(docs[name]), name
+
+
+def test_each_run_spec_default_is_written_once():
+    """topm 64, node_topk 8, budget 16, arm dominotree: in RunSpec, nowhere else in dtrt/ (the CLI, the launch layer,
+    the exporter and the loop read RunSpec's)."""
+    typed = r"(\s*:\s*[\w |]+)?\s*=\s*"  # `name = `, `name: int = `, `name=`
+    pattern = re.compile(
+        rf"""\btopm{typed}64\b|\bnode_topk{typed}8\b|\bbudget{typed}16\b|\barm{typed}"dominotree"|"""
+        r"""--topm"[^)\n]*default=64|--node-topk"[^)\n]*default=8"""
+    )
+    hits = [
+        f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+        for path in sorted((ROOT / "dtrt").rglob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert [h for h in hits if not h.startswith("dtrt/runtime/spec.py")] == [], hits
+    assert len(hits) == 4, hits
