@@ -56,6 +56,13 @@ def test_each_row_is_paired_with_the_ar_of_its_quant():
     assert rows["dominotree@16/int4"]["quant"] == "int4"
     # a peer goes with the first quantization of the grid, whichever AR record came first
     assert {r["method"]: r["speedup"] for r in report.summarize(records, quants=["int4", "none"])}["llama.cpp"] == 2.5
+    # each dtrt row against the peer on the same prompts: the peer's time per token over the row's
+    assert rows["dominotree@16/int4"]["vs_peer"]["value"] == pytest.approx(0.8)
+    assert rows["ar/none"]["vs_peer"]["value"] == pytest.approx(0.2) and rows["llama.cpp"]["vs_peer"] is None
+    text = report.markdown(list(rows.values()), "t")
+    assert "| vs llama.cpp [95% CI] |" in text and "| 0.80 [0.80, 0.80] |" in text
+    alone = report.summarize([r for r in records if r["method"] != "llama.cpp"], quants=["none", "int4"])
+    assert all(r["vs_peer"] is None for r in alone) and "vs llama.cpp" not in report.markdown(alone, "t")
 
 
 def test_quant_sweep_on_tiny(tiny, tmp_path, monkeypatch, capsys, int4_budget_8):

@@ -22,13 +22,16 @@ def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None)
     speedup over AR with its paired bootstrap CI, whether every T=0 output equals AR's, and the share of the
     accepted draft tokens that came from prompt lookup (pooled_lookup_share). A row is paired with the AR of its own
     quantization (a record's `quant`); a peer (llama.cpp) with the AR of the first of `quants` (the grid's, in
-    order; None: the first AR record's)."""
+    order; None: the first AR record's). Where the run has a peer row, each of dtrt's rows also carries its speed over
+    the peer's on the same prompts (`vs_peer`: the peer's time per token over the row's, with its paired CI)."""
     ars = [r for r in records if r.get("base_method", r["method"]) == "ar"]
     ar = {(r.get("quant"), *key(r)): r for r in ars}
     first = quants[0] if quants else next((r.get("quant") for r in ars), None)
 
     def own_ar(r):
         return ar.get((first if r["method"] in PEERS else r.get("quant"), *key(r)))
+
+    peer = {key(r): r for r in records if r["method"] in PEERS}
 
     methods = list(dict.fromkeys(r["method"] for r in records))
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
@@ -47,6 +50,13 @@ def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None)
                 if t == 0 and m not in PEERS:
                     exact = all(own_ar(r) and r["tokens"] == own_ar(r)["tokens"] for r in rs)
                 timed = [r for r in rs if r["decode_s"] > 0 and r["rounds"]]
+                vs_peer = None
+                if peer and m not in PEERS:
+                    both = [
+                        (peer[key(r)], r) for r in rs if key(r) in peer and peer[key(r)]["decode_s"] > 0 < r["decode_s"]
+                    ]
+                    vp = paired_bootstrap([p["tpot_s"] for p, _ in both], [r["tpot_s"] for _, r in both], seed=seed)
+                    vs_peer = {"value": vp.value, "low": vp.low, "high": vp.high, "paired": vp.n}
                 rows.append(
                     {
                         "method": m,
@@ -63,6 +73,7 @@ def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None)
                         "exact": exact,
                         "round_ms": round_ms(timed),
                         "lookup_share": pooled_lookup_share(rs),
+                        "vs_peer": vs_peer,
                     }
                 )
     return rows
@@ -101,26 +112,37 @@ def _mean(xs):
 
 def markdown(rows: list[dict], title: str, failed: dict | None = None, note: str | None = None) -> str:
     """The table, with the conditions of the timings (`note`) and a line per peer row that failed. `lookup share`:
-    the row's lookup share (pooled_lookup_share), `-` where it has none."""
+    the row's lookup share (pooled_lookup_share), `-` where it has none; `vs llama.cpp`, where the run has that peer
+    row: each row's speed over the peer's on the same prompts, paired."""
     lines = [f"### {title}", ""]
     if note:
         lines += [note, ""]
+    with_peer = any(r.get("vs_peer") for r in rows)
+    peer_head = f" vs {PEERS[0]} [95% CI] |" if with_peer else ""
     lines += [
         f"| method | dataset | T | n | tau | lookup share | tok/s | speedup [95% CI] | = AR | "
-        f"ms a round ({' / '.join(STAGES)}) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"ms a round ({' / '.join(STAGES)}) |{peer_head}",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if with_peer else ""),
     ]
     for r in rows:
         sp = "n/a" if math.isnan(r["speedup"]) else f"{r['speedup']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
         exact = {None: "", True: "yes", False: "**no**"}[r["exact"]]
         ms = " / ".join(f"{r['round_ms'][k]:.2f}" for k in STAGES) if r.get("round_ms") else ""
         share = "-" if r.get("lookup_share") is None else f"{r['lookup_share']:.0%}"
+        vp = r.get("vs_peer")
+        peer = ""
+        if with_peer:
+            peer = (
+                " |"
+                if not vp or math.isnan(vp["value"])
+                else f" {vp['value']:.2f} [{vp['low']:.2f}, {vp['high']:.2f}] |"
+            )
         lines.append(
             f"| {r['method']} | {r['dataset']} | {r['temperature']:g} | {r['n']} | {r['tau']:.2f} | {share} | "
-            f"{r['tokens_per_s']:.1f} | {sp} | {exact} | {ms} |"
+            f"{r['tokens_per_s']:.1f} | {sp} | {exact} | {ms} |{peer}"
         )
     for label, why in (failed or {}).items():
-        lines.append(f"| {label} | failed: {why} | | | | | | | | |")
+        lines.append(f"| {label} | failed: {why} | | | | | | | | |" + (" |" if with_peer else ""))
     return "\n".join(lines) + "\n"
 
 
