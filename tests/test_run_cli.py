@@ -318,17 +318,17 @@ def test_budget_defaults_to_the_models_measured_one(tiny, monkeypatch, capsys):
 
     assert registry.default_budget("smollm2-135m") == 4 and registry.default_budget(None) == 16
     # the embedded default on ONNX Runtime runs its fp32 target (the one that passes the quality gate) with
-    # dominotree at that quantization's budget; a quantized target runs cadominotree, whose budget is a cap
+    # dominotree at that quantization's budget (a quantized target: 1); cadominotree's budget is a cap, 16
     from dtrt.launch import resolve_spec
 
     default, on_torch = resolve_spec(), resolve_spec(model="smollm2-135m", method="dominotree")
     assert (default.backend, default.quant, default.method, default.budget) == ("onnxruntime", "none", "dominotree", 4)
     int8 = resolve_spec(quant="int8")
-    assert (int8.quant, int8.method, int8.budget) == ("int8", "cadominotree", 16)
-    assert resolve_spec(method="dominotree", quant="int8").budget == 2
+    assert (int8.quant, int8.method, int8.budget) == ("int8", "dominotree", 1)
+    assert resolve_spec(method="cadominotree", quant="int8").budget == 16
     assert (on_torch.backend, on_torch.quant, on_torch.budget) == ("torch", None, 4)
     assert resolve_spec(method="ddtree", quant="none").budget == 4
-    assert resolve_spec(method="dominotree", quant="int4").budget == 2
+    assert resolve_spec(method="dominotree", quant="int4").budget == 1
     assert resolve_spec(model="tiny").method == "dominotree" and registry.default_method("qwen3-4b") == "dominotree"
     assert run_json(monkeypatch, capsys, "--max-new-tokens", "4", PROMPT)["budget"] == 16
     monkeypatch.setitem(registry.MODELS, "tiny", replace(registry.MODELS["tiny"], budget=3))
