@@ -37,6 +37,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 KEY = "sk-test-0123456789"
 NAME = "tiny-chat"
+# an upper bound on any one wait of the replica tests that only a hang reaches: above the server's own request
+# deadline (--request-timeout 600 s, plus its backstop), so a slow machine makes a request slow, never a client timeout
+SLOW_MACHINE_S = 900
 PROMPTS = ["The cat sees ", "A quick fox ", "Every king walks ", "The moon is very ", "Some old man reads "]
 CHAT = [{"role": "user", "content": PROMPT}]
 
@@ -95,7 +98,11 @@ def endpoint(request, tiny, tiny_chat, local_pipe):  # noqa: F811
         return
     pytest.importorskip("ray.serve", reason='the replica cases need Ray Serve: pip install "dtrt[ray]"')
     pair = ("--target", str(tiny_chat.target), "--drafter", str(tiny.domino))
-    server = DtrtServe(*pair, "--threads", "1", "--replicas", "2", "--api-key", KEY, "--served-model-name", NAME)
+    # a shutdown grace no generation of these tests outlasts however slow the machine (only a hang reaches it)
+    server = DtrtServe(
+        *pair, "--threads", "1", "--replicas", "2", "--api-key", KEY, "--served-model-name", NAME,
+        "--shutdown-grace", str(SLOW_MACHINE_S),
+    )  # fmt: skip
     try:
         assert "2 replicas x 1 threads on Ray Serve" in server.log
         yield "replicas", server.url, server
@@ -332,7 +339,7 @@ def test_a_replica_killed_under_load(endpoint, local_pipe):
     jobs = [(PROMPTS[i % len(PROMPTS)], 200, i % 2 == 0) for i in range(24)]
 
     async def go():
-        ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=SLOW_MACHINE_S)
         tasks = [asyncio.create_task(ask(ac, i, *job)) for i, job in enumerate(jobs)]
         loop = asyncio.get_running_loop()
         end = loop.time() + 60
@@ -369,7 +376,7 @@ def test_a_replica_killed_under_load(endpoint, local_pipe):
     before = {r["replica"]: r["requests"]["ok"] for r in settled_snapshot(url)["replicas"] if r["alive"]}
 
     async def again():
-        ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        ac = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=SLOW_MACHINE_S)
         return await asyncio.gather(*(ask(ac, i, PROMPTS[i % len(PROMPTS)], 200, i % 2 == 0) for i in range(8)))
 
     for i, text, err in asyncio.run(again()):
@@ -400,15 +407,17 @@ def test_sigterm_with_requests_on_the_replicas(endpoint, local_pipe):
     threads = [threading.Thread(target=ask_one) for _ in range(8)]
     for t in threads:
         t.start()
-    end = time.monotonic() + 60
+    end = time.monotonic() + SLOW_MACHINE_S
     while time.monotonic() < end:  # each replica generating one, with more waiting behind it
         live = [r for r in replica_snapshot(url)["replicas"] if r["alive"]]
         if sum(r["in_flight"] for r in live) == 2 and sum(r["queue_length"] for r in live) >= 2:
             break
         time.sleep(0.05)
-    assert server.stop() == 0
+    else:
+        raise AssertionError(f"the replicas never held two generations with two waiting: {live}")
+    assert server.stop(timeout=SLOW_MACHINE_S) == 0  # the generating ones finish within the grace
     for t in threads:
-        t.join(60)
+        t.join(SLOW_MACHINE_S)
     done = [b for status, b in results if status == 200]
     refused = [b for status, b in results if status == 503]
     assert len(done) + len(refused) == 8 and len(done) >= 2 and refused, results
