@@ -178,7 +178,7 @@ def test_the_cost_aware_budget_is_a_cap_not_the_fixed_budget():
     from dtrt.launch import resolve_spec
 
     assert resolve_spec(model="smollm2-135m", method="dominotree", backend="onnxruntime").budget == 4  # fp32: fixed
-    assert resolve_spec(model="smollm2-135m", method="dominotree", backend="onnxruntime", quant="int8").budget == 2
+    assert resolve_spec(model="smollm2-135m", method="dominotree", backend="onnxruntime", quant="int8").budget == 1
     assert resolve_spec(model="smollm2-135m", method="cadominotree", backend="onnxruntime").budget == 16
     assert resolve_spec(model="smollm2-135m", method="caddtree", quant="none").budget == 16
     assert resolve_spec(model="smollm2-135m", method="cadominotree", budget=8).budget == 8
