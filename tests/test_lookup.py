@@ -131,3 +131,16 @@ def test_dominotree_with_lookup_follows_the_target_distribution_on_onnxruntime(t
     assert lookup >= N // 4, lookup
     assert chi_square_pvalue(counts, dist, N) > 1e-3
     assert chi_square_pvalue(counts, wrong, N) < 1e-3
+
+
+def test_lookup_is_on_by_default_where_the_registry_measured_it():
+    """The embedded default's fp32 target with DominoTree on a CPU takes lookup's chains unless --no-lookup; its
+    quantized targets, the other methods, the frontier and the other models do not."""
+    from dtrt.launch import resolve_spec
+
+    assert resolve_spec().lookup and resolve_spec(method="cadominotree").lookup
+    assert resolve_spec().label.startswith("dominotree+lookup")
+    assert not resolve_spec(lookup=False).lookup
+    assert not resolve_spec(quant="int8").lookup and not resolve_spec(method="ddtree").lookup
+    assert not resolve_spec(builder="frontier").lookup and not resolve_spec(model="tiny").lookup
+    assert resolve_spec(model="tiny", lookup=True).lookup

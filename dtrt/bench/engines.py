@@ -49,17 +49,18 @@ def grid(
     budgets: list[int | None],
     quants: list[str | None],
     cuda_graph: bool = False,
-    lookup: bool = False,
+    lookup: bool | None = False,
 ) -> list[RunSpec]:
     """One spec per row: per quantization (None: the model's), AR first, then each method (each budget for the
     budget methods; None: the model's for that quantization), resolved like `dtrt run` from the same source flags;
-    `cuda_graph` goes to the dominotree rows, `lookup` to the dominotree and cadominotree rows."""
+    `cuda_graph` goes to the dominotree rows, `lookup` to the dominotree and cadominotree rows (None: the model's
+    default, dtrt.zoo.registry.default_lookup)."""
     specs = []
     for quant in quants:
         for method in ["ar", *[m for m in methods if m != "ar"]]:
             for budget in budgets if method in BUDGET_METHODS else budgets[:1]:
                 graph = cuda_graph and method == "dominotree"
-                mixed = lookup and method in TREE_METHODS
+                mixed = lookup if method in TREE_METHODS else False  # None: the registry's default
                 specs.append(
                     resolve_spec(
                         **sources | {"quant": quant}, method=method, budget=budget, cuda_graph=graph, lookup=mixed

@@ -42,7 +42,7 @@ class BenchOptions:
     quick: bool = False
     out: str = "bench-results"
     cuda_graph: bool = False  # dominotree rows replay drafting + tree building as one CUDA graph
-    lookup: bool = False  # dominotree and cadominotree rows also take prompt lookup's chains
+    lookup: bool | None = None  # dominotree and cadominotree rows also take prompt lookup's chains (None: the default)
     gguf: str | None = None
     thinking: bool = False  # the chat template's thinking mode (Qwen3's enable_thinking), as `dtrt run --thinking`
     peer_timeout: float = 900.0  # seconds a peer (llama.cpp) may take per generation before its row is failed

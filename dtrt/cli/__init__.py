@@ -26,7 +26,7 @@ from dtrt.runtime.spec import RunSpec
 from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
 from dtrt.train.datagen import DataGenConfig
 from dtrt.train.trainer import TrainConfig
-from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, method_help, names, quant_help
+from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, lookup_help, method_help, names, quant_help
 
 MODEL_DIR_HELP = "where registry checkpoints are looked up before the Hugging Face cache"
 DRAFT_VOCAB_HELP = (
@@ -106,7 +106,7 @@ def method_options(f):
         option_from(RunSpec, "topm"),
         option_from(RunSpec, "node_topk"),
         option_from(RunSpec, "cuda_graph"),
-        option_from(RunSpec, "lookup"),
+        option_from(RunSpec, "lookup", "--lookup/--no-lookup", default=FILLED_IN, help=f"Default: {lookup_help()}."),
         option_from(RunSpec, "draft_vocab", replace_help=True, help=DRAFT_VOCAB_HELP),
     ]
     for opt in reversed(opts):
@@ -931,7 +931,11 @@ def _progress(what):
     is_flag=True,
     help="with --device cuda: the dominotree rows replay drafting + tree building as one CUDA graph",
 )
-@click.option("--lookup", is_flag=True, help="the dominotree and cadominotree rows also take prompt lookup's chains")
+@click.option(
+    "--lookup/--no-lookup",
+    default=None,
+    help=f"the dominotree and cadominotree rows also take prompt lookup's chains (default: {lookup_help()})",
+)
 @click.option("--draft-vocab", help=DRAFT_VOCAB_HELP)
 @click.option(
     "--gguf",

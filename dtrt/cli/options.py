@@ -64,5 +64,7 @@ def option_from(cls, name: str, *decls: str, default=None, help: str | None = No
         value = field.default if default is None else default
         show = value is not None and kind is not bool
     if kind is bool:
+        if default is FILLED_IN:  # `--x/--no-x`: neither given is None, which the launch layer fills in
+            return click.option(*decls, default=None, help=text, **kw)
         return click.option(*decls, is_flag=True, default=bool(value), help=text, **kw)
     return click.option(*decls, type=kind, default=value, show_default=show, help=text, **kw)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dtrt.errors import DtrtError
 from dtrt.runtime.spec import RunSpec, device_kind
-from dtrt.zoo.registry import DEFAULT_MODEL, default_budget, default_method, default_quant
+from dtrt.zoo.registry import DEFAULT_MODEL, default_budget, default_lookup, default_method, default_quant
 
 
 def default_backend(named: bool, export, device: str) -> str:
@@ -64,7 +64,7 @@ def resolve_spec(
     topm: int = RunSpec.topm,
     node_topk: int = RunSpec.node_topk,
     cuda_graph: bool = False,
-    lookup: bool = False,
+    lookup: bool | None = None,
     draft_vocab: str | None = None,
     **unused,
 ) -> RunSpec:
@@ -81,6 +81,9 @@ def resolve_spec(
         quant = default_quant(model)
     if method is None:
         method = "dominotree" if cuda_graph else default_method(model, quant)
+    if lookup is None:  # the registry's choice where it measured it: a CPU, the heap
+        on_heap = builder in (None, "heap") and not cuda_graph and device_kind(device) == "cpu"
+        lookup = on_heap and default_lookup(model, quant, method)
     spec = RunSpec(
         model=model,
         target=Path(target) if target is not None else None,

@@ -10,6 +10,7 @@ from pathlib import Path
 from dtrt.artifacts.files import cache_dir, staging
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import Pair
+from dtrt.runtime.spec import TREE_METHODS
 from dtrt.zoo.gate import GateRecord
 
 DEFAULT_BUDGET = 16  # draft nodes per tree where a model's entry says nothing else (the papers')
@@ -34,6 +35,9 @@ class ModelEntry:
     """The method where `--method` is not given: the one `dtrt bench` measured fastest on the default target."""
     quant_methods: tuple[tuple[str, str], ...] = ()
     """(quantization, method) where another target quantization wants another method than `method`."""
+    lookup: bool = False
+    """Whether DominoTree's trees also take prompt lookup's chains where `--lookup/--no-lookup` is not given: on the
+    default target (`quant`), on a CPU, with the heap builder, where `dtrt bench` found it never slower."""
     gate: GateRecord | None = None
     """The quality gate's result for the default target configuration (`quant`), as `dtrt quality` measured it
     against the fp32 PyTorch target: a quantized default needs a passing one (dtrt.zoo.gate)."""
@@ -67,12 +71,16 @@ MODELS = {
         # the price of one and three for 1.1-1.2x (benchmarks/verify_cost.py), and since drafting costs ~4 ms a round
         # (export layout 14), DominoTree@1 is the fastest there at T=0 and T=1 alike: int8 1.28x / 1.10x its AR (@2
         # 1.30x / 1.00x, cadominotree@2 1.26x / 1.03x), int4 1.18x / 0.95x (@2 1.09x / 0.83x, cadominotree@2 1.17x /
-        # 0.97x); docs/benchmarks.md, "Drafting and attention at export layout 14".
+        # 0.97x); docs/benchmarks.md, "Drafting and attention at export layout 14". Prompt lookup's chains in the
+        # tree (--lookup) were faster than DominoTree alone on every set the bench has, the model repeating its
+        # prompt and itself (fp32, T=0: MT-Bench 2.07x AR vs 1.35x, HumanEval 2.19x vs 1.50x, code edits 2.06x vs
+        # 1.49x, Multi-LexSum 2K 1.57x vs 0.83x, essays 2K 1.33x vs 0.84x; docs/benchmarks.md, "Prompt lookup").
         ModelEntry(
             "smollm2-135m",
             budget=4,
             quant="none",
             quant_budgets=(("int8", 1), ("int4", 1)),
+            lookup=True,
             gate=GateRecord(
                 "none",
                 agreement=1.0,
@@ -118,8 +126,20 @@ def default_budget(model: str | None, quant: str | None = None, method: str | No
     return MODELS[model].budget_for(quant) if model in MODELS else DEFAULT_BUDGET
 
 
+def default_lookup(model: str | None, quant: str | None, method: str) -> bool:
+    """`--lookup` where it is not given: the model's choice on its default target, for the tree methods."""
+    e = MODELS.get(model)
+    return e is not None and e.lookup and (quant or "none") == e.quant and method in TREE_METHODS
+
+
 def default_method(model: str | None, quant: str | None = None) -> str:
     return MODELS[model].method_for(quant) if model in MODELS else "dominotree"
+
+
+def lookup_help() -> str:
+    """`--lookup`'s default as the table has it, for help texts."""
+    on = [f"{e.name} on its {'fp32' if e.quant == 'none' else e.quant} target" for e in MODELS.values() if e.lookup]
+    return "off" + (f" (on for {', '.join(on)}, on a CPU with the heap builder)" if on else "")
 
 
 def method_help() -> str:
