@@ -107,7 +107,7 @@ def main(repo: Path, *, keep: str | None = None, train_s: int = 45, measure_s: i
         measure_s=measure_s,
         remote=str(work / "remote"),
         gpu="echo 'no GPU: dry run'",
-        train_args=" --device cpu --eval-every-s 10",
+        train_args=" --device cpu --eval-every-s 10 --min-train-s 10",  # a busy CPU's probe must not eat it all
         measure_args=" --dry-run",
     )
     print(calls.markdown(plan, staged={"summary": f"the tiny pair in {len(dirs)} parts"}))

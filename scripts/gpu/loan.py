@@ -136,6 +136,7 @@ def cmd_train(args):
         eval_every_s=args.eval_every_s,
         probe_batches=[int(b) for b in args.probe_batches.split(",")] if args.probe_batches else None,
         probe_rows=args.probe_rows,
+        min_train_s=args.min_train_s,
     )
     best = report.get("best")
     print(f"train call: {report.get('steps_done')} steps, best held-out tau {best:.2f}" if best else "no evaluation")
@@ -212,6 +213,13 @@ def main(argv=None):
     t.add_argument("--device", choices=["cpu", "cuda"])
     t.add_argument("--probe-batches", help="comma list of batch sizes the probe times (default: the staged ones)")
     t.add_argument("--probe-rows", type=int, default=512, help="rows the probe featurizes and trains on")
+    t.add_argument(
+        "--min-train-s",
+        type=float,
+        default=0.0,
+        help="train at least this long after the probe, past --budget-s if the probe ran slow (the CPU dry run: a "
+        "busy machine's probe must not leave the call nothing to train)",
+    )
     t.set_defaults(fn=cmd_train)
     f = sub.add_parser("preflight", help="the training call on the tiny pair, on this machine's GPU")
     f.add_argument("--out", required=True)
