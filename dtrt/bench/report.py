@@ -33,6 +33,12 @@ def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None)
 
     peer = {key(r): r for r in records if r["method"] in PEERS}
 
+    def versus(other, rs):
+        """The paired bootstrap of the records `rs` against `other(r)`, each the same prompt's record of another row
+        (a generation that stopped at prefill, EOS first, has no decode time to compare)."""
+        pairs = [(other(r), r) for r in rs if other(r) and other(r)["decode_s"] > 0 < r["decode_s"]]
+        return paired_bootstrap([o["tpot_s"] for o, _ in pairs], [r["tpot_s"] for _, r in pairs], seed=seed)
+
     methods = list(dict.fromkeys(r["method"] for r in records))
     datasets = list(dict.fromkeys(r["dataset"] for r in records))
     temps = list(dict.fromkeys(r["temperature"] for r in records))
@@ -43,19 +49,14 @@ def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None)
                 rs = [r for r in records if r["method"] == m and r["temperature"] == t and d in (ALL, r["dataset"])]
                 if not rs:
                     continue
-                # a generation that stopped at prefill (EOS first) has no decode time to compare
-                pairs = [(own_ar(r), r) for r in rs if own_ar(r) and own_ar(r)["decode_s"] > 0 < r["decode_s"]]
-                sp = paired_bootstrap([a["tpot_s"] for a, _ in pairs], [r["tpot_s"] for _, r in pairs], seed=seed)
+                sp = versus(own_ar, rs)
                 exact = None
                 if t == 0 and m not in PEERS:
                     exact = all(own_ar(r) and r["tokens"] == own_ar(r)["tokens"] for r in rs)
                 timed = [r for r in rs if r["decode_s"] > 0 and r["rounds"]]
                 vs_peer = None
                 if peer and m not in PEERS:
-                    both = [
-                        (peer[key(r)], r) for r in rs if key(r) in peer and peer[key(r)]["decode_s"] > 0 < r["decode_s"]
-                    ]
-                    vp = paired_bootstrap([p["tpot_s"] for p, _ in both], [r["tpot_s"] for _, r in both], seed=seed)
+                    vp = versus(lambda r: peer.get(key(r)), rs)
                     vs_peer = {"value": vp.value, "low": vp.low, "high": vp.high, "paired": vp.n}
                 rows.append(
                     {
