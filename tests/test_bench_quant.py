@@ -142,3 +142,18 @@ def test_the_report_shows_the_milliseconds_a_round_spends_per_stage():
     text = report.markdown(rows, "t")
     assert "| ms a round (draft / build / verify / commit) |" in text
     assert "| 2.00 / 1.00 / 20.00 / 1.00 |" in text and "| 0.00 / 0.00 / 20.00 / 0.00 |" in text
+
+
+def test_rows_with_and_without_lookup_in_one_grid(monkeypatch):
+    """`dominotree+lookup` takes lookup's chains whatever --lookup says, so one run pairs DominoTree with and without
+    them; a plain name follows --lookup (None: the registry's default), and a row that resolves like another is one
+    row."""
+    sources = {"model": "tiny", "threads": 1}
+    names = ["lookup", "dominotree", "dominotree+lookup", "cadominotree+lookup"]
+    grid = engines.grid(sources, names, [4], [None], lookup=False)
+    assert engines.labels(grid) == [
+        "ar", "lookup@4", "dominotree@4", "dominotree+lookup@4", "cadominotree+lookup@4"
+    ]  # fmt: skip
+    grid = engines.grid(sources, ["dominotree", "dominotree+lookup"], [4], [None], lookup=True)
+    assert engines.labels(grid) == ["ar", "dominotree+lookup@4"]
+    assert "dominotree+lookup" in engines.ROW_METHODS and "ar+lookup" not in engines.ROW_METHODS

