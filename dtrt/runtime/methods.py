@@ -1,4 +1,6 @@
-"""Speculative methods as small strategy objects: each turns one round's drafter output into a Tree.
+"""Speculative methods as small strategy objects: each turns one round's drafter output into a Tree, and declares
+its traits as class attributes: the registry (METHODS, method_class) is what the spec, the launch layer, the export
+backends and the bench ask, so adding a method is one class here and its tests.
 
 ar          no draft; the tree is the root alone
 lookup      chain copied from the request's own tokens (prompt lookup, dtrt.tree.lookup); no drafter
@@ -12,20 +14,50 @@ cadominotree  dominotree with the adaptive budget (dtrt.tree.adaptive: calibrate
             the root alone when drafting does not pay; heap builder; --budget is the cap)
 """
 
+from __future__ import annotations
+
 import time
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from dtrt.errors import DtrtError
 from dtrt.runtime.calibrate import cost_curve
-from dtrt.runtime.spec import RunSpec
 from dtrt.tree import CostAwareStop, Round, Tree, build_ddtree, build_heap
 from dtrt.tree.adaptive import AcceptanceMap, AdaptiveStop, NodeCost, RoundClock, SpeculationGate
 from dtrt.tree.lookup import LookupIndex
 from dtrt.tree.lookup_source import LookupSource
 
+if TYPE_CHECKING:
+    from dtrt.runtime.spec import RunSpec
+
 
 class Method:
-    uses_drafter = True
+    name: ClassVar[str]
+    """`--method`'s value."""
+    uses_drafter: ClassVar[bool] = True
+    """Whether it drafts with the drafter (else no drafter is loaded)."""
+    has_budget: ClassVar[bool] = False
+    """Whether --budget sizes its trees (lookup: its chain's length); the bench sweeps it, labels show it."""
+    cost_aware: ClassVar[bool] = False
+    """Whether each round chooses its own tree size: --budget is the cap (default: an export's width)."""
+    builders: ClassVar[tuple[str, ...]] = ()
+    """The --builder values it grows its trees with (empty: --builder does not apply)."""
+    takes_lookup: ClassVar[bool] = False
+    """Whether --lookup adds prompt lookup's chains to its trees (the heap builder takes them)."""
+    cuda_graph: ClassVar[bool] = False
+    """Whether --cuda-graph can capture its drafting and building (the fixed-shape frontier)."""
+
+    @classmethod
+    def needs_head(cls, spec: RunSpec) -> bool:
+        """Whether it scores with Domino's correction head under `spec` (a Domino drafter is then needed)."""
+        return False
+
+    @classmethod
+    def drafter_stages(cls, spec: RunSpec) -> tuple[str, ...]:
+        """The exported drafter stages it runs under `spec` besides the drafter's context and block: `scorer`
+        (Domino's per-path scorer), `chain` (Domino's full-vocabulary chain), `frontier` (the frontier builder)."""
+        return ("scorer",) if cls.needs_head(spec) else ()
 
     def __init__(self, cfg: RunSpec):
         self.cfg = cfg
@@ -72,6 +104,7 @@ class Method:
 
 
 class AR(Method):
+    name = "ar"
     uses_drafter = False
 
     def drafts(self, start):
@@ -82,7 +115,9 @@ class Lookup(Method):
     """Prompt lookup: the chain is the continuation of the longest earlier match of the request's suffix (its
     prompt and committed tokens), --budget tokens long; the root alone where nothing matches."""
 
+    name = "lookup"
     uses_drafter = False
+    has_budget = True
 
     def begin(self, prompt):
         self.index = LookupIndex(prompt)
@@ -97,22 +132,30 @@ class Lookup(Method):
         return len(accepted) - 1  # every accepted draft node is lookup's
 
 
-class Chain(Method):
-    """One child per node down to the drafter's depth: DFlash (marginals) or Domino (corrected)."""
+class DFlashChain(Method):
+    """One child per node down to the drafter's depth: the marginals' argmax, DFlash's own draft."""
 
-    def __init__(self, cfg, arm):
-        super().__init__(cfg)
-        self.arm = arm
+    name = "dflash"
 
     def rows(self, backend):
         return min(self.max_depth, backend.drafter.cfg.k_draft)
 
     def build(self, backend, rnd):
-        return build_heap(backend.scorer(self.arm, rnd, 1, self.cfg.topm), self.max_depth, self.max_depth)
+        return build_heap(backend.scorer("marg", rnd, 1, self.cfg.topm), self.max_depth, self.max_depth)
 
 
 class DominoChain(Method):
     """Domino's own draft: the corrected argmax over the full vocabulary at every depth (--topm does not apply)."""
+
+    name = "domino"
+
+    @classmethod
+    def needs_head(cls, spec):
+        return True
+
+    @classmethod
+    def drafter_stages(cls, spec):
+        return ("chain",)
 
     def rows(self, backend):
         return min(self.max_depth, backend.drafter.cfg.k_draft)
@@ -123,6 +166,9 @@ class DominoChain(Method):
 
 
 class DDTree(Method):
+    name = "ddtree"
+    has_budget = True
+
     def rows(self, backend):
         # a tree of `budget` nodes is at most `budget` deep (build_ddtree reads every row it is given)
         return min(self.cfg.budget, backend.drafter.cfg.k_draft)
@@ -137,6 +183,7 @@ class CostAware:
     per second on the backend's verify-cost curve (dtrt.runtime.calibrate: stored per machine, or measured before
     the first generation)."""
 
+    cost_aware = True
     curve = None
 
     def calibrate(self, backend):
@@ -148,12 +195,26 @@ class CostAware:
 
 
 class CaDDTree(CostAware, DDTree):
-    pass
+    name = "caddtree"
 
 
 class DominoTree(Method):
+    name = "dominotree"
+    has_budget = True
+    builders = ("heap", "frontier")
+    takes_lookup = True
+    cuda_graph = True
     graph = None
     lookup = None
+
+    @classmethod
+    def needs_head(cls, spec):
+        return spec.arm != "marg"
+
+    @classmethod
+    def drafter_stages(cls, spec):
+        frontier = spec.builder == "frontier" and spec.arm == "dominotree"  # the stage scores the dominotree arm
+        return super().drafter_stages(spec) + (("frontier",) if frontier else ())
 
     def begin(self, prompt):
         if self.cfg.lookup:
@@ -200,6 +261,10 @@ class CaDominoTree(CostAware, DominoTree):
     """DominoTree whose tree size maximises expected tokens per second (dtrt.tree.adaptive): CostAware's measured
     curve with its own stop. What it learns (the acceptance map, the costs of drafting, of each node and of the
     rest of a round) carries over between generations of this method object."""
+
+    name = "cadominotree"
+    builders = ("heap",)  # it decides per node whether to grow the tree, which the host heap does
+    cuda_graph = False
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -256,14 +321,17 @@ class CaDominoTree(CostAware, DominoTree):
         return from_lookup
 
 
+METHODS: dict[str, type[Method]] = {
+    m.name: m for m in (AR, Lookup, DFlashChain, DominoChain, DDTree, CaDDTree, DominoTree, CaDominoTree)
+}
+
+
+def method_class(name: str) -> type[Method]:
+    """The registry's class for `--method name`; a one-line error naming the choices for anything else."""
+    if name not in METHODS:
+        raise DtrtError(f"--method {name!r}: use one of {', '.join(METHODS)}")
+    return METHODS[name]
+
+
 def make_method(cfg: RunSpec) -> Method:
-    return {
-        "ar": lambda: AR(cfg),
-        "lookup": lambda: Lookup(cfg),
-        "dflash": lambda: Chain(cfg, "marg"),
-        "domino": lambda: DominoChain(cfg),
-        "ddtree": lambda: DDTree(cfg),
-        "caddtree": lambda: CaDDTree(cfg),
-        "dominotree": lambda: DominoTree(cfg),
-        "cadominotree": lambda: CaDominoTree(cfg),
-    }[cfg.method]()
+    return method_class(cfg.method)(cfg)

@@ -18,7 +18,7 @@ from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.generate import Generation, Step, capacity_for, collect, generate
 from dtrt.runtime.methods import Method, make_method
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.spec import BUDGET_METHODS, RunSpec
+from dtrt.runtime.spec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def open_pipeline(spec: RunSpec, sources: Sources) -> Pipeline:
                 f"`{exp.fix_hint(quant=spec.quant)}`"
             )
         order = exp.manifest.get("ordered_attention")
-        if order and spec.method in BUDGET_METHODS and spec.budget + 1 > order["max_rows"]:
+        if order and spec.method_class.has_budget and spec.budget + 1 > order["max_rows"]:
             raise DtrtError(
                 f"--budget {spec.budget}: {exp.path} holds {exp.target_kind}, whose verify reproduces its AR "
                 f"tokens for trees of at most {order['max_rows']} nodes; use --budget {order['max_rows'] - 1} or less"

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from dtrt.errors import DtrtError
+from dtrt.runtime.methods import METHODS as REGISTRY
+from dtrt.runtime.methods import method_class
 
-Method = Literal["ar", "lookup", "dflash", "domino", "ddtree", "caddtree", "dominotree", "cadominotree"]
+Method = Literal[tuple(REGISTRY)]  # the registry's names: --method's choices
 Builder = Literal["heap", "frontier"]
 Arm = Literal["dominotree", "condstatic", "marg"]
 BackendName = Literal["torch", "onnxruntime", "tensorrt"]
@@ -22,10 +24,6 @@ ARMS: tuple[str, ...] = get_args(Arm)
 BACKENDS: tuple[str, ...] = get_args(BackendName)
 DTYPES: tuple[str, ...] = get_args(DType)
 QUANTS: tuple[str, ...] = get_args(Quant)
-TREE_METHODS = ("dominotree", "cadominotree")  # Domino's per-path scorer: --builder, --arm, --node-topk
-# the methods whose trees --budget sizes (lookup: its chain)
-BUDGET_METHODS = ("lookup", "ddtree", "caddtree", "dominotree", "cadominotree")
-TARGET_ALONE = ("ar", "lookup")  # the methods that run without a drafter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,10 +97,12 @@ class RunSpec:
                 raise DtrtError(f"{flag} {value}: must be >= {low}")
         if self.threads is not None and self.threads < 1:
             raise DtrtError(f"--threads {self.threads}: must be >= 1")
-        if self.lookup and self.method not in TREE_METHODS:
+        cls = method_class(self.method)
+        if self.lookup and not cls.takes_lookup:
+            takers = " or ".join(n for n, m in REGISTRY.items() if m.takes_lookup)
             raise DtrtError(
                 f"--lookup: adds lookup nodes to DominoTree's tree, not to --method {self.method}; use --method "
-                f"dominotree or cadominotree (or --method lookup, lookup alone)"
+                f"{takers} (or --method lookup, lookup alone)"
             )
         if self.lookup and self.cuda_graph:
             raise DtrtError("--lookup: the heap builder takes lookup nodes, --cuda-graph does not; drop --cuda-graph")
@@ -110,13 +110,13 @@ class RunSpec:
             raise DtrtError(
                 f"--lookup: the heap builder takes lookup nodes, --builder {self.builder} does not; use --builder heap"
             )
-        if self.method == "cadominotree" and self.builder != "heap":
+        if cls.builders and self.builder not in cls.builders:
             raise DtrtError(
-                f"--builder {self.builder}: cadominotree decides per node whether to grow the tree, which the host "
-                f"heap builder does; use --builder heap (or --method dominotree)"
+                f"--builder {self.builder}: {self.method} decides per node whether to grow the tree, which the host "
+                f"heap builder does; use --builder {' or '.join(cls.builders)} (or --method dominotree)"
             )
-        if self.cuda_graph and (self.method != "dominotree" or self.builder != "frontier"):
-            given = f"--method {self.method}" if self.method != "dominotree" else f"--builder {self.builder}"
+        if self.cuda_graph and (not cls.cuda_graph or self.builder != "frontier"):
+            given = f"--method {self.method}" if not cls.cuda_graph else f"--builder {self.builder}"
             raise DtrtError(
                 f"--cuda-graph: captures DominoTree's fixed-shape frontier build, not {given}; use "
                 f"--method dominotree --builder frontier"
@@ -140,19 +140,24 @@ class RunSpec:
             raise DtrtError("--drafter needs --target DIR (a --model name brings its own drafters)")
 
     @property
+    def method_class(self):
+        """The method's registry class: its traits (dtrt.runtime.methods)."""
+        return method_class(self.method)
+
+    @property
     def needs_head(self) -> bool:
         """Whether the method scores with Domino's correction head."""
-        return self.method == "domino" or (self.method in TREE_METHODS and self.arm != "marg")
+        return self.method_class.needs_head(self)
 
     @property
     def uses_drafter(self) -> bool:
-        return self.method not in TARGET_ALONE
+        return self.method_class.uses_drafter
 
     @property
     def label(self) -> str:
         """The method (+lookup under --lookup) with its budget where the budget sizes its trees (bench rows, logs)."""
         name = f"{self.method}+lookup" if self.lookup else self.method
-        return f"{name}@{self.budget}" if self.method in BUDGET_METHODS else name
+        return f"{name}@{self.budget}" if self.method_class.has_budget else name
 
 
 def device_kind(device: str) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 from dtrt.artifacts.files import cache_dir, staging
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import Pair
-from dtrt.runtime.spec import TREE_METHODS
+from dtrt.runtime.methods import METHODS as REGISTRY
 from dtrt.zoo.gate import GateRecord
 
 DEFAULT_BUDGET = 16  # draft nodes per tree where a model's entry says nothing else (the papers')
@@ -116,12 +116,9 @@ def names() -> list[str]:
     return list(MODELS)
 
 
-COST_AWARE = ("caddtree", "cadominotree")  # their budget is a cap: each round chooses its own tree size
-
-
 def default_budget(model: str | None, quant: str | None = None, method: str | None = None) -> int:
     """The per-model fixed budget; the cost-aware methods' cap is DEFAULT_BUDGET (an export's default width)."""
-    if method in COST_AWARE:
+    if method in REGISTRY and REGISTRY[method].cost_aware:  # its budget is a cap
         return DEFAULT_BUDGET
     return MODELS[model].budget_for(quant) if model in MODELS else DEFAULT_BUDGET
 
@@ -129,7 +126,7 @@ def default_budget(model: str | None, quant: str | None = None, method: str | No
 def default_lookup(model: str | None, quant: str | None, method: str) -> bool:
     """`--lookup` where it is not given: the model's choice on its default target, for the tree methods."""
     e = MODELS.get(model)
-    return e is not None and e.lookup and (quant or "none") == e.quant and method in TREE_METHODS
+    return e is not None and e.lookup and (quant or "none") == e.quant and REGISTRY[method].takes_lookup
 
 
 def default_method(model: str | None, quant: str | None = None) -> str:

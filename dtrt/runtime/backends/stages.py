@@ -261,11 +261,12 @@ class ExportedBackend(Backend):
 
     # the scorers and the frontier
     def prepare(self, spec):
-        if spec.method == "domino":
+        stages = spec.method_class.drafter_stages(spec)
+        if "chain" in stages:
             self._prepare_chain()
-        elif spec.needs_head:
+        if "scorer" in stages:
             self._prepare_scorer(spec.topm)
-        if spec.method == "dominotree" and spec.builder == "frontier" and spec.arm == "dominotree":
+        if "frontier" in stages:
             self._prepare_frontier(spec)
 
     def _prepare_scorer(self, topm: int):
