@@ -12,9 +12,9 @@ from helpers import run_cli
 
 from dtrt.bench import datasets, engines, longctx, records
 from dtrt.bench.datasets import SUMMARY_TEMPLATE, Document
+from dtrt.frontend.requests import render_chat
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.generate import capacity_for
-from dtrt.runtime.requests import render_chat
 
 HEAD, TAIL = SUMMARY_TEMPLATE.split("{doc}")
 QUICK = ("bench", "--model", "tiny", "--quick", "--threads", "1", "--methods", "ar,dominotree")

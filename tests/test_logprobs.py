@@ -6,10 +6,10 @@ import pytest
 import torch
 from helpers import PROMPTS, pipe_for, spec
 
+from dtrt.frontend.text import TokenPieces, complete
 from dtrt.models.checkpoint import load_target
 from dtrt.runtime.generate import collect
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.text import TokenPieces, complete
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from fake_backend import FakeBackend, fake_pipeline, successor
 
+from dtrt.frontend.text import complete
 from dtrt.runtime.generate import Generation, collect
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.text import complete
 from dtrt.tree import CostCurve
 
 LINEAR_COST = CostCurve.fit({0: [(0, 1.0), (32, 2.0)]}, draft_cost=0.5)

@@ -27,10 +27,10 @@ from test_run_cli import PROMPT, tiny_chat  # noqa: F401 (fixture)
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
 
+from dtrt.frontend.requests import Request, encode  # noqa: E402
+from dtrt.frontend.text import complete  # noqa: E402
 from dtrt.models.checkpoint import load_target  # noqa: E402
-from dtrt.runtime.requests import Request, encode  # noqa: E402
 from dtrt.runtime.sampling import SamplingConfig  # noqa: E402
-from dtrt.runtime.text import complete  # noqa: E402
 from dtrt.serve import BackgroundServer, ServeConfig  # noqa: E402 (needs aiohttp)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,13 +16,13 @@ import pytest
 import torch
 from helpers import pipe_for, run_cli, spec
 
+from dtrt.frontend import terminal
+from dtrt.frontend.requests import encode, has_thinking_switch, make_request, render_chat
 from dtrt.models.checkpoint import Pair, save_checkpoint, target_state
 from dtrt.models.config import TargetConfig
 from dtrt.models.target import Target
 from dtrt.models.tokenizer import load_tokenizer
-from dtrt.runtime import terminal
 from dtrt.runtime.pipeline import Pipeline
-from dtrt.runtime.requests import encode, has_thinking_switch, make_request, render_chat
 
 USER = "Hello, world!"
 OPENED = f"<|im_start|>user\n{USER}<|im_end|>\n<|im_start|>assistant\n"

@@ -12,12 +12,12 @@ import sys
 import pytest
 from helpers import pipe_for, run_cli, spec
 
+from dtrt.frontend import terminal
+from dtrt.frontend.requests import Request, encode
+from dtrt.frontend.text import TextStream, complete
 from dtrt.models.checkpoint import Pair
-from dtrt.runtime import terminal
-from dtrt.runtime.requests import Request, encode
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import METHODS
-from dtrt.runtime.text import TextStream, complete
 
 PROMPT = "The cat sees "
 CHAT_TEMPLATE = (

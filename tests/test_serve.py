@@ -13,9 +13,9 @@ import urllib.request
 
 import pytest
 
-from dtrt.runtime.requests import Request, encode
+from dtrt.frontend.requests import Request, encode
+from dtrt.frontend.text import complete
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.text import complete
 
 aiohttp = pytest.importorskip("aiohttp")
 from helpers import pipe_for, run_cli, spec  # noqa: E402

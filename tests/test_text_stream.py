@@ -9,9 +9,9 @@ import random
 
 import pytest
 
+from dtrt.frontend.text import TextStream, complete
 from dtrt.runtime.generate import Step
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.text import TextStream, complete
 
 
 class Reference:

@@ -173,7 +173,7 @@ def test_held_out_sets_are_each_measured_and_reported(tiny, inputs, tmp_path, mo
 def test_held_out_dataset_prompts_are_the_bench_first_turns(tiny):
     from dtrt.bench import datasets
     from dtrt.bench.datasets import held_out_set
-    from dtrt.runtime.prompts import as_chat
+    from dtrt.frontend.prompts import as_chat
 
     name, texts = held_out_set("humaneval", tiny.target, True, 3)
     want = [p.turns[0] for p in datasets.load("humaneval", 3, seed=0)]

@@ -285,7 +285,7 @@ def held_out_set(value: str, target_path, chat: bool, n: int) -> tuple[str, list
     """A `dtrt train-drafter --held-out` set: (its name, its prompts as the target reads them). A dataset name gives
     the first turns of the seeded subset `dtrt bench --prompts n` takes, chat-rendered as the bench renders them;
     anything else is a prompts file."""
-    from dtrt.runtime.prompts import as_chat, read_prompts
+    from dtrt.frontend.prompts import as_chat, read_prompts
 
     if value in DATASETS and value not in LONG and not Path(value).exists():
         try:

@@ -10,10 +10,10 @@ from pathlib import Path
 from dtrt.bench.datasets import package_file
 from dtrt.bench.peer import PeerEngine, llamacpp_command
 from dtrt.errors import DtrtError
+from dtrt.frontend.requests import has_chat_template, render_chat
 from dtrt.launch import resolve_spec
 from dtrt.runtime.methods import METHODS as REGISTRY
 from dtrt.runtime.pipeline import Pipeline, open_pipeline
-from dtrt.runtime.requests import has_chat_template, render_chat
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import RunSpec
 

@@ -11,8 +11,8 @@ import torch
 from dtrt import __version__
 from dtrt.bench import datasets, engines, longctx, machine, records, report, runner
 from dtrt.errors import DtrtError
+from dtrt.frontend.requests import FLAGS, check_thinking, make_request
 from dtrt.launch import open_sources
-from dtrt.runtime.requests import FLAGS, check_thinking, make_request
 from dtrt.runtime.spec import METHODS, QUANTS
 
 QUICK_PROMPTS, QUICK_TOKENS = 2, 32

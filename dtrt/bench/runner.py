@@ -10,7 +10,7 @@ from dtrt.bench.datasets import Prompt
 from dtrt.bench.engines import render
 from dtrt.bench.peer import PeerFailed
 from dtrt.bench.report import lookup_share
-from dtrt.runtime.requests import Request
+from dtrt.frontend.requests import Request
 from dtrt.runtime.sampling import SamplingConfig
 
 WARMUP_PROMPT, WARMUP_TOKENS = "Warmup", 16

@@ -15,15 +15,15 @@ from dtrt.cli.options import FILLED_IN, option_from
 from dtrt.errors import BackendFault, DtrtError
 from dtrt.exporter.precision import EXPORT_DTYPES
 from dtrt.exporter.quantize import DRAFTER_QUANTS
+from dtrt.frontend.requests import FLAGS, check_thinking, has_chat_template, make_request, read_requests
+from dtrt.frontend.terminal import generate_one, prompt_ids, repl, stats_line
 from dtrt.launch import open_sources, pipeline, resolve_spec, served_model_name
 from dtrt.launch.resolve import check_cuda
 from dtrt.launch.sources import load_pair
 from dtrt.models.quant import INT4_BLOCKS, QUANTS, quant_spec
 from dtrt.models.quant import METHODS as QUANT_METHODS
 from dtrt.runtime.pipeline import open_pipeline, tokenizer_dir
-from dtrt.runtime.requests import FLAGS, check_thinking, has_chat_template, make_request, read_requests
 from dtrt.runtime.spec import RunSpec
-from dtrt.runtime.terminal import generate_one, prompt_ids, repl, stats_line
 from dtrt.train.datagen import DataGenConfig
 from dtrt.train.trainer import TrainConfig
 from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, lookup_help, method_help, names, quant_help
@@ -727,7 +727,7 @@ def train_drafter_cmd(
 ):
     """Distil a DFlash drafter and a Domino head from a target into OUT/dflash and OUT/domino."""
     from dtrt.bench.datasets import held_out_set
-    from dtrt.runtime.prompts import read_prompts
+    from dtrt.frontend.prompts import read_prompts
     from dtrt.train.trainer import train_drafter
 
     cfg = TrainConfig(**opts)

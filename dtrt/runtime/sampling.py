@@ -10,7 +10,7 @@ NUCLEUS_FIRST_K = 64  # the nucleus is looked for among this many top tokens fir
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """The target's sampling (checked where a request is made: dtrt.runtime.requests.make_request)."""
+    """The target's sampling (checked where a request is made: dtrt.frontend.requests.make_request)."""
 
     temperature: float = 0.0
     top_p: float = 1.0

@@ -1,7 +1,7 @@
 """RunSpec: everything that decides one pipeline (model sources, backend, method and its tree), as one frozen
 object. Front ends resolve it once from their inputs (dtrt.launch applies the defaults); its values are checked
 here, once; dtrt.runtime.pipeline.open_pipeline turns it into a pipeline. Per-request settings (max tokens,
-sampling, stop strings, the chat template's thinking switch) are a Request (dtrt.runtime.requests)."""
+sampling, stop strings, the chat template's thinking switch) are a Request (dtrt.frontend.requests)."""
 
 from dataclasses import dataclass
 from pathlib import Path

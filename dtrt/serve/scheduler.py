@@ -10,9 +10,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dtrt.errors import DtrtError
+from dtrt.frontend.text import complete
 from dtrt.runtime.generate import Generation
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.text import complete
 from dtrt.serve.metrics import Metrics
 
 

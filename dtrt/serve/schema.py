@@ -4,9 +4,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from dtrt.frontend.requests import Request, RequestError, parse_request
+from dtrt.frontend.text import Completion
 from dtrt.runtime.generate import MAX_TOP_LOGPROBS
-from dtrt.runtime.requests import Request, RequestError, parse_request
-from dtrt.runtime.text import Completion
 
 # OpenAI's finish reasons for the ends dtrt has; a generation cut short (shutdown, timeout) is an error, not a finish
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}

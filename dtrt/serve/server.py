@@ -25,7 +25,7 @@ try:
 except ImportError:
     raise DtrtError('dtrt serve needs aiohttp: pip install "dtrt[serve]"') from None
 
-from dtrt.runtime.requests import RequestError
+from dtrt.frontend.requests import RequestError
 from dtrt.serve.metrics import prometheus
 from dtrt.serve.schema import chunk_body, completion_body, error_body, logprobs_body, new_id, parse_openai, usage
 from dtrt.serve.worker import ServeConfig, ServeError, Worker, shutting_down

@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import dataclass, field, replace
 
 from dtrt.errors import BackendFault, DtrtError
-from dtrt.runtime.requests import Request, RequestError, encode, fit_prompt, has_chat_template
-from dtrt.runtime.text import TokenPieces
+from dtrt.frontend.requests import Request, RequestError, encode, fit_prompt, has_chat_template
+from dtrt.frontend.text import TokenPieces
 from dtrt.serve.metrics import Metrics
 from dtrt.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown
 from dtrt.serve.schema import Choice, OpenAIRequest, error_body

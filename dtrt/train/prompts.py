@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtrt.errors import DtrtError
-from dtrt.runtime.requests import render_chat
+from dtrt.frontend.requests import render_chat
 
 FORMATS = (
     '{"prompt": "..."}, {"turns": ["...", "..."]} or '

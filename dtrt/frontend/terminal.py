@@ -6,8 +6,8 @@ import threading
 from dataclasses import replace
 
 from dtrt.errors import DtrtError
-from dtrt.runtime.requests import Request, RequestError, encode, fit_prompt, has_chat_template
-from dtrt.runtime.text import Completion, complete
+from dtrt.frontend.requests import Request, RequestError, encode, fit_prompt, has_chat_template
+from dtrt.frontend.text import Completion, complete
 
 NEW_CHAT = "/new"
 
