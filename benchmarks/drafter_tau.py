@@ -11,8 +11,8 @@ import statistics
 
 import torch
 
+from dtrt.bench.contenders import render
 from dtrt.bench.datasets import load
-from dtrt.bench.engines import render
 from dtrt.launch import resolve_spec
 from dtrt.launch.sources import pipeline
 from dtrt.runtime.sampling import SamplingConfig

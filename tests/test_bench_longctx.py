@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import run_cli
 
-from dtrt.bench import datasets, engines, longctx, records
+from dtrt.bench import contenders, datasets, longctx, records
 from dtrt.bench.datasets import SUMMARY_TEMPLATE, Document
 from dtrt.frontend.requests import render_chat
 from dtrt.models.tokenizer import load_tokenizer
@@ -40,7 +40,7 @@ def bin_of(name: str) -> int:
 
 
 def prompt_tokens(tokenizer, user: str) -> int:
-    """The prompt's tokens as a bench engine encodes it: the chat template (thinking off), no special tokens added."""
+    """The prompt's tokens as a bench contender encodes it: the chat template (thinking off), no special tokens."""
     return len(tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": user}]), add_special_tokens=False))
 
 
@@ -161,8 +161,8 @@ def test_llamacpp_context_holds_the_longest_bin(monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "llama_cpp" else real(n, *a))
     args = (tmp_path / "m.gguf", None, 1, 128, 10.0, tmp_path, print)
-    assert engines.llamacpp_engine(*args).command[-1] == str(4096 + 2 * 128)  # the short datasets' context
-    assert engines.llamacpp_engine(*args, 7168).command[-1] == str(7168 + 64 + 2 * 128)
+    assert contenders.llamacpp_contender(*args).command[-1] == str(4096 + 2 * 128)  # the short datasets' context
+    assert contenders.llamacpp_contender(*args, 7168).command[-1] == str(7168 + 64 + 2 * 128)
 
 
 def test_missing_package_is_one_line(monkeypatch, capsys, tmp_path):

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from helpers import run_cli
 
-from dtrt.bench import engines, report
+from dtrt.bench import contenders, report
 from dtrt.zoo import registry
 
 SWEEP = ("bench", "--model", "tiny", "--quick", "--threads", "1", "--methods", "ar,dominotree", "--datasets")
@@ -23,14 +23,14 @@ def int4_budget_8(monkeypatch):
 
 def test_rows_per_quant_and_their_names(int4_budget_8):
     sources = {"model": "tiny", "threads": 1}
-    grid = engines.grid(sources, ["dominotree"], [None], ["none", "int4"])
-    assert engines.labels(grid) == ["ar/none", "dominotree@16/none", "ar/int4", "dominotree@8/int4"]
-    grid = engines.grid(sources, ["dominotree"], [4, 32], ["int4", "none"])
-    assert engines.labels(grid) == [
+    grid = contenders.grid(sources, ["dominotree"], [None], ["none", "int4"])
+    assert contenders.labels(grid) == ["ar/none", "dominotree@16/none", "ar/int4", "dominotree@8/int4"]
+    grid = contenders.grid(sources, ["dominotree"], [4, 32], ["int4", "none"])
+    assert contenders.labels(grid) == [
         "ar/int4", "dominotree@4/int4", "dominotree@32/int4", "ar/none", "dominotree@4/none", "dominotree@32/none"
     ]  # fmt: skip
     # one quantization: the rows are named as without --quant
-    assert engines.labels(engines.grid(sources, ["dominotree"], [None], ["int4"])) == ["ar", "dominotree@8"]
+    assert contenders.labels(contenders.grid(sources, ["dominotree"], [None], ["int4"])) == ["ar", "dominotree@8"]
 
 
 def test_each_row_is_paired_with_the_ar_of_its_quant():
@@ -123,7 +123,7 @@ def test_bad_quant_is_one_line(tmp_path, monkeypatch, capsys, flags, message):
 
 
 def test_the_report_shows_the_milliseconds_a_round_spends_per_stage():
-    """Per row, each stage's seconds summed over its records' rounds, per round, in ms; none for a peer engine."""
+    """Per row, each stage's seconds summed over its records' rounds, per round, in ms; none for a peer contender."""
     from dtrt.bench import report
 
     def rec(method, stage_s, rounds):
@@ -150,10 +150,10 @@ def test_rows_with_and_without_lookup_in_one_grid(monkeypatch):
     row."""
     sources = {"model": "tiny", "threads": 1}
     names = ["lookup", "dominotree", "dominotree+lookup", "cadominotree+lookup"]
-    grid = engines.grid(sources, names, [4], [None], lookup=False)
-    assert engines.labels(grid) == [
+    grid = contenders.grid(sources, names, [4], [None], lookup=False)
+    assert contenders.labels(grid) == [
         "ar", "lookup@4", "dominotree@4", "dominotree+lookup@4", "cadominotree+lookup@4"
     ]  # fmt: skip
-    grid = engines.grid(sources, ["dominotree", "dominotree+lookup"], [4], [None], lookup=True)
-    assert engines.labels(grid) == ["ar", "dominotree+lookup@4"]
-    assert "dominotree+lookup" in engines.ROW_METHODS and "ar+lookup" not in engines.ROW_METHODS
+    grid = contenders.grid(sources, ["dominotree", "dominotree+lookup"], [4], [None], lookup=True)
+    assert contenders.labels(grid) == ["ar", "dominotree+lookup@4"]
+    assert "dominotree+lookup" in contenders.ROW_METHODS and "ar+lookup" not in contenders.ROW_METHODS

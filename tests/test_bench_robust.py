@@ -8,8 +8,8 @@ import sys
 import pytest
 from helpers import run_cli
 
-from dtrt.bench import engines, machine, records, report
-from dtrt.bench.peer import PeerEngine, describe
+from dtrt.bench import contenders, machine, records, report
+from dtrt.bench.peer import PeerContender, describe
 
 READY = "import json, os, signal, sys, time; print(json.dumps({'ready': True}), flush=True); sys.stdin.readline(); "
 CRASH = READY + "os.kill(os.getpid(), signal.SIGILL)"
@@ -21,9 +21,9 @@ def with_peer(monkeypatch, code: str):
     """The bench's peer row is a stand-in child process running `code`."""
 
     def peer(gguf, tokenizer, threads, max_new_tokens, timeout, out, log, longest=0):
-        return PeerEngine("llama.cpp", [sys.executable, "-c", code], tokenizer, timeout, out / "llama.cpp.log")
+        return PeerContender("llama.cpp", [sys.executable, "-c", code], tokenizer, timeout, out / "llama.cpp.log")
 
-    monkeypatch.setattr(engines, "llamacpp_engine", peer)
+    monkeypatch.setattr(contenders, "llamacpp_contender", peer)
 
 
 def humaneval_or_skip():
@@ -167,5 +167,5 @@ def test_plot_titles_and_labels_neither_overlap_nor_clip(tmp_path, methods, data
     assert fig.get_size_inches()[0] <= 18 and len(fig.axes) == 2 * len(temps)
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     if "llama.cpp" in methods:
-        assert "llama.cpp (another engine)" in legend
+        assert "llama.cpp (another contender)" in legend
     plt.close(fig)

@@ -255,10 +255,10 @@ def answer_rows(data, tiny):
 
 
 def test_bench_rows_take_the_draft_vocab(subset):
-    from dtrt.bench import engines
+    from dtrt.bench import contenders
     from dtrt.bench.main import BenchOptions
 
     o = BenchOptions(model="tiny", backend="torch", draft_vocab=str(subset))
-    grid = engines.grid(o.sources, ["dflash", "dominotree"], [None], [None])
+    grid = contenders.grid(o.sources, ["dflash", "dominotree"], [None], [None])
     assert [s.method for s in grid] == ["ar", "dflash", "dominotree"]
     assert all(s.draft_vocab == str(subset) for s in grid)

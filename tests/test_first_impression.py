@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrt.bench.engines import render
+from dtrt.bench.contenders import render
 from dtrt.launch import pipeline, resolve_spec
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.zoo.gate import same_start

@@ -151,7 +151,7 @@ def test_lookup_reaches_the_spec_with_the_heap_builder():
 
 
 def test_bench_grid_gives_lookup_to_the_tree_rows():
-    from dtrt.bench.engines import grid
+    from dtrt.bench.contenders import grid
 
     specs = grid({"model": "smollm2-135m", "backend": "torch"}, ["ddtree", "dominotree"], [4], [None], lookup=True)
     assert [(s.method, s.lookup) for s in specs] == [("ar", False), ("ddtree", False), ("dominotree", True)]

@@ -4,7 +4,7 @@ backends and the bench ask it (dtrt.runtime.methods)."""
 import click
 import pytest
 
-from dtrt.bench import engines
+from dtrt.bench import contenders
 from dtrt.cli import cli
 from dtrt.errors import DtrtError
 from dtrt.launch import resolve_spec
@@ -81,9 +81,9 @@ def test_the_traits_decide_the_spec_the_defaults_and_the_bench():
     # cuda devices pick the frontier for the methods that grow with it, the heap for the others
     assert resolve_spec(model="tiny", method="cadominotree", device="cpu").builder == "heap"
     # the bench sweeps budgets of the budget methods only, and names lookup rows from the takers
-    grid = engines.grid({"model": "tiny", "threads": 1}, ["dflash", "ddtree"], [2, 3], [None])
-    assert engines.labels(grid) == ["ar", "dflash", "ddtree@2", "ddtree@3"]
-    assert set(engines.ROW_METHODS) - set(METHODS) == {"dominotree+lookup", "cadominotree+lookup"}
+    grid = contenders.grid({"model": "tiny", "threads": 1}, ["dflash", "ddtree"], [2, 3], [None])
+    assert contenders.labels(grid) == ["ar", "dflash", "ddtree@2", "ddtree@3"]
+    assert set(contenders.ROW_METHODS) - set(METHODS) == {"dominotree+lookup", "cadominotree+lookup"}
 
 
 def test_an_unknown_method_is_one_line():

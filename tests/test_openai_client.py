@@ -483,9 +483,9 @@ def test_replica_plan():
     replica's queue bounded by --queue-limit; the CPUs and GPUs it reserves, refused in one line when the cluster
     cannot hold the replicas."""
     from dtrt.errors import DtrtError
-    from dtrt.serve.replicas import RayEngine, ReplicaPlan
+    from dtrt.serve.replicas import ReplicaPlan, ReplicaWorkers
 
-    class Cluster:  # what RayEngine reads of ray: its nodes' resources
+    class Cluster:  # what ReplicaWorkers reads of ray: its nodes' resources
         def __init__(self, *nodes):
             self._nodes = [{"Alive": True, "Resources": n} for n in nodes]
 
@@ -493,7 +493,7 @@ def test_replica_plan():
             return self._nodes
 
     def resources(plan, *nodes, device="cpu"):
-        return RayEngine(spec("dominotree", device=device), ServeConfig(NAME), plan)._resources(Cluster(*nodes))
+        return ReplicaWorkers(spec("dominotree", device=device), ServeConfig(NAME), plan)._resources(Cluster(*nodes))
 
     assert resources(ReplicaPlan(2), {"CPU": 16}) == (8, 0.0)  # cores // replicas
     assert resources(ReplicaPlan(2, 4), {"CPU": 16}) == (4, 0.0)  # room for the most replicas
@@ -510,12 +510,12 @@ def test_replica_plan():
     from dtrt.serve.schema import parse_openai
     from dtrt.serve.worker import ServeError
 
-    engine = RayEngine(spec("dominotree"), ServeConfig(NAME, queue_limit=1), ReplicaPlan(2))
-    engine.outstanding = 4  # every replica has one generating and one waiting
+    workers = ReplicaWorkers(spec("dominotree"), ServeConfig(NAME, queue_limit=1), ReplicaPlan(2))
+    workers.outstanding = 4  # every replica has one generating and one waiting
     with pytest.raises(ServeError) as e:
-        asyncio.run(anext(engine.stream(parse_openai({"prompt": "x"}, Request(), False), False)))
+        asyncio.run(anext(workers.stream(parse_openai({"prompt": "x"}, Request(), False), False)))
     assert e.value.status == 429 and "every replica's queue is full (2 replicas, 1 requests waiting" in e.value.message
-    assert engine.metrics.snapshot(0, 0)["requests"]["rejected"] == 1 and engine.outstanding == 4
+    assert workers.metrics.snapshot(0, 0)["requests"]["rejected"] == 1 and workers.outstanding == 4
 
     cfg = ServeConfig(NAME, queue_limit=8, shutdown_grace=10)
     fixed = ReplicaPlan(2).deployment_options(cfg, threads=3, gpus=0.0)

@@ -2,7 +2,7 @@
 tokenizer so that each whole prompt, SUMMARY_TEMPLATE and chat template included, fills a token-length bin.
 
 A bin of B tokens holds prompts of B tokens, at most SLACK fewer and never more: the document is cut to B less the
-template's tokens, the rendered prompt is measured as the engines encode it, and the cut is moved until it fits (a
+template's tokens, the rendered prompt is measured as the contenders encode it, and the cut is moved until it fits (a
 cut text can re-encode to a few tokens more or fewer than its slice). Each bin is a dataset of its own in the
 records, in --resume's grid and in the report: `NAME/LABEL`, e.g. `essays/4k`.
 
@@ -15,15 +15,15 @@ records, in --resume's grid and in the report: `NAME/LABEL`, e.g. `essays/4k`.
             slots, and a window starts at the first word of its slot. Prompt id: the window's first character.
 
 The default bins are 2K, 4K, 8K, ... that fit the context with the generation (Pipeline.prompt_room of every
-engine), and the largest multiple of 1K that fits when it is larger than those (SmolLM2-135M, 8192 positions,
+contender), and the largest multiple of 1K that fits when it is larger than those (SmolLM2-135M, 8192 positions,
 128 new tokens: 2K, 4K, 7K; from its first-use ONNX Runtime export, 4096 positions: 2K, 3K)."""
 
 import re
 
 import numpy as np
 
+from dtrt.bench.contenders import render
 from dtrt.bench.datasets import SUMMARY_TEMPLATE, Document, Prompt
-from dtrt.bench.engines import render
 from dtrt.errors import DtrtError
 
 K = 1024
@@ -78,7 +78,7 @@ def resolve_bins(given: list[int] | None, pipe, max_new_tokens: int, names: list
 
 
 class Cutter:
-    """Measures and cuts prompts as the bench's engines render (render: the chat template) and encode them."""
+    """Measures and cuts prompts as the bench's contenders render (render: the chat template) and encode them."""
 
     def __init__(self, tokenizer, thinking: bool = False):
         self.tokenizer, self.thinking = tokenizer, thinking

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from dtrt import __version__
-from dtrt.bench import datasets, engines, longctx, machine, records, report, runner
+from dtrt.bench import contenders, datasets, longctx, machine, records, report, runner
 from dtrt.errors import DtrtError
 from dtrt.frontend.requests import FLAGS, check_thinking, make_request
 from dtrt.launch import open_sources
@@ -89,7 +89,7 @@ def resumed(o: BenchOptions, given: set[str]) -> BenchOptions:
 
 
 def bench(o: BenchOptions, log) -> Path:
-    methods = split_list("--methods", o.methods, str, engines.ROW_METHODS) if o.methods else list(METHODS)
+    methods = split_list("--methods", o.methods, str, contenders.ROW_METHODS) if o.methods else list(METHODS)
     names = split_list("--datasets", o.dataset_names, str, datasets.DATASETS)
     temps = split_list("--temperatures", o.temperatures, float)
     budgets = split_list("--budget", o.budget, int) if o.budget is not None else [None]
@@ -118,24 +118,24 @@ def bench(o: BenchOptions, log) -> Path:
         for t in temps
     ]
     # every spec checked before any load
-    grid = engines.grid(o.sources, methods, budgets, quants, o.cuda_graph, o.lookup)
+    grid = contenders.grid(o.sources, methods, budgets, quants, o.cuda_graph, o.lookup)
     # missing packages fail before any model loads
     prompts = {d: datasets.load(d, n, o.seed) for d in names if d not in datasets.LONG}
     docs = {d: datasets.documents(d) for d in long_names}
     base = grid[0]
-    gguf = engines.find_gguf(o.gguf, base.model)
+    gguf = contenders.find_gguf(o.gguf, base.model)
     out = Path(o.out)
     if o.resume is None:
         records.check_new(out)
 
-    # the engines load before the grid is written: the long-context prompts are cut by the target's tokenizer to
-    # bins that fit every engine's context
-    engs = engines.dtrt_engines(grid, _sources(grid, log), explicit=o.methods is not None, log=log)
-    check_thinking(engs[0].tokenizer, o.thinking)
+    # the contenders load before the grid is written: the long-context prompts are cut by the target's tokenizer to
+    # bins that fit every contender's context
+    lineup = contenders.dtrt_contenders(grid, _sources(grid, log), explicit=o.methods is not None, log=log)
+    check_thinking(lineup[0].tokenizer, o.thinking)
     if long_names:
-        tight = min((e.pipe for e in engs), key=lambda p: _room(p, max_new))
+        tight = min((e.pipe for e in lineup), key=lambda p: _room(p, max_new))
         bins = longctx.resolve_bins(bins, tight, max_new, long_names)
-        cut = longctx.prompts(docs, bins, engs[0].tokenizer, n, o.seed, o.thinking, log)
+        cut = longctx.prompts(docs, bins, lineup[0].tokenizer, n, o.seed, o.thinking, log)
         if not cut and not prompts:
             raise DtrtError(
                 f"--datasets {','.join(long_names)}: no document fills any of the bins "
@@ -146,7 +146,7 @@ def bench(o: BenchOptions, log) -> Path:
         "options": {k: v for k, v in asdict(o).items() if k not in ("out", "resume")},
         "grid": {
             "quant": list(dict.fromkeys(s.quant for s in grid)),
-            "rows": engines.labels(grid),
+            "rows": contenders.labels(grid),
             "sources": {k: str(v) if v is not None else None for k, v in asdict(base).items() if k in SOURCE_KEYS},
             "prompts": {d: [p.id for p in ps] for d, ps in prompts.items()},
             "context_bins": bins if long_names else None,
@@ -163,8 +163,10 @@ def bench(o: BenchOptions, log) -> Path:
         log(f"resuming {out}: {len(done)} records done")
 
     longest = max(bins) if long_names else 0
-    peer = engines.llamacpp_engine(gguf, engs[0].tokenizer, o.threads, max_new, o.peer_timeout, out, log, longest)
-    engs += [peer] if peer else []
+    peer = contenders.llamacpp_contender(
+        gguf, lineup[0].tokenizer, o.threads, max_new, o.peer_timeout, out, log, longest
+    )
+    lineup += [peer] if peer else []
     threads = {
         "torch": torch.get_num_threads(),
         "onnxruntime": base.threads,
@@ -172,7 +174,7 @@ def bench(o: BenchOptions, log) -> Path:
     }
     h_machine, load_before = machine.cpu(), machine.load()
     log(
-        f"bench: {', '.join(e.label for e in engs)} on {', '.join(f'{d} ({len(p)})' for d, p in prompts.items())}"
+        f"bench: {', '.join(e.label for e in lineup)} on {', '.join(f'{d} ({len(p)})' for d, p in prompts.items())}"
         f" at T={','.join(f'{t:g}' for t in temps)}, {max_new} new tokens"
     )
     log(machine.describe(machine.hygiene(h_machine, threads, load_before, None)))
@@ -185,8 +187,8 @@ def bench(o: BenchOptions, log) -> Path:
     t0 = time.perf_counter()
     got: list[dict] = []
     try:
-        runner.warm_up(engs, log, o.thinking, failed)
-        got = runner.run(engs, prompts, requests, log, keep=log_.append,
+        runner.warm_up(lineup, log, o.thinking, failed)
+        got = runner.run(lineup, prompts, requests, log, keep=log_.append,
                          done={runner.record_key(r): r for r in done}, failed=failed)  # fmt: skip
     except KeyboardInterrupt:
         got = log_.load()

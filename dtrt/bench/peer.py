@@ -1,4 +1,4 @@
-"""A peer engine of `dtrt bench` (llama.cpp) in its own process, so that whatever happens to it (a crash in its
+"""A peer contender of `dtrt bench` (llama.cpp) in its own process, so that whatever happens to it (a crash in its
 native library, a hang) costs its row and nothing else.
 
 The child reads one JSON request per line and writes one JSON record per line (dtrt/bench/peer_llamacpp.py); it
@@ -42,8 +42,8 @@ def describe(label: str, returncode: int | None, timeout: float | None, log: Pat
     return f"{label} exited with status {returncode}{last}"
 
 
-class PeerEngine:
-    """A bench engine whose generations run in a child process (`command`), prompted with the rendered text."""
+class PeerContender:
+    """A bench contender whose generations run in a child process (`command`), prompted with the rendered text."""
 
     method, budget, quant = "llama.cpp", None, None  # quant: not one of dtrt's target quantizations
 

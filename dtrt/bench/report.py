@@ -82,7 +82,7 @@ def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None)
 
 def round_ms(records: list[dict]) -> dict[str, float] | None:
     """The mean milliseconds a round spends in each stage (draft, build, verify, commit) over all the records'
-    rounds; None for records without stage times (a peer engine)."""
+    rounds; None for records without stage times (a peer contender)."""
     timed = [r for r in records if r.get("stage_s") and r["rounds"]]
     rounds = sum(r["rounds"] for r in timed)
     if not rounds:
@@ -161,7 +161,7 @@ def write_markdown(path: Path, text: str):
     _atomic(path, lambda p: p.write_text(text))
 
 
-PEERS = ("llama.cpp",)  # other engines: drawn apart from dtrt's methods
+PEERS = ("llama.cpp",)  # other contenders: drawn apart from dtrt's methods
 
 
 def plot_layout(temps: int, datasets: list[str], methods: int, title: str) -> dict:
@@ -192,7 +192,7 @@ def write_plot(path: Path, rows: list[dict], title: str) -> bool:
 
 def plot_figure(rows: list[dict], title: str):
     """Speedup with its CI and tau per dataset, one column per temperature, peers (llama.cpp) hatched and labelled
-    as another engine."""
+    as another contender."""
     import matplotlib.pyplot as plt
 
     temps = list(dict.fromkeys(r["temperature"] for r in rows))
@@ -210,7 +210,7 @@ def plot_figure(rows: list[dict], title: str):
             rs = [got[d] for d in datasets if d in got]
             peer = m in PEERS
             style = {"color": "0.75", "hatch": "//", "edgecolor": "0.35"} if peer else {"color": colors[j % 10]}
-            label = f"{m} (another engine)" if peer else m
+            label = f"{m} (another contender)" if peer else m
             sp = [r["speedup"] for r in rs]
             err = [[r["speedup"] - r["ci_low"] for r in rs], [r["ci_high"] - r["speedup"] for r in rs]]
             panels[t, 0].bar(xs, sp, width, yerr=err, capsize=2, label=label, **style)

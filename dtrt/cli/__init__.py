@@ -364,22 +364,22 @@ def serve(
         if plan is None:
             pipe = open_pipeline(spec, sources)
             check_thinking(pipe.tokenizer, thinking)
-            engine, what = None, None
+            workers, what = None, None
         else:
             from dtrt.models.tokenizer import load_tokenizer
-            from dtrt.serve.replicas import RayEngine
+            from dtrt.serve.replicas import ReplicaWorkers
 
             check_thinking(load_tokenizer(tokenizer_dir(spec, sources)), thinking)
-            pipe, engine = None, RayEngine(spec, cfg, plan, _log)
-            engine.deploy()
+            pipe, workers = None, ReplicaWorkers(spec, cfg, plan, _log)
+            workers.deploy()
             count = f"{plan.replicas}-{plan.max_replicas}" if plan.max_replicas else str(plan.replicas)
-            what = f"{cfg.model_name} ({spec.method}, {count} replicas x {engine.threads} threads on Ray Serve)"
+            what = f"{cfg.model_name} ({spec.method}, {count} replicas x {workers.threads} threads on Ray Serve)"
         if (warning := exposure_warning(host, cfg)) is not None:
             _log(warning)
     except BaseException:
         sock.close()
         raise
-    serve_forever(pipe, cfg, sock, log=_log, engine=engine, what=what)
+    serve_forever(pipe, cfg, sock, log=_log, workers=workers, what=what)
 
 
 @cli.command()
@@ -555,8 +555,8 @@ def quality(
     reference, and the quality gate's verdict (dtrt.zoo.gate)."""
     from dtrt.artifacts.export import load_export
     from dtrt.artifacts.kernel_path import EMULATED
+    from dtrt.bench.contenders import render
     from dtrt.bench.datasets import load
-    from dtrt.bench.engines import render
     from dtrt.bench.main import split_list
     from dtrt.bench.quality import Candidate, config_candidate, held_out, parse_config, quality, table
     from dtrt.models.tokenizer import load_tokenizer

@@ -186,8 +186,8 @@ def _replica_died(e: BaseException) -> bool:
     return isinstance(e, RayActorError)
 
 
-class RayEngine:
-    """What the HTTP server drives in front of the replicas (the engine protocol of dtrt.serve.server.Server)."""
+class ReplicaWorkers:
+    """What the HTTP server drives in front of the replicas (the workers protocol of dtrt.serve.server.Server)."""
 
     def __init__(self, spec: RunSpec, cfg: ServeConfig, plan: ReplicaPlan, log=None):
         self.spec, self.cfg, self.plan, self.log = spec, cfg, plan, log or (lambda msg: None)

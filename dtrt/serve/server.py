@@ -49,7 +49,7 @@ def _digest(key: str) -> bytes:
 
 
 class Choices:
-    """The n choices of one request, each an engine stream run in its own task, merged into one sequence of
+    """The n choices of one request, each a workers stream run in its own task, merged into one sequence of
     (index, kind, value) in the order they come. The first error of any choice raises (the others are cancelled
     on close)."""
 
@@ -89,13 +89,13 @@ class Choices:
 
 
 class Server:
-    """The HTTP side over an engine: a Worker of `pipe` in this process (the default), or `engine` (Ray Serve
-    replicas). An engine has `method`, `start()`, `close()`, `cancel_running()`, `join()`, `stream(o, chat, index,
+    """The HTTP side over its workers: a Worker of `pipe` in this process (the default), or `workers` (Ray Serve
+    replicas). Workers have `method`, `start()`, `close()`, `cancel_running()`, `join()`, `stream(o, chat, index,
     timeout)`, `metrics_snapshot()` and `health()`."""
 
-    def __init__(self, pipe, cfg: ServeConfig, log=None, engine=None):
+    def __init__(self, pipe, cfg: ServeConfig, log=None, workers=None):
         self.pipe, self.cfg, self.log = pipe, cfg, log or (lambda msg: None)
-        self.engine = engine if engine is not None else Worker(pipe, cfg, self.log)
+        self.workers = workers if workers is not None else Worker(pipe, cfg, self.log)
         self.closing = False
         self.created = int(time.time())
         self._key = _digest(cfg.api_key) if cfg.api_key is not None else None
@@ -156,11 +156,11 @@ class Server:
     async def _health(self, request):
         if self.closing:
             return web.json_response({"status": "shutting down"}, status=503)
-        status, body = await self.engine.health()
+        status, body = await self.workers.health()
         return web.json_response(body, status=status)
 
     async def snapshot(self) -> dict:
-        return await self.engine.metrics_snapshot()
+        return await self.workers.metrics_snapshot()
 
     async def _metrics(self, request):
         snap = await self.snapshot()
@@ -203,7 +203,7 @@ class Server:
             raise shutting_down()
         o = self._parse(await self._body(request), chat)
         timeout = self.cfg.request_timeout
-        choices = Choices([self.engine.stream(o, chat, i, timeout) for i in range(o.n)])
+        choices = Choices([self.workers.stream(o, chat, i, timeout) for i in range(o.n)])
         rid = new_id(chat)
         try:
             if o.stream:
@@ -212,7 +212,7 @@ class Server:
             async for index, kind, value in choices:
                 if kind == "done":
                     done[index] = value
-            return web.json_response(completion_body(rid, self.cfg.model_name, chat, done, self.engine.method))
+            return web.json_response(completion_body(rid, self.cfg.model_name, chat, done, self.workers.method))
         finally:  # an error, the client gone, or done: nothing of this request runs on
             await choices.aclose()
 
@@ -267,20 +267,20 @@ class Server:
         )
         await runner.setup()
         await web.SockSite(runner, sock).start()
-        self.engine.start()
+        self.workers.start()
         if on_ready is not None:
             on_ready()
         try:
             await stop.wait()
         finally:
             self.closing = True
-            self.engine.close()
+            self.workers.close()
             loop = asyncio.get_running_loop()
-            late = loop.call_later(self.cfg.shutdown_grace, self.engine.cancel_running)
+            late = loop.call_later(self.cfg.shutdown_grace, self.workers.cancel_running)
             await runner.cleanup()  # stops listening, then waits for the handlers still answering
             late.cancel()
-            self.engine.cancel_running()
-            await loop.run_in_executor(None, self.engine.join)
+            self.workers.cancel_running()
+            await loop.run_in_executor(None, self.workers.join)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -319,26 +319,26 @@ def exposure_warning(host: str, cfg: ServeConfig) -> str | None:
     )
 
 
-def serve_forever(pipe, cfg: ServeConfig, sock: socket.socket, log, engine=None, what: str | None = None):
+def serve_forever(pipe, cfg: ServeConfig, sock: socket.socket, log, workers=None, what: str | None = None):
     """`dtrt serve` on the bound `sock` until SIGINT/SIGTERM (a second one cancels the generations in flight)."""
     url = url_of(sock)
 
     async def main():
         stop = asyncio.Event()
-        server = Server(pipe, cfg, log, engine)
+        server = Server(pipe, cfg, log, workers)
         loop = asyncio.get_running_loop()
 
         def on_signal(name):
             if stop.is_set():
                 log(f"{name} again: cancelling the generations in flight")
-                server.engine.cancel_running()
+                server.workers.cancel_running()
                 return
             log(f"{name}: shutting down (no new requests; the ones generating have {cfg.shutdown_grace:g} s)")
             stop.set()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig.name)
-        label = what or f"{cfg.model_name} ({server.engine.method})"
+        label = what or f"{cfg.model_name} ({server.workers.method})"
         await server.run(sock, stop, lambda: log(f"dtrt serve: {label} on {url}"))
         log("dtrt serve: stopped")
 
@@ -349,8 +349,8 @@ class BackgroundServer:
     """The server in a thread of this process on a loopback port (tests, benchmarks, embedding in an application):
     `with BackgroundServer(pipe, cfg) as s: s.url ...`; leaving the block shuts it down gracefully."""
 
-    def __init__(self, pipe, cfg: ServeConfig, host: str = "127.0.0.1", port: int = 0, log=None, engine=None):
-        self.server = Server(pipe, cfg, log, engine)
+    def __init__(self, pipe, cfg: ServeConfig, host: str = "127.0.0.1", port: int = 0, log=None, workers=None):
+        self.server = Server(pipe, cfg, log, workers)
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
         self._ready = threading.Event()

@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 
 from dtrt.bench.datasets import package_file
-from dtrt.bench.peer import PeerEngine, llamacpp_command
+from dtrt.bench.peer import PeerContender, llamacpp_command
 from dtrt.errors import DtrtError
 from dtrt.frontend.requests import has_chat_template, render_chat
 from dtrt.launch import resolve_spec
@@ -32,7 +32,7 @@ def render(tokenizer, history: list[tuple[str, str]], user: str, thinking: bool 
     return "".join(f"{u}{a}\n\n" for u, a in history) + user
 
 
-class DtrtEngine:
+class DtrtContender:
     def __init__(self, pipe: Pipeline, label: str):
         spec = pipe.spec
         self.label, self.pipe, self.tokenizer = label, pipe, pipe.tokenizer
@@ -84,22 +84,22 @@ def labels(grid: list[RunSpec]) -> list[str]:
     return [f"{s.label}/{s.quant}" if sweep else s.label for s in grid]
 
 
-def dtrt_engines(grid: list[RunSpec], sources: dict, explicit: bool, log) -> list[DtrtEngine]:
+def dtrt_contenders(grid: list[RunSpec], sources: dict, explicit: bool, log) -> list[DtrtContender]:
     """A pipeline per spec of the grid over the sources of its quantization (`sources`: quant -> Sources). A
     method the pair cannot serve is skipped with a note, unless it was asked for by name (`explicit`), is AR, or
     was asked for by --cuda-graph."""
-    engines, skipped = [], set()
+    contenders, skipped = [], set()
     for spec, label in zip(grid, labels(grid), strict=True):
         if spec.method in skipped:
             continue
         try:
-            engines.append(DtrtEngine(open_pipeline(spec, sources[spec.quant]), label))
+            contenders.append(DtrtContender(open_pipeline(spec, sources[spec.quant]), label))
         except DtrtError as e:
             if explicit or spec.method == "ar" or spec.cuda_graph:
                 raise
             log(f"skipping {label}: {e}")
             skipped.add(spec.method)
-    return engines
+    return contenders
 
 
 def find_gguf(gguf: str | None, model: str | None) -> Path | None:
@@ -112,7 +112,7 @@ def find_gguf(gguf: str | None, model: str | None) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def llamacpp_engine(
+def llamacpp_contender(
     gguf: Path | None, tokenizer, threads, max_new_tokens: int, timeout: float, out: Path, log, longest: int = 0
 ):
     """The llama.cpp peer row, run in its own process (dtrt.bench.peer), or None with a one-line note saying why
@@ -126,4 +126,4 @@ def llamacpp_engine(
     # the context holds the longest prompt plus, on MT-Bench's second turn, the first answer; a long-context bin's
     # prompt gets a margin for llama.cpp's own encoding of the text
     command = llamacpp_command(gguf, threads, max(4096, longest + 64) + 2 * max_new_tokens)
-    return PeerEngine("llama.cpp", command, tokenizer, timeout, out / "llama.cpp.log")
+    return PeerContender("llama.cpp", command, tokenizer, timeout, out / "llama.cpp.log")
