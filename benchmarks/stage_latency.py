@@ -253,11 +253,12 @@ def main():
             exp = load_export(args.export)
             pair, model = source_pair(args, exp)
         else:
+            from dtrt.exporter.config import ExportConfig
             from dtrt.exporter.export import export_pair
 
             pair = load_pair(resolve_spec(**sources(args), backend="torch"))
             model = args.model or (None if args.target else "tiny")
-            exp = export_pair(pair, Path(tmp) / "export", model, max_context=1024)
+            exp = export_pair(pair, Path(tmp) / "export", ExportConfig(max_context=1024), model=model)
         stages = time_stages(args, stage_cases(args, exp, pair))
         rounds = time_rounds(args, exp, pair)
 

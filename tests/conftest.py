@@ -111,15 +111,18 @@ def tiny_export(tiny, tmp_path_factory):
     from filelock import FileLock
 
     from dtrt.artifacts.export import load_export
+    from dtrt.exporter.config import ExportConfig
     from dtrt.exporter.export import export_pair
 
     if not _WORKERS:
-        return export_pair(tiny, tmp_path_factory.mktemp("export") / "tiny", model="tiny", max_context=512)
+        return export_pair(
+            tiny, tmp_path_factory.mktemp("export") / "tiny", ExportConfig(max_context=512), model="tiny"
+        )
     path = tmp_path_factory.getbasetemp().parent / "tiny-export"  # the workers' basetemps share this parent
     with FileLock(f"{path}.lock"):
         if path.is_dir():
             return load_export(path)
-        return export_pair(tiny, path, model="tiny", max_context=512)
+        return export_pair(tiny, path, ExportConfig(max_context=512), model="tiny")
 
 
 @pytest.fixture(scope="session")

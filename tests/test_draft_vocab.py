@@ -14,6 +14,7 @@ from test_methods import LINEAR_COST
 from test_sampling import N, chi_square_pvalue, exact_triples, sample
 
 from dtrt.errors import DtrtError
+from dtrt.exporter.config import ExportConfig
 from dtrt.exporter.export import export_pair
 from dtrt.models.draft_vocab import FILE, DraftHead, DraftVocab, load_draft_vocab, resolve_draft_vocab
 from dtrt.train.datagen import DataGenConfig, drafter_data
@@ -129,7 +130,10 @@ def exported(tiny, subset, tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     return {
         quant: export_pair(
-            tiny, root / quant, model="tiny", max_context=512, draft_vocab=str(subset), drafter_quant=quant
+            tiny,
+            root / quant,
+            ExportConfig(max_context=512, draft_vocab=str(subset), drafter_quant=quant),
+            model="tiny",
         )
         for quant in ("none", "int8")
     }
@@ -179,7 +183,7 @@ def test_export_and_run_refuse_another_vocabulary(tiny, exported, tmp_path):
     with pytest.raises(DtrtError, match="16 tokens, fewer than --topm 64"):
         pipe_for(tiny, spec("dominotree", draft_vocab=str(small)))
     with pytest.raises(DtrtError, match="16 tokens, fewer than --topm 64"):
-        export_pair(tiny, tmp_path / "x", model="tiny", draft_vocab=str(small))
+        export_pair(tiny, tmp_path / "x", ExportConfig(draft_vocab=str(small)), model="tiny")
     assert not (tmp_path / "x").exists()
 
 

@@ -10,6 +10,7 @@ from helpers import run_cli
 from dtrt.artifacts.export import MANIFEST, check_source, load_export
 from dtrt.errors import DtrtError
 from dtrt.exporter import export as export_mod
+from dtrt.exporter.config import ExportConfig
 from dtrt.exporter.export import export_pair
 from dtrt.models.checkpoint import Pair, load_target, save_checkpoint, target_state
 
@@ -36,7 +37,7 @@ def test_sharded_checkpoint_exports(tiny, tmp_path):
     target = load_target(tiny.target)
     src = tmp_path / "sharded"
     save_checkpoint(src, json.loads((tiny.target / "config.json").read_text()), target_state(target), shards=2)
-    exp = export_pair(Pair(src), tmp_path / "out", max_context=64)
+    exp = export_pair(Pair(src), tmp_path / "out", ExportConfig(max_context=64))
     assert set(exp.manifest["source"]["target_hashes"]) == {
         "config.json",
         "model.safetensors.index.json",
@@ -66,7 +67,7 @@ def test_export_flags(tiny, tmp_path):
     with pytest.raises(DtrtError, match="already exists; pass --force"):
         export_pair(tiny, tmp_path / "out")
     with pytest.raises(DtrtError, match="--dtype int4: export supports fp32, fp16, bf16"):  # bf16: test_precision.py
-        export_pair(tiny, tmp_path / "x", dtype="int4")
+        export_pair(tiny, tmp_path / "x", ExportConfig(dtype="int4"))
 
 
 @pytest.fixture
@@ -161,7 +162,7 @@ def test_only_the_drafters_asked_for(tiny, tmp_path, monkeypatch, capsys):
     assert code == 2 and err == "error: --drafters 'eagle': use some of dflash, domino\n"
     hybrid_like = Pair(tiny.target, None, tiny.domino)
     with pytest.raises(DtrtError, match=r"^--drafters dflash: the pair has no dflash drafter \(it has: domino\)$"):
-        export_pair(hybrid_like, tmp_path / "y", drafter_kinds=("dflash",))
+        export_pair(hybrid_like, tmp_path / "y", ExportConfig(drafters=("dflash",)))
 
 
 @pytest.mark.slow

@@ -217,9 +217,12 @@ def pair():
 
 @pytest.fixture(scope="module")
 def export(pair, tmp_path_factory):
+    from dtrt.exporter.config import ExportConfig
     from dtrt.exporter.export import export_pair
 
-    return export_pair(pair, tmp_path_factory.mktemp("export") / "tiny-hybrid", model="tiny-hybrid", max_context=256)
+    return export_pair(
+        pair, tmp_path_factory.mktemp("export") / "tiny-hybrid", ExportConfig(max_context=256), model="tiny-hybrid"
+    )
 
 
 def pipeline(pair, export, draft, backend):

@@ -12,6 +12,8 @@ import pytest
 
 from dtrt.cli import cli
 from dtrt.cli.options import FILLED_IN, click_type, field_docs, option_from
+from dtrt.errors import DtrtError
+from dtrt.exporter.config import ExportConfig
 from dtrt.runtime.spec import RunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,12 +64,11 @@ def test_an_option_is_its_field():
 GENERATED = {
     "run": ("dtype", "backend", "threads", "device", "method", "builder", "arm", "budget", "topm", "node_topk",
             "cuda_graph", "lookup", "draft_vocab"),
-    "export": ("budget", "topm", "node_topk"),
 }  # fmt: skip
 GENERATED["serve"] = GENERATED["run"]
 
 
-@pytest.mark.parametrize("command", ["run", "serve", "export"])
+@pytest.mark.parametrize("command", ["run", "serve"])
 def test_the_commands_take_run_spec_fields_from_run_spec(command):
     """Each flag that sets a RunSpec field has the field's choices, its default (or none: the launch layer's) and,
     unless the command says what it is for itself, its docstring as help."""
@@ -78,8 +79,41 @@ def test_the_commands_take_run_spec_fields_from_run_spec(command):
         if isinstance(kind, click.Choice):
             assert tuple(p.type.choices) == tuple(kind.choices), name
         assert p.default in (None, spec[name].default), (name, p.default)
-        if name != "draft_vocab" and not (command == "export" and name == "budget"):
+        if name != "draft_vocab":
             assert p.help.startswith(docs[name]), name
+
+
+def test_export_flags_are_export_config():
+    """Every field of ExportConfig is a flag of `dtrt export` with its choices, default and docstring, and the
+    command hands them over as they are; the RunSpec fields it shares take RunSpec's defaults."""
+    hints, docs = typing.get_type_hints(ExportConfig), field_docs(ExportConfig)
+    got = {p.name: p for p in cli.commands["export"].params}
+    for f in fields(ExportConfig):
+        p, kind = got[f.name], click_type(hints[f.name])
+        if isinstance(kind, click.Choice):
+            assert tuple(p.type.choices) == tuple(kind.choices), f.name
+        assert p.default == f.default and p.help == docs[f.name], f.name
+    assert tuple(got["dtype"].type.choices) == ("fp32", "fp16", "bf16")  # what the exporter supports
+    assert (ExportConfig.budget, ExportConfig.topm, ExportConfig.node_topk) == (
+        RunSpec.budget, RunSpec.topm, RunSpec.node_topk
+    )  # fmt: skip
+    assert got["drafters"].type.convert("dflash, domino", None, None) == ("dflash", "domino")
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        ({"dtype": "int4"}, "--dtype int4: export supports fp32, fp16, bf16"),
+        ({"drafters": ("eagle",)}, "--drafters 'eagle': use some of dflash, domino"),
+        ({"quant": "int4", "quant_block": 48}, "--quant-block 48"),
+        ({"drafter_quant": "int8", "dtype": "bf16"}, "--drafter-quant int8 quantizes fp32 weights"),
+        ({"max_context": 1}, "--max-context must be >= 2"),
+    ],
+)
+def test_export_config_checks_its_values_once(kw, msg):
+    with pytest.raises(DtrtError, match=re.escape(msg)):
+        ExportConfig(**kw)
+    assert ExportConfig(quant="int4").quant_spec.block == 32 and ExportConfig().quant_spec is None
 
 
 def test_each_run_spec_default_is_written_once():

@@ -12,6 +12,7 @@ from test_engines import fake_trt  # noqa: F401 (fixture)
 
 from dtrt.engines.build import build_engines
 from dtrt.errors import DtrtError
+from dtrt.exporter.config import ExportConfig
 from dtrt.exporter.export import export_pair
 from dtrt.exporter.precision import fp16_warning, stored_dtype
 from dtrt.models.checkpoint import Pair, load_target, save_checkpoint, target_state
@@ -21,7 +22,9 @@ from dtrt.parity import run_parity
 
 @pytest.fixture(scope="module")
 def bf16_export(tiny, tmp_path_factory):
-    return export_pair(tiny, tmp_path_factory.mktemp("bf16") / "tiny", "tiny", dtype="bf16", max_context=256)
+    return export_pair(
+        tiny, tmp_path_factory.mktemp("bf16") / "tiny", ExportConfig(dtype="bf16", max_context=256), model="tiny"
+    )
 
 
 @pytest.mark.slow
@@ -74,5 +77,5 @@ def test_fp16_overflow_of_a_bf16_checkpoint_is_warned(tiny, tmp_path):
     assert warning.startswith(f"warning: {hot} is stored in bf16, and in fp16 its activations ")
     assert "decoder layer 1" in warning and "--dtype bf16" in warning and "\n" not in warning
     logs = []
-    export_pair(Pair(hot), tmp_path / "exp", dtype="fp16", max_context=64, log=logs.append)
+    export_pair(Pair(hot), tmp_path / "exp", ExportConfig(dtype="fp16", max_context=64), log=logs.append)
     assert warning in logs  # the export still completes: the output of an fp16 target is the user's call

@@ -17,6 +17,7 @@ from test_ort_backend import ort_pipeline
 from dtrt.artifacts.export import load_export
 from dtrt.artifacts.files import MANIFEST, write_manifest
 from dtrt.errors import DtrtError
+from dtrt.exporter.config import ExportConfig
 from dtrt.exporter.export import export_pair
 from dtrt.exporter.target_quant import DATA_SUFFIX, pack_int4, unpack_int4
 from dtrt.models.checkpoint import load_target
@@ -35,13 +36,13 @@ INT4 = quant_spec("int4")
 @pytest.fixture(scope="module")
 def int4_export(tiny, tmp_path_factory):
     path = tmp_path_factory.mktemp("quant") / "tiny-int4"
-    return export_pair(tiny, path, model="tiny", max_context=512, drafter_kinds=("domino",), quant=INT4)
+    return export_pair(tiny, path, ExportConfig(max_context=512, drafters=("domino",), quant="int4"), model="tiny")
 
 
 @pytest.fixture(scope="module")
 def int8_export(tiny, tmp_path_factory):
     path = tmp_path_factory.mktemp("quant") / "tiny-int8"
-    return export_pair(tiny, path, model="tiny", max_context=256, drafter_kinds=("domino",), quant=quant_spec("int8"))
+    return export_pair(tiny, path, ExportConfig(max_context=256, drafters=("domino",), quant="int8"), model="tiny")
 
 
 @pytest.fixture(scope="module")
@@ -345,7 +346,7 @@ def test_quantized_exports_refuse_what_they_cannot_do(int4_export, tmp_path, mon
     with pytest.raises(DtrtError, match=r"^--budget 64: .* at most 64 nodes; use --budget 63 or less$"):
         pipe_for(None, spec("dominotree", budget=64), backend="onnxruntime", export=int4_export.path)
     with pytest.raises(DtrtError, match=r"^--quant int4: .* is a hybrid target .*; export it with --quant none$"):
-        export_pair(tiny_hybrid_pair(), tmp_path / "h", quant=INT4)
+        export_pair(tiny_hybrid_pair(), tmp_path / "h", ExportConfig(quant="int4"))
     from dtrt.engines.build import build_engines
 
     with pytest.raises(DtrtError, match=r"int4 weights .* ONNX Runtime only .* re-export with `dtrt export .*"):

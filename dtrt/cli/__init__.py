@@ -13,15 +13,13 @@ import click
 from dtrt import __version__
 from dtrt.cli.options import FILLED_IN, option_from
 from dtrt.errors import BackendFault, DtrtError
-from dtrt.exporter.precision import EXPORT_DTYPES
-from dtrt.exporter.quantize import DRAFTER_QUANTS
+from dtrt.exporter.config import ExportConfig
 from dtrt.frontend.requests import FLAGS, check_thinking, has_chat_template, make_request, read_requests
 from dtrt.frontend.terminal import generate_one, prompt_ids, repl, stats_line
 from dtrt.launch import open_sources, pipeline, resolve_spec, served_model_name
 from dtrt.launch.resolve import check_cuda
 from dtrt.launch.sources import load_pair
-from dtrt.models.quant import INT4_BLOCKS, QUANTS, quant_spec
-from dtrt.models.quant import METHODS as QUANT_METHODS
+from dtrt.models.quant import QUANTS
 from dtrt.runtime.pipeline import open_pipeline, tokenizer_dir
 from dtrt.runtime.spec import RunSpec
 from dtrt.train.datagen import DataGenConfig
@@ -37,15 +35,6 @@ QUANT_HELP = (
     "the target's linear layers, lm_head included, as weight-only int8 (per output channel) or int4 (per block); "
     "the quantized model is the target every method reproduces"
 )
-
-
-def parse_quant(quant: str, block: int, method: str):
-    """`dtrt export`'s --quant, --quant-block and --quant-method as a QuantSpec (None for none)."""
-    try:
-        return quant_spec(quant, block, method)
-    except ValueError as e:
-        msg = str(e)
-        raise DtrtError(msg if msg.startswith("--") else f"--quant {quant!r}: {msg}") from None
 
 
 def _log(msg):
@@ -388,86 +377,25 @@ def serve(
 @click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino)")
 @click.option("--model-dir", type=click.Path(), help=MODEL_DIR_HELP)
 @click.option("--out", required=True, type=click.Path(), help="export directory to create")
-@click.option(
-    "--dtype",
-    type=click.Choice(EXPORT_DTYPES),
-    default="fp32",
-    show_default=True,
-    help="the stages' precision (bf16: for TensorRT; ONNX Runtime's CPU provider has no bf16 kernels)",
-)
-@click.option("--max-context", type=int, default=4096, show_default=True, help="largest past + new tokens")
-@option_from(RunSpec, "budget", replace_help=True, help="tree budget of the fixed-shape stages (frontier, chain)")
-@option_from(RunSpec, "topm")
-@option_from(RunSpec, "node_topk")
-@click.option(
-    "--drafter-quant",
-    type=click.Choice(DRAFTER_QUANTS),
-    default="none",
-    show_default=True,
-    help="int8 weights in the drafters' block stages (ONNX Runtime CPU; drafts only, output unchanged)",
-)
-@click.option(
-    "--drafters",
-    help="comma list of the drafter kinds to export: dflash, domino (default: every one the pair has; a Domino "
-    "drafter alone serves every method)",
-)
-@click.option("--quant", type=click.Choice(QUANTS), default="none", show_default=True, help=QUANT_HELP)
-@click.option(
-    "--quant-block",
-    type=int,
-    default=32,
-    show_default=True,
-    help=f"int4: input features per scale ({', '.join(map(str, INT4_BLOCKS))})",
-)
-@click.option(
-    "--quant-method",
-    type=click.Choice(QUANT_METHODS),
-    default="rtn",
-    show_default=True,
-    help="rtn: scale = absmax / qmax; mse: the clip of absmax with the least squared error per channel or block",
-)
-@click.option("--draft-vocab", help=DRAFT_VOCAB_HELP)
-@click.option("--force", is_flag=True, help="replace an existing export directory")
-def export(
-    model,
-    target,
-    drafter,
-    model_dir,
-    out,
-    dtype,
-    max_context,
-    budget,
-    topm,
-    node_topk,
-    drafter_quant,
-    drafters,
-    quant,
-    quant_block,
-    quant_method,
-    draft_vocab,
-    force,
-):
+@option_from(ExportConfig, "dtype")
+@option_from(ExportConfig, "max_context")
+@option_from(ExportConfig, "budget")
+@option_from(ExportConfig, "topm")
+@option_from(ExportConfig, "node_topk")
+@option_from(ExportConfig, "drafter_quant")
+@option_from(ExportConfig, "drafters")
+@option_from(ExportConfig, "quant")
+@option_from(ExportConfig, "quant_block")
+@option_from(ExportConfig, "quant_method")
+@option_from(ExportConfig, "draft_vocab")
+@option_from(ExportConfig, "force")
+def export(model, target, drafter, model_dir, out, **fields):
     """Export every stage to ONNX, with manifest.json, into OUT (complete or not at all)."""
     from dtrt.exporter.export import export_pair
 
-    qspec = parse_quant(quant, quant_block, quant_method)
+    cfg = ExportConfig(**fields)
     spec = resolve_spec(model=model, target=target, drafter=drafter, model_dir=model_dir, backend="torch")
-    exp = export_pair(
-        load_pair(spec, log=_log),
-        Path(out),
-        spec.model,
-        dtype,
-        max_context,
-        budget,
-        topm,
-        node_topk,
-        force,
-        drafter_quant,
-        tuple(k.strip() for k in drafters.split(",") if k.strip()) if drafters else None,
-        quant=qspec,
-        draft_vocab=draft_vocab,
-        log=_log,
-    )
+    exp = export_pair(load_pair(spec, log=_log), Path(out), cfg, model=spec.model, log=_log)
     size = sum(m["size"] for m in exp.manifest["files"].values())
     click.echo(f"{exp.path}: {len(exp.manifest['stages'])} stages, {size / 1e6:.1f} MB")
 

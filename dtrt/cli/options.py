@@ -33,14 +33,31 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+class CommaList(click.ParamType):
+    """`a,b` as the tuple ("a", "b"): a `tuple[str, ...]` field on the command line."""
+
+    name = "list"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        items = tuple(s.strip() for s in value.split(",") if s.strip())
+        if not items:
+            self.fail(f"{value!r}: give a comma-separated list", param, ctx)
+        return items
+
+
 def click_type(annotation):
-    """The click type of a field's annotation: a Literal's values as a Choice, `X | None` as X."""
+    """The click type of a field's annotation: a Literal's values as a Choice, `X | None` as X, `tuple[str, ...]`
+    as a comma list."""
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         (annotation,) = [a for a in args if a is not type(None)]
         args = typing.get_args(annotation)
     if typing.get_origin(annotation) is typing.Literal:
         return click.Choice(args)
+    if typing.get_origin(annotation) is tuple and args == (str, ...):
+        return CommaList()
     if annotation is Path:
         return click.Path()
     if annotation in (int, float, str, bool):

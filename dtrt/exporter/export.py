@@ -10,9 +10,10 @@ from dtrt.artifacts.export import FORMAT, LAYOUT, Export, load_export
 from dtrt.artifacts.files import checkpoint_hashes, sha256, staging, write_manifest
 from dtrt.artifacts.verify import record_verified
 from dtrt.errors import DtrtError
+from dtrt.exporter.config import ExportConfig
 from dtrt.exporter.onnx_export import OPSET, export_stage
-from dtrt.exporter.precision import EXPORT_DTYPES, fp16_warning, stored_dtype
-from dtrt.exporter.quantize import check_drafter_quant, quantize_drafters
+from dtrt.exporter.precision import fp16_warning, stored_dtype
+from dtrt.exporter.quantize import quantize_drafters
 from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.exporter.stages import drafter_stages, target_stage
 from dtrt.exporter.target_quant import ordered_attention, quantize_target
@@ -20,10 +21,8 @@ from dtrt.exporter.weights import WEIGHTS, share_weights
 from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import HybridConfig
 from dtrt.models.draft_vocab import check_vocab_size, draft_vocab_file, resolve_draft_vocab
-from dtrt.models.quant import QuantSpec, weight_names
-from dtrt.runtime.spec import RunSpec
+from dtrt.models.quant import weight_names
 
-DRAFTER_KINDS = ("dflash", "domino")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -93,38 +92,17 @@ def pair_stages(target, taps, drafters: dict, budget: int, topm: int, node_topk:
 
 
 def export_pair(
-    pair: Pair,
-    out: Path,
-    model: str | None = None,
-    dtype: str = "fp32",
-    max_context: int = 4096,
-    budget: int = RunSpec.budget,
-    topm: int = RunSpec.topm,
-    node_topk: int = RunSpec.node_topk,
-    force: bool = False,
-    drafter_quant: str = "none",
-    drafter_kinds: tuple[str, ...] | None = None,
-    quant: QuantSpec | None = None,
-    draft_vocab: str | Path | None = None,
-    log=None,
+    pair: Pair, out: Path, cfg: ExportConfig | None = None, *, model: str | None = None, log=None
 ) -> Export:
-    """`drafter_kinds`: the drafters to export (dflash, domino; None: every one the pair has). A Domino drafter
-    serves every method (its body is a DFlash drafter), so `("domino",)` is the smallest export that runs them all.
-    `quant`: the target's linear layers weight-only quantized (dtrt.exporter.target_quant; None: as `dtype`).
-    `draft_vocab`: the drafters' base logits over a reduced vocabulary (dtrt.models.draft_vocab: None or "auto",
-    each drafter's own d2t.safetensors where it has one; "full"; a file)."""
+    """`pair` exported as `cfg` says into `out` (complete or not at all); `model`: the registry name it came from.
+    A Domino drafter serves every method (its body is a DFlash drafter), so `drafters=("domino",)` is the smallest
+    export that runs them all."""
     log = log or (lambda msg: None)
-    out = Path(out)
-    if dtype not in EXPORT_DTYPES:
-        raise DtrtError(f"--dtype {dtype}: export supports {', '.join(EXPORT_DTYPES)}")
-    check_drafter_quant(drafter_quant, dtype)
-    if max_context < 2 or budget < 1:
-        raise DtrtError("--max-context must be >= 2 and --budget >= 1")
-    if out.exists() and not force:
+    out, cfg = Path(out), cfg or ExportConfig()
+    dtype, max_context, budget, topm, node_topk = cfg.dtype, cfg.max_context, cfg.budget, cfg.topm, cfg.node_topk
+    drafter_quant, drafter_kinds, quant, draft_vocab = cfg.drafter_quant, cfg.drafters, cfg.quant_spec, cfg.draft_vocab
+    if out.exists() and not cfg.force:
         raise DtrtError(f"--out {out}: already exists; pass --force to replace it")
-    for kind in drafter_kinds or ():
-        if kind not in DRAFTER_KINDS:
-            raise DtrtError(f"--drafters {kind!r}: use some of {', '.join(DRAFTER_KINDS)}")
     drafter_paths = {"dflash": pair.dflash, "domino": pair.domino}
     target, drafters, taps = load_models(pair.target, drafter_paths, parse_dtype(dtype))
     if quant is not None and isinstance(target.cfg, HybridConfig):

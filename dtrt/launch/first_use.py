@@ -9,6 +9,7 @@ from dtrt import __version__
 from dtrt.artifacts.export import LAYOUT, Export, check_source, load_export
 from dtrt.artifacts.files import MANIFEST, cache_dir
 from dtrt.errors import DtrtError
+from dtrt.exporter.config import ExportConfig
 from dtrt.launch.memory import check_first_use
 from dtrt.models.checkpoint import Pair
 from dtrt.models.quant import quant_spec
@@ -62,9 +63,8 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none", draft_v
             )
     check_first_use(pair, model, quant=quant)
     log(f"exporting {model} to ONNX in {path} (first use only)")
-    return export_pair(
-        pair, Path(path), model, force=True, drafter_quant=DRAFTER_QUANT, quant=qspec, draft_vocab=draft_vocab, log=log
-    )
+    cfg = ExportConfig(force=True, drafter_quant=DRAFTER_QUANT, quant=quant, draft_vocab=draft_vocab)
+    return export_pair(pair, Path(path), cfg, model=model, log=log)
 
 
 def pair_vocabs(pair: Pair, drafters: dict, draft_vocab: str | None) -> dict[str, str | None]:

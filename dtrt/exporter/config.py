@@ -1,0 +1,66 @@
+"""ExportConfig: what `dtrt export` makes of a pair, as one frozen object whose values are checked once, here. The
+command's flags are generated from its fields (dtrt.cli.options), so each one's type, choices, default and help are
+written here only."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dtrt.errors import DtrtError
+from dtrt.exporter.precision import EXPORT_DTYPES
+from dtrt.exporter.quantize import DRAFTER_QUANTS, check_drafter_quant
+from dtrt.models.quant import METHODS as QUANT_METHODS
+from dtrt.models.quant import QUANTS, QuantSpec, quant_spec
+from dtrt.runtime.spec import RunSpec
+
+DRAFTER_KINDS = ("dflash", "domino")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    dtype: Literal[EXPORT_DTYPES] = "fp32"
+    """The stages' precision (bf16: for TensorRT; ONNX Runtime's CPU provider has no bf16 kernels)."""
+    max_context: int = 4096
+    """Largest past + new tokens the stages take."""
+    budget: int = RunSpec.budget
+    """Tree budget of the fixed-shape stages (frontier, chain)."""
+    topm: int = RunSpec.topm
+    """Domino candidates per depth of the scorer and frontier stages, M (0: the whole vocabulary)."""
+    node_topk: int = RunSpec.node_topk
+    """Children per tree node of the frontier stage, k."""
+    drafter_quant: Literal[DRAFTER_QUANTS] = "none"
+    """int8 weights in the drafters' block stages (ONNX Runtime CPU; drafts only, output unchanged)."""
+    drafters: tuple[str, ...] | None = None
+    """The drafter kinds to export, dflash and/or domino (default: every one the pair has; a Domino drafter alone
+    serves every method, its body being a DFlash drafter)."""
+    quant: Literal[QUANTS] = "none"
+    """The target's linear layers, lm_head included, as weight-only int8 (per output channel) or int4 (per block of
+    --quant-block input features); the quantized model is the target every method reproduces."""
+    quant_block: int = 32
+    """int4: input features per scale (32, 64 or 128)."""
+    quant_method: Literal[QUANT_METHODS] = "rtn"
+    """rtn: scale = absmax / qmax; mse: the clip of absmax with the least squared error per channel or block."""
+    draft_vocab: str | None = None
+    """The drafters' base logits over a reduced vocabulary: `full`, or a subset file (`dtrt draft-vocab` writes
+    one); default (or `auto`): each drafter's own d2t.safetensors where it has one, else full."""
+    force: bool = False
+    """Replace an existing export directory."""
+
+    def __post_init__(self):
+        if self.dtype not in EXPORT_DTYPES:
+            raise DtrtError(f"--dtype {self.dtype}: export supports {', '.join(EXPORT_DTYPES)}")
+        check_drafter_quant(self.drafter_quant, self.dtype)
+        if self.max_context < 2 or self.budget < 1:
+            raise DtrtError("--max-context must be >= 2 and --budget >= 1")
+        for kind in self.drafters or ():
+            if kind not in DRAFTER_KINDS:
+                raise DtrtError(f"--drafters {kind!r}: use some of {', '.join(DRAFTER_KINDS)}")
+        self.quant_spec  # noqa: B018 (checks --quant, --quant-block, --quant-method)
+
+    @property
+    def quant_spec(self) -> QuantSpec | None:
+        """--quant with --quant-block and --quant-method (None: not quantized)."""
+        try:
+            return quant_spec(self.quant, self.quant_block, self.quant_method)
+        except ValueError as e:
+            msg = str(e)
+            raise DtrtError(msg if msg.startswith("--") else f"--quant {self.quant!r}: {msg}") from None
