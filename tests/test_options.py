@@ -15,6 +15,8 @@ from dtrt.cli.options import FILLED_IN, click_type, field_docs, option_from
 from dtrt.errors import DtrtError
 from dtrt.exporter.config import ExportConfig
 from dtrt.runtime.spec import RunSpec
+from dtrt.train.datagen import DataGenConfig
+from dtrt.train.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,6 +100,33 @@ def test_export_flags_are_export_config():
         RunSpec.budget, RunSpec.topm, RunSpec.node_topk
     )  # fmt: skip
     assert got["drafters"].type.convert("dflash, domino", None, None) == ("dflash", "domino")
+
+
+@pytest.mark.parametrize(
+    ("command", "cls", "flags"),
+    [
+        ("train-drafter", TrainConfig, {"time_limit_s": "--time-limit"}),
+        ("drafter-data", DataGenConfig, {"chat": "--chat"}),
+    ],
+)
+def test_training_flags_are_their_configs(command, cls, flags):
+    """`dtrt train-drafter` and `dtrt drafter-data` take every field of their config with its default, choices
+    and docstring; the flag names are the fields' unless the command says otherwise."""
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    got = {p.name: p for p in cli.commands[command].params}
+    for f in fields(cls):
+        p, kind = got[f.name], click_type(hints[f.name])
+        if isinstance(kind, click.Choice):
+            assert tuple(p.type.choices) == tuple(kind.choices), f.name
+        assert p.default == f.default and p.help == docs[f.name], f.name
+        assert p.opts[0] == flags.get(f.name, "--" + f.name.replace("_", "-")), f.name
+    assert got["chat"].secondary_opts == ["--no-chat"] if command == "drafter-data" else True
+
+
+def test_no_command_declares_a_flag_twice():
+    for name, command in cli.commands.items():
+        opts = [o for p in command.params for o in (*p.opts, *p.secondary_opts)]
+        assert len(opts) == len(set(opts)), (name, sorted(o for o in opts if opts.count(o) > 1))
 
 
 @pytest.mark.parametrize(

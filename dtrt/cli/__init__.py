@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from dtrt import __version__
-from dtrt.cli.options import FILLED_IN, option_from
+from dtrt.cli.options import FILLED_IN, option_from, options_from
 from dtrt.errors import BackendFault, DtrtError
 from dtrt.exporter.config import ExportConfig
 from dtrt.frontend.requests import FLAGS, check_thinking, has_chat_template, make_request, read_requests
@@ -559,97 +559,7 @@ def quality(
 )
 @click.option("--chat/--no-chat", default=True, show_default=True, help="wrap prompts in the chat template")
 @click.option("--resume", is_flag=True, help="continue the run in --out")
-@click.option(
-    "--init-from",
-    type=click.Path(),
-    help="a trained Domino checkpoint of the same shape (a run's domino/, a shipped drafter) to start from instead "
-    "of the target's last layers",
-)
-@click.option("--layers", type=int, default=TrainConfig.layers, show_default=True)
-@click.option("--block-size", type=int, default=TrainConfig.block_size, show_default=True)
-@click.option("--gru-dim", type=int, default=TrainConfig.gru_dim, show_default=True)
-@click.option("--emb-dim", type=int, default=TrainConfig.emb_dim, show_default=True)
-@click.option("--seq-len", type=int, default=TrainConfig.seq_len, show_default=True)
-@click.option("--corpus-chars", type=int, default=TrainConfig.corpus_chars, show_default=True)
-@click.option("--corpus-rows", type=int, default=TrainConfig.corpus_rows, show_default=True)
-@click.option("--gen-tokens", type=int, default=TrainConfig.gen_tokens, show_default=True)
-@click.option(
-    "--data-rows",
-    type=int,
-    default=TrainConfig.data_rows,
-    show_default=True,
-    help="windows kept per --data directory (a seeded subset; each stores seq-len x taps x hidden fp16 features "
-    "on disk)",
-)
-@click.option(
-    "--gen-batch", type=int, default=TrainConfig.gen_batch, show_default=True, help="prompts continued together"
-)
-@click.option("--steps", type=int, default=TrainConfig.steps, show_default=True)
-@click.option("--batch", type=int, default=TrainConfig.batch, show_default=True)
-@click.option("--anchors", type=int, default=TrainConfig.anchors, show_default=True, help="blocks per row")
-@click.option("--lr", type=float, default=TrainConfig.lr, show_default=True)
-@click.option(
-    "--slot-decay", type=float, default=TrainConfig.slot_decay, show_default=True, help="decay: weight exp(-d / this)"
-)
-@click.option(
-    "--slot-weighting",
-    type=click.Choice(["decay", "tau"]),
-    default=TrainConfig.slot_weighting,
-    show_default=True,
-    help="the loss weight of draft depth d: exp(-d / --slot-decay), or tau: how much a better acceptance at d adds "
-    "to a chain's tau, from the running per-depth accuracy",
-)
-@click.option(
-    "--candidates",
-    type=int,
-    default=TrainConfig.candidates,
-    show_default=True,
-    help="vocabulary entries the loss scores per step: the batch's labels and the target's top-8 at them, then "
-    "uniform negatives weighted for the rest; 0 scores the full vocabulary",
-)
-@click.option("--eval-every", type=int, default=TrainConfig.eval_every, show_default=True)
-@click.option(
-    "--save-every", type=int, default=TrainConfig.save_every, show_default=True, help="steps between checkpoints"
-)
-@click.option("--eval-prompts", type=int, default=TrainConfig.eval_prompts, show_default=True)
-@click.option("--eval-tokens", type=int, default=TrainConfig.eval_tokens, show_default=True)
-@click.option("--save-dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
-@click.option(
-    "--features",
-    type=click.Choice(["disk", "memory"]),
-    default=TrainConfig.features,
-    show_default=True,
-    help="disk: the resumable feature store under OUT/.train/data; memory: built on --device on every run, never "
-    "written (a GPU with room for them)",
-)
-@click.option(
-    "--feature-batch", type=int, default=TrainConfig.feature_batch, show_default=True, help="rows featurized at once"
-)
-@click.option(
-    "--autocast",
-    type=click.Choice(["fp32", "bf16"]),
-    default=TrainConfig.autocast,
-    show_default=True,
-    help="the drafter's forward and loss under bf16 autocast",
-)
-@click.option(
-    "--time-limit",
-    "time_limit_s",
-    type=float,
-    default=TrainConfig.time_limit_s,
-    show_default=True,
-    help="seconds after which the run, its data's build included, evaluates, saves and stops (0: none); the "
-    "learning rate still follows --steps",
-)
-@click.option(
-    "--eval-every-s",
-    type=float,
-    default=TrainConfig.eval_every_s,
-    show_default=True,
-    help="also evaluate once this many seconds of training passed since the last evaluation (0: never)",
-)
+@options_from(TrainConfig, decls={"time_limit_s": ("--time-limit",)})
 def train_drafter_cmd(
     model, target, model_dir, out, corpus, prompts_file, held_out_sets, data_dirs, chat, resume, **opts
 ):
@@ -696,39 +606,11 @@ def train_drafter_cmd(
     help="JSONL ({'prompt': ...}, {'turns': [...]} or {'messages': [...]}) or text lines: the target answers them",
 )
 @click.option("--corpus", multiple=True, type=click.Path(), help="text file or directory to teacher-force (repeat)")
-@click.option("--chat/--no-chat", default=True, show_default=True, help="wrap prompts in the chat template")
-@click.option("--samples", type=int, default=DataGenConfig.samples, show_default=True, help="responses per prompt")
-@click.option(
-    "--temperature",
-    type=float,
-    default=DataGenConfig.temperature,
-    show_default=True,
-    help="of the sampled responses (sample 0 is greedy)",
-)
-@click.option("--top-p", type=float, default=DataGenConfig.top_p, show_default=True)
-@click.option("--seed", type=int, default=DataGenConfig.seed, show_default=True, help="the sampled responses' seeds")
-@click.option("--max-new-tokens", type=int, default=DataGenConfig.max_new_tokens, show_default=True)
-@click.option(
-    "--max-prompt-tokens",
-    type=int,
-    default=DataGenConfig.max_prompt_tokens,
-    show_default=True,
-    help="longer prompts (or later turns) are skipped",
-)
-@click.option("--batch", type=int, default=DataGenConfig.batch, show_default=True, help="prompts decoded together")
-@click.option(
-    "--shard-rows",
-    type=int,
-    default=DataGenConfig.shard_rows,
-    show_default=True,
-    help="(prompt, sample) pairs per shard (each turn of a conversation is a row); corpus rows per corpus shard",
-)
-@click.option("--corpus-chars", type=int, default=DataGenConfig.corpus_chars, show_default=True)
-@click.option("--corpus-row-tokens", type=int, default=DataGenConfig.corpus_row_tokens, show_default=True)
+@options_from(DataGenConfig, skip=("device",), decls={"chat": ("--chat/--no-chat",)})
 @click.option("--resume", is_flag=True, help="continue the run in --out after its last finished shard")
 @click.option("--max-shards", type=int, help="stop after writing this many shards (--resume continues)")
 @click.option("--threads", type=int, help="intra-op threads of torch (default: torch's)")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
+@option_from(DataGenConfig, "device")
 def drafter_data_cmd(model, target, model_dir, out, prompts_file, corpus, resume, max_shards, threads, **opts):
     """Write a drafter's training data as resumable shards: the target's own responses to prompts, and corpus rows."""
     import torch

@@ -85,3 +85,17 @@ def option_from(cls, name: str, *decls: str, default=None, help: str | None = No
             return click.option(*decls, default=None, help=text, **kw)
         return click.option(*decls, is_flag=True, default=bool(value), help=text, **kw)
     return click.option(*decls, type=kind, default=value, show_default=show, help=text, **kw)
+
+
+def options_from(cls, *, skip: tuple[str, ...] = (), decls: dict[str, tuple[str, ...]] | None = None):
+    """A decorator adding an option per field of `cls` (in the class's order, `skip` left out; `decls`: a field's
+    own flag names, e.g. `--x/--no-x` for a bool that defaults to True)."""
+    decls = decls or {}
+    options = [option_from(cls, f.name, *decls.get(f.name, ())) for f in dataclasses.fields(cls) if f.name not in skip]
+
+    def apply(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply

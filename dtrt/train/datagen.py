@@ -43,18 +43,33 @@ COLUMNS = ("offsets", "response_start", "prompt", "sample", "turn")
 
 @dataclass
 class DataGenConfig:
-    samples: int = 1  # responses per prompt: sample 0 greedy, the others sampled
-    temperature: float = 0.8  # of the sampled responses
+    """`dtrt drafter-data`'s options: which responses the target writes and how they are sharded (the command's
+    flags are generated from these fields)."""
+
+    samples: int = 1
+    """Responses per prompt: sample 0 greedy, the others sampled."""
+    temperature: float = 0.8
+    """Of the sampled responses (sample 0 is greedy)."""
     top_p: float = 0.95
+    """Of the sampled responses."""
     seed: int = 0
+    """The sampled responses' seeds."""
     max_new_tokens: int = 256
-    max_prompt_tokens: int = 1024  # a longer prompt (or later turn) is skipped
+    """Tokens per response."""
+    max_prompt_tokens: int = 1024
+    """Longer prompts (or later turns) are skipped."""
     batch: int = 32
-    shard_rows: int = 256  # (prompt, sample) pairs per responses shard; corpus rows per corpus shard
+    """Prompts decoded together."""
+    shard_rows: int = 256
+    """(prompt, sample) pairs per shard (each turn of a conversation is a row); corpus rows per corpus shard."""
     chat: bool = True
+    """Wrap prompts in the chat template."""
     corpus_chars: int = 20_000_000
+    """Characters read from --corpus."""
     corpus_row_tokens: int = 512
+    """Tokens per corpus row."""
     device: str = "cpu"
+    """cpu or cuda."""
 
     def __post_init__(self):
         for name in ("samples", "max_new_tokens", "max_prompt_tokens", "batch", "shard_rows", "corpus_chars"):
