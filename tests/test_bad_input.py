@@ -482,7 +482,9 @@ def test_malformed_http_body(tiny, server, monkeypatch):
     expect_http_error(url, 400, data=b"{prompt: 1", fragments=("not valid JSON",))
     expect_http_error(url, 400, data=b"\xff\xfe", fragments=("not valid JSON",))
     expect_http_error(url, 400, ["a prompt"], fragments=("must be a JSON object, not list",))
-    with BackgroundServer(server.server.pipe, ServeConfig("tiny", max_body=1024, max_prompt_tokens=8)) as small:
+    with BackgroundServer(
+        server.server.pipe, ServeConfig("tiny", max_request_bytes=1024, max_prompt_tokens=8)
+    ) as small:
         expect_http_error(
             f"{small.url}/v1/completions",
             413,

@@ -429,7 +429,7 @@ def test_sigterm_with_requests_on_the_replicas(endpoint, local_pipe):
 
 
 def test_api_key_and_limits(local_pipe):
-    cfg = ServeConfig(NAME, api_key=KEY, max_body=4096, max_prompt_tokens=16)
+    cfg = ServeConfig(NAME, api_key=KEY, max_request_bytes=4096, max_prompt_tokens=16)
     with BackgroundServer(local_pipe, cfg) as s:
         with pytest.raises(openai.AuthenticationError) as e:
             client(s.url, key="sk-wrong").completions.create(model=NAME, prompt=PROMPT, max_tokens=4)

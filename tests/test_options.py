@@ -15,6 +15,7 @@ from dtrt.cli.options import FILLED_IN, click_type, field_docs, option_from
 from dtrt.errors import DtrtError
 from dtrt.exporter.config import ExportConfig
 from dtrt.runtime.spec import RunSpec
+from dtrt.serve.worker import ServeConfig
 from dtrt.train.datagen import DataGenConfig
 from dtrt.train.trainer import TrainConfig
 
@@ -121,6 +122,18 @@ def test_training_flags_are_their_configs(command, cls, flags):
         assert p.default == f.default and p.help == docs[f.name], f.name
         assert p.opts[0] == flags.get(f.name, "--" + f.name.replace("_", "-")), f.name
     assert got["chat"].secondary_opts == ["--no-chat"] if command == "drafter-data" else True
+
+
+def test_serve_flags_are_serve_config():
+    """`dtrt serve`'s guards (queue, timeouts, key, limits) are ServeConfig's fields, with their defaults and help."""
+    docs, got = field_docs(ServeConfig), {p.name: p for p in cli.commands["serve"].params}
+    for f in fields(ServeConfig):
+        if f.name in ("model_name", "defaults", "truncate"):  # the command fills these in; --truncate is run's too
+            continue
+        p = got[f.name]
+        assert p.default == f.default and p.help == docs[f.name], f.name
+        assert p.opts[0] == "--" + f.name.replace("_", "-"), f.name
+    assert got["api_key"].envvar == "DTRT_API_KEY"
 
 
 def test_no_command_declares_a_flag_twice():

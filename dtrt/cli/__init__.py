@@ -4,7 +4,7 @@ pipeline and hands it to the runtime, the server or the bench."""
 import json
 import os
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -16,12 +16,12 @@ from dtrt.errors import BackendFault, DtrtError
 from dtrt.exporter.config import ExportConfig
 from dtrt.frontend.requests import FLAGS, check_thinking, has_chat_template, make_request, read_requests
 from dtrt.frontend.terminal import generate_one, prompt_ids, repl, stats_line
-from dtrt.launch import open_sources, pipeline, resolve_spec, served_model_name
+from dtrt.launch import pipeline, resolve_spec
 from dtrt.launch.resolve import check_cuda
 from dtrt.launch.sources import load_pair
 from dtrt.models.quant import QUANTS
-from dtrt.runtime.pipeline import open_pipeline, tokenizer_dir
 from dtrt.runtime.spec import RunSpec
+from dtrt.serve.worker import ServeConfig
 from dtrt.train.datagen import DataGenConfig
 from dtrt.train.trainer import TrainConfig
 from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, lookup_help, method_help, names, quant_help
@@ -243,46 +243,12 @@ def _run_jsonl(pipe, requests, chat, truncate, source):
     help="the model id clients send and /v1/models lists (default: the --model name, or the name of the checkpoint "
     "directory the target, or the --export, comes from)",
 )
-@click.option(
-    "--queue-limit",
-    type=int,
-    default=64,
-    show_default=True,
-    help="requests waiting behind the one generating (per replica); more are answered 429",
-)
-@click.option(
-    "--request-timeout",
-    type=float,
-    default=600.0,
-    show_default=True,
-    help="seconds a request may take, waiting included; then it is cancelled (504)",
-)
-@click.option(
-    "--shutdown-grace",
-    type=float,
-    default=30.0,
-    show_default=True,
-    help="seconds the generations in flight may finish after SIGINT/SIGTERM before they are cancelled",
-)
-@click.option(
-    "--api-key",
-    envvar="DTRT_API_KEY",
-    show_envvar=True,
-    help="requests must send 'Authorization: Bearer KEY' (else 401); /health stays open",
-)
-@click.option(
-    "--max-request-bytes",
-    type=int,
-    default=32 * 2**20,
-    show_default=True,
-    help="largest request body; a larger one is answered 413",
-)
-@click.option(
-    "--max-prompt-tokens",
-    type=int,
-    help="longest prompt in tokens, chat template included; a longer one is answered 400 (default: what fits the "
-    "context)",
-)
+@option_from(ServeConfig, "queue_limit")
+@option_from(ServeConfig, "request_timeout")
+@option_from(ServeConfig, "shutdown_grace")
+@option_from(ServeConfig, "api_key", envvar="DTRT_API_KEY", show_envvar=True)
+@option_from(ServeConfig, "max_request_bytes")
+@option_from(ServeConfig, "max_prompt_tokens")
 @click.option(
     "--replicas",
     type=int,
@@ -300,75 +266,18 @@ def _run_jsonl(pipe, requests, chat, truncate, source):
     "must be installed on every node",
 )
 @thinking_option
-def serve(
-    max_new_tokens,
-    temperature,
-    top_p,
-    seed,
-    thinking,
-    truncate,
-    host,
-    port,
-    name,
-    queue_limit,
-    request_timeout,
-    shutdown_grace,
-    api_key,
-    max_request_bytes,
-    max_prompt_tokens,
-    replicas,
-    max_replicas,
-    ray_address,
-    **flags,
-):
+def serve(max_new_tokens, temperature, top_p, seed, thinking, truncate, host, port, name, **flags):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
-    from dtrt.serve.server import ServeConfig, bind, exposure_warning, serve_forever
+    from dtrt.serve.main import serve as run_server
 
+    replicas = {k: flags.pop(k) for k in ("replicas", "max_replicas", "ray_address")}
+    cfg = {f.name: flags.pop(f.name) for f in fields(ServeConfig) if f.name in flags}
     spec = resolve_spec(**flags)
     defaults = make_request(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, thinking=thinking
     )
-    cfg = ServeConfig(
-        "",
-        defaults,
-        queue_limit,
-        request_timeout,
-        shutdown_grace,
-        truncate,
-        api_key,
-        max_request_bytes,
-        max_prompt_tokens,
-    )
-    plan = None
-    if replicas is not None or max_replicas is not None or ray_address is not None:
-        from dtrt.serve.replicas import ReplicaPlan, import_ray
-
-        plan = ReplicaPlan(1 if replicas is None else replicas, max_replicas, ray_address, spec.threads)
-        given = (("--replicas", replicas), ("--max-replicas", max_replicas), ("--ray-address", ray_address))
-        import_ray(next(f"{k} {v}" for k, v in given if v is not None))  # before anything loads, in one line
-    sock = bind(host, port)  # a taken port fails before the model loads
-    try:
-        sources = open_sources(spec, _log)
-        cfg = replace(cfg, model_name=served_model_name(spec, sources, name))
-        if plan is None:
-            pipe = open_pipeline(spec, sources)
-            check_thinking(pipe.tokenizer, thinking)
-            workers, what = None, None
-        else:
-            from dtrt.models.tokenizer import load_tokenizer
-            from dtrt.serve.replicas import ReplicaWorkers
-
-            check_thinking(load_tokenizer(tokenizer_dir(spec, sources)), thinking)
-            pipe, workers = None, ReplicaWorkers(spec, cfg, plan, _log)
-            workers.deploy()
-            count = f"{plan.replicas}-{plan.max_replicas}" if plan.max_replicas else str(plan.replicas)
-            what = f"{cfg.model_name} ({spec.method}, {count} replicas x {workers.threads} threads on Ray Serve)"
-        if (warning := exposure_warning(host, cfg)) is not None:
-            _log(warning)
-    except BaseException:
-        sock.close()
-        raise
-    serve_forever(pipe, cfg, sock, log=_log, workers=workers, what=what)
+    cfg = ServeConfig("", defaults, truncate=truncate, **cfg)
+    run_server(spec, cfg, host=host, port=port, name=name, thinking=thinking, log=_log, **replicas)
 
 
 @cli.command()

@@ -101,7 +101,7 @@ class Server:
         self._key = _digest(cfg.api_key) if cfg.api_key is not None else None
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=self.cfg.max_body)
+        app = web.Application(middlewares=[self._errors], client_max_size=self.cfg.max_request_bytes)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
@@ -134,7 +134,8 @@ class Server:
             if e.status == 404:
                 msg = f"no route {request.path}; dtrt serves {ROUTES}"
             elif e.status == 413:
-                msg = f"the request body is larger than {self.cfg.max_body} bytes (the server's --max-request-bytes)"
+                limit = self.cfg.max_request_bytes
+                msg = f"the request body is larger than {limit} bytes (the server's --max-request-bytes)"
             elif e.status == 405:
                 msg = f"{request.method} {request.path}: method not allowed"
             else:

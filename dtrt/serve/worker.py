@@ -45,22 +45,35 @@ def timed_out(timeout: float) -> ServeError:
 
 @dataclass
 class ServeConfig:
+    """What `dtrt serve` serves and how it guards itself (the command's flags for these are generated from the
+    fields; the model name and the request defaults are filled in by the command)."""
+
     model_name: str
-    defaults: Request = field(default_factory=Request)  # what a request leaves out
-    queue_limit: int = 64  # requests waiting behind the one generating (per replica); more get 429
-    request_timeout: float = 600.0  # seconds, waiting included; then the request is cancelled (504)
-    shutdown_grace: float = 30.0  # seconds the generation in flight may run on after a shutdown signal
-    truncate: bool = False  # keep the prompt's tail when it does not fit, instead of a 400
-    api_key: str | None = None  # requests must send `Authorization: Bearer <key>` (401 otherwise); /health is open
-    max_body: int = MAX_BODY  # bytes of a request body; more get 413
-    max_prompt_tokens: int | None = None  # prompt tokens per request (None: the context's limit); more get 400
+    """The model id clients send and /v1/models lists."""
+    defaults: Request = field(default_factory=Request)
+    """What a request leaves out."""
+    queue_limit: int = 64
+    """Requests waiting behind the one generating (per replica); more are answered 429."""
+    request_timeout: float = 600.0
+    """Seconds a request may take, waiting included; then it is cancelled (504)."""
+    shutdown_grace: float = 30.0
+    """Seconds the generations in flight may finish after SIGINT/SIGTERM before they are cancelled."""
+    truncate: bool = False
+    """Keep the prompt's tail when it does not fit the context, instead of answering 400."""
+    api_key: str | None = None
+    """Requests must send 'Authorization: Bearer KEY' (else 401); /health stays open."""
+    max_request_bytes: int = MAX_BODY
+    """Largest request body; a larger one is answered 413."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt in tokens, chat template included; a longer one is answered 400 (default: what fits the
+    context)."""
 
     def __post_init__(self):
         for flag, value, ok, need in (
             ("--queue-limit", self.queue_limit, self.queue_limit >= 0, ">= 0"),
             ("--request-timeout", self.request_timeout, self.request_timeout > 0, "> 0"),
             ("--shutdown-grace", self.shutdown_grace, self.shutdown_grace >= 0, ">= 0"),
-            ("--max-request-bytes", self.max_body, self.max_body >= 1024, ">= 1024"),
+            ("--max-request-bytes", self.max_request_bytes, self.max_request_bytes >= 1024, ">= 1024"),
             (
                 "--max-prompt-tokens",
                 self.max_prompt_tokens,
