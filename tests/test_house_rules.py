@@ -31,6 +31,20 @@ def test_import_layers():
     assert "2 kept, 0 broken" in out.stdout
 
 
+def test_no_import_loops():
+    """No module imports, directly or through others, a module that imports it, function-level imports included
+    (those closed loops only by hiding them); annotations under TYPE_CHECKING do not run, so they do not count."""
+    grimp = pytest.importorskip("grimp", reason="grimp is not installed (pip install -e '.[test]')")
+    graph = grimp.build_graph("dtrt", exclude_type_checking_imports=True)
+    loops = [
+        f"{a} -> {' -> '.join(back)}"
+        for a in sorted(graph.modules)
+        for b in sorted(graph.find_modules_directly_imported_by(a))
+        if (back := graph.find_shortest_chain(importer=b, imported=a))
+    ]
+    assert loops == []
+
+
 def test_running_imports_no_exporter():
     """`dtrt run` and `dtrt serve` import neither onnx nor onnxscript (seconds of a one-shot run's start): the
     exporter and the ops' ONNX functions are imported only to export."""

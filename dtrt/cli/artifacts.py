@@ -47,7 +47,7 @@ def export(model, target, drafter, model_dir, out, **fields):
 @click.argument("directory", type=click.Path())
 def verify(directory):
     """Hash every file of an export or engine DIRECTORY against its manifest (loads check only changed files)."""
-    from dtrt.artifacts.verify import verify_dir
+    from dtrt.artifacts.directory import verify_dir
 
     files, size = verify_dir(Path(directory))
     click.echo(f"{directory}: {files} files, {size / 1e6:.1f} MB, every sha256 matches its manifest")
