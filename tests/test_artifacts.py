@@ -18,10 +18,10 @@ from test_engines import fake_trt, write_export  # noqa: F401 (fixture)
 
 import dtrt
 from dtrt.artifacts import verify
+from dtrt.artifacts.directory import verify_dir
 from dtrt.artifacts.engine import read_engine
 from dtrt.artifacts.export import FORMAT, load_export
 from dtrt.artifacts.files import MANIFEST, cache_dir, clear_stale, host_tag, staging, write_manifest
-from dtrt.artifacts.directory import verify_dir
 from dtrt.artifacts.verify import check_files, record_verified
 from dtrt.engines.build import build_engines
 from dtrt.errors import DtrtError

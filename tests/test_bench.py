@@ -120,7 +120,7 @@ def test_dataset_counts(name):
 def test_code_edit_set():
     """Each prompt holds one HumanEval problem's whole code, fenced, then asks for one edit of its entry point; the
     set is the same on every call and its kinds all occur."""
-    raw = gzip.decompress(datasets._read("humaneval")).decode()
+    raw = gzip.decompress(datasets.read_dataset("humaneval")).decode()
     rows = {r["task_id"]: r for r in map(json.loads, raw.splitlines())}
     prompts = datasets.load_all("code-edit")
     assert len(prompts) >= 40 and len({p.id for p in prompts}) == len(prompts)

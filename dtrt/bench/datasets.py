@@ -90,7 +90,9 @@ def package_file(module: str, path: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations))) / path
 
 
-def _read(name: str) -> bytes:
+def read_dataset(name: str) -> bytes:
+    """The installed package file of dataset `name`, as bytes; a one-line error naming the pip command where it is
+    missing."""
     module, req, path = SOURCES[name]
     f = package_file(module, path)
     if f is None:
@@ -112,7 +114,7 @@ def load_all(name: str) -> list[Prompt]:
         raise DtrtError(f"--datasets {name!r}: use some of {', '.join(DATASETS)}")
     if name in LONG:
         raise ValueError(f"{name}: a long-context dataset; its prompts are cut by dtrt.bench.longctx from documents()")
-    raw = _read(name)
+    raw = read_dataset(name)
     if name == "mt-bench":
         rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
         return [Prompt(str(r["question_id"]), tuple(r["turns"])) for r in rows]
@@ -274,7 +276,7 @@ def documents(name: str) -> list[Document]:
     index in the file, from 0), the essays as one text (id "0")."""
     if name not in LONG:
         raise ValueError(f"{name}: not one of the long-context datasets {', '.join(LONG)}")
-    raw = _read(name)
+    raw = read_dataset(name)
     if name == "lexsum":
         rows = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
         return [Document(str(i), r["document"]) for i, r in enumerate(rows)]

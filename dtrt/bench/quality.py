@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from dtrt.artifacts.kernel_path import emulated_command, this_path
-from dtrt.bench.datasets import _read
+from dtrt.bench.datasets import read_dataset
 from dtrt.errors import DtrtError
-from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, cpu_session
+from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, OrtRunner
 from dtrt.zoo.gate import GATE, loops, same_start
 
 TEXT_DATASETS = ("humaneval", "mt-bench")
@@ -79,7 +79,7 @@ def held_out(name: str, n: int, seed: int = 0) -> list[Text]:
     """`n` texts of dataset `name` (a seeded random subset)."""
     if name not in TEXT_DATASETS:
         raise DtrtError(f"--datasets {name!r}: dtrt quality scores text of {', '.join(TEXT_DATASETS)}")
-    raw = _read(name)
+    raw = read_dataset(name)
     if name == "humaneval":
         rows = [json.loads(line) for line in gzip.decompress(raw).decode().splitlines() if line.strip()]
         texts = [Text(name, r["task_id"], r["prompt"] + r["canonical_solution"]) for r in rows]
@@ -90,20 +90,21 @@ def held_out(name: str, n: int, seed: int = 0) -> list[Text]:
     return [texts[i] for i in order[:n]]
 
 
-def score(sess, exp, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def score(runner, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(argmax, nll) at every position but the last: the target's greedy next token and -log p(the text's next)."""
-    t = exp.manifest["target"]
+    t = runner.export.manifest["target"]
     n = len(ids)
-    empty = np.zeros((t["num_layers"], t["num_kv_heads"], 0, t["head_dim"]), np.float32)
-    feeds = {
-        "ids": np.asarray(ids, np.int64),
-        "positions": np.arange(n, dtype=np.int64),
-        "mask": np.tril(np.ones((n, n), bool)),
-        "past_k": empty,
-        "past_v": empty,
-        "past_positions": np.zeros(0, np.int64),
-    }
-    return _argmax_nll(torch.from_numpy(sess.run(["logits"], feeds)[0]), ids)
+    empty = torch.zeros(t["num_layers"], t["num_kv_heads"], 0, t["head_dim"])
+    out = runner(
+        "target",
+        ids=ids,
+        positions=torch.arange(n),
+        mask=torch.ones(n, n, dtype=torch.bool).tril(),
+        past_k=empty,
+        past_v=empty,
+        past_positions=torch.zeros(0, dtype=torch.long),
+    )
+    return _argmax_nll(out["logits"], ids)
 
 
 def _argmax_nll(logits: torch.Tensor, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -131,8 +132,9 @@ def _scorer(cand: Candidate, threads: int | None):
     exp = load_export(cand.export)
     if "state" in exp.manifest["stages"]["target"]["inputs"]:
         raise DtrtError(f"--export {exp.path}: a hybrid target; dtrt quality scores attention-only targets")
-    sess = cpu_session(exp.stage("target"), threads, accuracy=cand.accuracy)
-    return lambda ids: score(sess, exp, ids)
+    runner = OrtRunner(exp, threads, accuracy=cand.accuracy)
+    runner.open("target")
+    return lambda ids: score(runner, ids)
 
 
 def _pipeline(cand: Candidate, threads: int | None):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dtrt.artifacts.export import Export
-from dtrt.runtime.backends.onnxruntime import NUMPY_TYPES, ORT_TYPES, cpu_session
+from dtrt.runtime.backends.onnxruntime import NUMPY_TYPES, OrtRunner
 from dtrt.runtime.backends.stages import first_rows, pad_rows
 
 ORDER_DEPTH = 6  # chain tokens per order case
@@ -38,20 +38,22 @@ def order_cases(exp: Export) -> list[int]:
 def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, np.ndarray]]:
     """(case, output, plain decoding's rows, the tree's rows) for every target output over the order cases."""
     meta = exp.manifest["ordered_attention"]
-    sess = cpu_session(exp.stage("target"), threads=1)
+    runner = OrtRunner(exp, threads=1)
+    runner.open("target")
     vocab = exp.manifest["target"]["vocab_size"]
     rng = np.random.default_rng(seed)
-    names = [o.name for o in sess.get_outputs()]
-    past_type = NUMPY_TYPES[next(ORT_TYPES[i.type] for i in sess.get_inputs() if i.name == "past_k")]
+    past_type = NUMPY_TYPES[runner.inputs("target")["past_k"]]
+    names = runner.outputs["target"]
 
     def run(ids, positions, mask, past_k, past_v):
         past = np.arange(past_k.shape[2])
         # as the runtime's cache: the past in the first positions of a bigger buffer, the rest not zeros
         spare = [(0, 0), (0, 0), (0, CACHE_SPARE), (0, 0)]
         past_k, past_v = (np.pad(c, spare, constant_values=np.nan) for c in (past_k, past_v))
-        feeds = {"ids": ids, "positions": positions, "mask": mask, "past_k": past_k, "past_v": past_v}
-        out = sess.run(None, feeds | {"past_positions": past})
-        return dict(zip(names, out))
+        out = runner(
+            "target", ids=ids, positions=positions, mask=mask, past_k=past_k, past_v=past_v, past_positions=past
+        )
+        return {name: t.numpy() for name, t in out.items()}
 
     def call(ids, positions, mask, past_k, past_v):
         n = len(ids)

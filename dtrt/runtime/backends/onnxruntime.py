@@ -151,11 +151,19 @@ def binding_plan(feeds: dict[str, torch.Tensor]) -> list[tuple]:
 class OrtRunner(StageRunner):
     name = "onnxruntime"
 
-    def __init__(self, export: Export, threads: int | None = None, device="cpu", binding: bool | None = None):
-        """`binding`: run through IO binding (default: on a CUDA device only; the CPU tests also run it)."""
+    def __init__(
+        self,
+        export: Export,
+        threads: int | None = None,
+        device="cpu",
+        binding: bool | None = None,
+        accuracy: int = MATMUL_ACCURACY,
+    ):
+        """`binding`: run through IO binding (default: on a CUDA device only; the CPU tests also run it);
+        `accuracy`: the quantized MatMuls' accumulation (make_session; dtrt quality compares settings)."""
         import onnxruntime as ort
 
-        self.export, self.threads, self.device = export, threads, torch.device(device)
+        self.export, self.threads, self.device, self.accuracy = export, threads, torch.device(device), accuracy
         stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
         self.providers = providers_for(self.device, ort.get_available_providers(), stream)
         self.binding = self.device.type == "cuda" if binding is None else binding
@@ -175,7 +183,7 @@ class OrtRunner(StageRunner):
         exp = self.export
         path = exp.stage(stage)
         try:
-            sess = make_session(path, self.threads, self.providers)
+            sess = make_session(path, self.threads, self.providers, self.accuracy)
         except Exception as e:  # ONNX Runtime raises its own exception types for unreadable or invalid graphs
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             raise DtrtError(
