@@ -68,6 +68,42 @@ def test_ar_tokens_with_lookup_nodes_accepted(method):
     assert taken > 0
 
 
+def drafted_starts(pipe) -> list[int]:
+    starts, draft_block = [], pipe.backend.draft_block
+    pipe.backend.draft_block = lambda root, start, **kw: starts.append(start) or draft_block(root, start, **kw)
+    return starts
+
+
+def test_a_chain_worth_a_drafted_round_is_verified_alone():
+    """Where lookup's chain is expected to be accepted for at least what drafted rounds have been accepting (the
+    running gain), the round verifies the chain alone and the drafter is not called; AR's tokens all the same.
+    With drafted rounds worth more than any chain, every round drafts (the chain's nodes join the drafter's
+    tree); the gain is measured on the drafted rounds."""
+    want = fake_pipeline("ar").generate(repeating(), NEW, SamplingConfig()).tokens
+    cheap = fake_pipeline("dominotree", lookup=True, budget=BUDGET)
+    cheap.method.draft_gain = 0.0  # any chain beats drafting
+    starts = drafted_starts(cheap)
+    g = cheap.generate(repeating(), NEW, SamplingConfig())
+    assert g.tokens == want
+    at = len(repeating()) + torch.tensor([0] + [r.accepted for r in g.rounds[:-1]]).cumsum(0)
+    alone = [r for r, start in zip(g.rounds, at.tolist()) if start not in starts]
+    assert len(starts) < len(g.rounds) and alone and all(1 < r.tree_size <= D + 1 for r in alone)
+    assert sum(r.lookup for r in alone) == sum(r.accepted - 1 for r in alone) > 0  # the chain's tokens, accepted
+
+    dear = fake_pipeline("dominotree", lookup=True, budget=BUDGET)
+    dear.method.draft_gain = math.inf
+    starts = drafted_starts(dear)
+    g = dear.generate(repeating(), NEW, SamplingConfig())
+    assert g.tokens == want and len(starts) == len(g.rounds) and sum(r.lookup for r in g.rounds) > 0
+
+    measured = fake_pipeline("dominotree", lookup=True, budget=BUDGET)
+    assert (
+        measured.generate(partly_wrong(), NEW, SamplingConfig()).tokens
+        == fake_pipeline("ar").generate(partly_wrong(), NEW, SamplingConfig()).tokens
+    )
+    assert measured.method.draft_gain > 1.0  # the fake drafter's trees accept more than the prior
+
+
 def test_lookup_partly_wrong_is_measured():
     pipe = fake_pipeline("dominotree", lookup=True, budget=16)
     g = pipe.generate(partly_wrong(), 6, SamplingConfig())
@@ -120,7 +156,8 @@ def test_lookup_children_merge_and_score():
 def test_acceptance_is_calibrated_per_depth():
     src = LookupSource(chain_from(1, 6) * 2)
     assert src.log_accept(0) == pytest.approx(math.log(0.5))
-    scorer = src.scorer(MarginalScorer(fake_round(successor(chain_from(1, 6)[-1]), 0), 2), root=1, max_len=3)
+    assert src.propose(root=1, max_len=3) == pytest.approx(0.5 + 0.25 + 0.125)  # the chain at the prior's 0.5
+    scorer = src.scorer(MarginalScorer(fake_round(successor(chain_from(1, 6)[-1]), 0), 2))
     tree = build_heap(scorer, 6, D)
     at = src.trie.nodes(tree)
     first = at.index(next(a for a in at[1:] if a >= 0))

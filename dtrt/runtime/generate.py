@@ -14,7 +14,7 @@ from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.methods import Method
 from dtrt.runtime.sampling import SamplingConfig, chooser
 from dtrt.runtime.spec import RunSpec
-from dtrt.tree import Tree, accept
+from dtrt.tree import accept
 
 STAGES = ("draft", "build", "verify", "commit")
 
@@ -182,15 +182,15 @@ def generate(
     while end is None:
         t0 = time.perf_counter()
         start = backend.past
-        if method.drafts(start):
+        if method.drafts(start, root):
             if pending:
                 hidden_rows, positions = (torch.cat(x) for x in zip(*pending)) if len(pending) > 1 else pending[0]
                 backend.draft_context(hidden_rows, positions)
                 pending.clear()
             tree, t1 = method.draft(backend, root, start)
         else:
+            tree = method.undrafted(root)
             t1 = time.perf_counter()
-            tree = Tree.chain([], root=root)
         if (limit := backend.max_depth(start)) is not None:
             tree = tree.within(limit)
         t2 = time.perf_counter()

@@ -76,10 +76,14 @@ class Method:
     def build(self, backend, rnd: Round) -> Tree:
         raise NotImplementedError
 
-    def drafts(self, start: int) -> bool:
-        """Whether the round at position `start` drafts (else it verifies the root alone); asked once per round,
-        before the loop brings the drafter's context up to date for `draft`."""
+    def drafts(self, start: int, root: int) -> bool:
+        """Whether the round rooted at `root` (position `start`) drafts (else it verifies `undrafted`'s tree); asked
+        once per round, before the loop brings the drafter's context up to date for `draft`."""
         return True
+
+    def undrafted(self, root: int) -> Tree:
+        """The tree of a round that does not draft: the root alone."""
+        return Tree.chain([], root=root)
 
     def rows(self, backend) -> int:
         """The drafter rows (depths) this round's tree can reach, known before drafting: the block computes the base
@@ -107,7 +111,7 @@ class AR(Method):
     name = "ar"
     uses_drafter = False
 
-    def drafts(self, start):
+    def drafts(self, start, root):
         return False
 
 
@@ -199,6 +203,11 @@ class CaDDTree(CostAware, DDTree):
 
 
 class DominoTree(Method):
+    """With --lookup, a round first proposes lookup's chain: where its expected accepted tokens (at the request's
+    running acceptance per depth) reach what a drafted round has been accepting (a running mean over this
+    method's drafted rounds), the chain alone is verified and nothing is drafted; otherwise the drafter's tree
+    takes the chain's nodes too (one budget)."""
+
     name = "dominotree"
     has_budget = True
     builders = ("heap", "frontier")
@@ -206,6 +215,8 @@ class DominoTree(Method):
     cuda_graph = True
     graph = None
     lookup = None
+    draft_gain = 1.0  # the running mean of accepted draft tokens in drafted rounds (prior: a tau of 2)
+    _chain_only = _measured = False  # this round: the chain alone; a drafted round whose gain counts
 
     @classmethod
     def needs_head(cls, spec):
@@ -232,14 +243,28 @@ class DominoTree(Method):
 
             self.graph = DraftGraph(backend, self)
 
+    def propose(self, root: int) -> float:
+        """Lookup's chains for this round (see LookupSource.propose): their expected accepted tokens."""
+        return self.lookup.propose(root=root, max_len=min(self.cfg.budget, self.max_depth))
+
+    def drafts(self, start, root):
+        if self.lookup is None:
+            return True
+        expected = self.propose(root)
+        self._chain_only = expected > 0 and expected >= self.draft_gain  # no chain: draft
+        self._measured = not self._chain_only
+        return self._measured
+
+    def undrafted(self, root):
+        return self.lookup.chain(root) if self._chain_only else super().undrafted(root)
+
     def build(self, backend, rnd):
         c = self.cfg
         if c.builder == "frontier":
             return self.trees(backend, rnd).tree(0)
         scorer = backend.scorer(c.arm, rnd, c.node_topk, c.topm)
         if self.lookup is not None:
-            depth = min(c.budget, self.max_depth, scorer.depth)
-            scorer = self.lookup.scorer(scorer, root=int(rnd.root[0]), max_len=depth)
+            scorer = self.lookup.scorer(scorer)
         return build_heap(scorer, c.budget, self.max_depth, self.stop(backend))
 
     def trees(self, backend, rnd):
@@ -254,7 +279,12 @@ class DominoTree(Method):
         return tree, time.perf_counter()
 
     def observe(self, tree, accepted):
-        return None if self.lookup is None else self.lookup.observe(tree, accepted)
+        if self.lookup is None:
+            return None
+        if self._measured:
+            self.draft_gain = 0.9 * self.draft_gain + 0.1 * (len(accepted) - 1)
+            self._measured = False
+        return self.lookup.observe(tree, accepted)
 
 
 class CaDominoTree(CostAware, DominoTree):
@@ -286,13 +316,19 @@ class CaDominoTree(CostAware, DominoTree):
         )
         return self._stop
 
-    def drafts(self, start):
+    def drafts(self, start, root):
+        """The gate decides whether to draft; with --lookup, a round that does not draft verifies lookup's chain
+        (the root alone where nothing matches), and one that drafts takes the chain into its tree."""
         self._round = t0 = time.perf_counter()
         if self._verified is not None:  # the last round's commit and loop
             self.clock.observe_rest(t0 - self._verified)
         self._start = start
+        if self.lookup is not None:
+            self.propose(root)
         if self.gate.drafts(self.clock, self.curve.verify_cost(0, start)):
+            self._chain_only = False
             return True
+        self._chain_only = self.lookup is not None
         self._drafted = time.perf_counter()
         return False
 

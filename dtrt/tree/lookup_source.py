@@ -21,17 +21,31 @@ class LookupSource:
         self.chains = chains
         self.verified: dict[int, int] = {}
         self.accepted: dict[int, int] = {}
-        self.trie = Trie()
-        self.rooted = False  # whether this round's root joined the stream when drafting
+        self.trie, self.first = Trie(), []
+        self.rooted = False  # whether this round's root joined the stream when proposing
 
     def log_accept(self, depth: int) -> float:
         return math.log((self.accepted.get(depth, 0) + 1) / (self.verified.get(depth, 0) + 2))
 
-    def scorer(self, inner, *, root: int, max_len: int) -> LookupScorer:
-        """`inner` with this round's chains (at most `max_len` tokens after `root`) added."""
+    def propose(self, *, root: int, max_len: int) -> float:
+        """This round's chains, at most `max_len` tokens after `root`, as a trie; returns the expected accepted
+        tokens of the first chain (each depth at its running acceptance, a token accepted only after its parent)."""
         self.index.extend([root])
         self.rooted = True
-        self.trie = Trie.of(self.index.propose(max_len=max_len, n_alternatives=self.chains))
+        chains = self.index.propose(max_len=max_len, n_alternatives=self.chains)
+        self.trie, self.first = Trie.of(chains), chains[0] if chains else []
+        expected, p = 0.0, 1.0
+        for d in range(len(self.first)):
+            p *= math.exp(self.log_accept(d))
+            expected += p
+        return expected
+
+    def chain(self, root: int) -> Tree:
+        """The round's first chain alone (proposed by `propose`), as the whole tree."""
+        return Tree.chain(self.first, root=root)
+
+    def scorer(self, inner) -> LookupScorer:
+        """`inner` with this round's chains (proposed by `propose`) added."""
         return LookupScorer(inner, self.trie, [self.log_accept(d) for d in range(inner.depth)])
 
     def observe(self, tree: Tree, accepted: list[int]) -> int:
