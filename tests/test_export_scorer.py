@@ -17,8 +17,8 @@ from dtrt.models.domino import DominoHead
 from dtrt.ops.base import onnx_functions
 from dtrt.ops.ledger_select import ledger_select_ref
 from dtrt.ops.topm_corrected_score import topm_corrected_score_ref
-from dtrt.runtime.backends.stage_scorer import StageDominoScorer
 from dtrt.scoring import DominoScorer
+from dtrt.scoring.stages import StageDominoScorer
 from dtrt.tree import Round, build_frontier, build_heap
 
 V, H, G, E = 89, 12, 10, 24

@@ -76,7 +76,7 @@ def test_methods_match_torch_with_accepted_drafts(tiny_export, torch_tokens, dra
 def test_domino_scorer_stages(tiny_export, torch_tokens, draft):
     if not set(SCORER_STAGES) <= tiny_export.manifest["stages"].keys():
         pytest.skip("the export has no Domino scorer stages")
-    pytest.importorskip("dtrt.runtime.backends.stage_scorer")
+    pytest.importorskip("dtrt.scoring.stages")
     pipe = ort_pipeline(tiny_export, draft)
     assert pipe.backend.kind == "domino"
     check_speculative(pipe, draft, torch_tokens)

@@ -17,8 +17,8 @@ from dtrt.errors import BackendFault, DtrtError
 from dtrt.models.hybrid import recurrent_parents
 from dtrt.runtime.backends.base import Backend, check_rows
 from dtrt.runtime.backends.kv import TargetKV, kv_cache_for
-from dtrt.runtime.backends.stage_scorer import StageDominoScorer
 from dtrt.scoring import greedy_chain_tables
+from dtrt.scoring.stages import StageDominoScorer
 from dtrt.tree import FrontierTrees, MarginalScorer, Round, TableScorer, build_frontier
 
 SCORER_STAGES = ("domino.scorer_root", "domino.scorer_setup", "domino.scorer_children", "domino.scorer_advance")
