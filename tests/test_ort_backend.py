@@ -386,11 +386,11 @@ def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
     monkeypatch.setenv("DTRT_CACHE", str(tmp_path))
     cached = tmp_path / "exports" / f"tiny-{__version__}"
     made = []
-    monkeypatch.setattr(cache, "export_pair", lambda pair, out, model, **kw: made.append((pair, out, kw)) or "new")
+    monkeypatch.setattr(cache, "export_pair", lambda pair, out, cfg, **kw: made.append((pair, out, cfg)) or "new")
     shutil.copytree(tiny_export.path, cached)  # made by an earlier dtrt with fp32 drafters: made again, int8
     logs = []
     assert cache.cached_export(tiny, "tiny", logs.append) == "new"
-    assert made[-1][2]["drafter_quant"] == "int8" and any("drafter_quant" in m for m in logs)
+    assert made[-1][2].drafter_quant == "int8" and any("drafter_quant" in m for m in logs)
     made.clear()
     shutil.rmtree(cached)
     shutil.copytree(tiny_export_int8.path, cached)

@@ -403,8 +403,8 @@ def test_onnx_runtime_fuses_every_quantized_linear(int4_export, int8_export, tmp
 def test_fp16_quantized_export_runs_its_parity(tiny, tmp_path):
     """An fp16 export with an int8 target (what a 4B model needs to fit a 24 GB CPU machine): the whole of `dtrt
     parity`, the order check feeding its fp16 past included."""
-    exp = export_pair(tiny, tmp_path / "fp16-int8", model="tiny", max_context=256, drafter_kinds=("dflash",),
-                      dtype="fp16", quant=quant_spec("int8"))  # fmt: skip
+    cfg = ExportConfig(max_context=256, drafters=("dflash",), dtype="fp16", quant="int8")
+    exp = export_pair(tiny, tmp_path / "fp16-int8", cfg, model="tiny")
     report = run_parity(exp, 0, quick=True)
     assert report.ok, report.table()
     assert any("tree = plain decoding" in r.case and r.max_abs == 0.0 for r in report.rows)
