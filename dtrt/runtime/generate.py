@@ -189,8 +189,8 @@ def generate(
                 pending.clear()
             tree, t1 = method.draft(backend, root, start)
         else:
-            tree = method.undrafted(root)
             t1 = time.perf_counter()
+            tree = method.undrafted(root)  # lookup's chain, proposed in drafts(), or the root alone
         if (limit := backend.max_depth(start)) is not None:
             tree = tree.within(limit)
         t2 = time.perf_counter()
