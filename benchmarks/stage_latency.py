@@ -1,8 +1,9 @@
 """Per-stage latency on ONNX Runtime vs PyTorch on the CPU, and the share of a decode round spent in Python outside
 the stages, side by side in one process.
 
-Stages: each exported graph against its PyTorch wrapper (dtrt.exporter.stages) on the same random inputs,
-interleaved call by call (the order alternates), medians. Rounds: real generations on both backends, alternating
+Stages: each exported graph against its PyTorch wrapper (dtrt.exporter.stages), both through the runtime's stage
+runners (ONNX Runtime's and dtrt.exporter.reference's PyTorch one) on the same random inputs, interleaved call by
+call (the order alternates), medians. Rounds: real generations on both backends, alternating
 prompt by prompt; a stage call is one of the backend's target_forward / commit / draft_context / draft_block or,
 on ONNX Runtime, any other session run (the Domino scorer's); everything else (tree building, host scorers,
 acceptance, sampling, the loop) is Python outside the stages. On ONNX Runtime the time inside session.run is
@@ -20,11 +21,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dtrt.artifacts.export import check_source, load_export
 from dtrt.errors import DtrtError
+from dtrt.exporter.reference import TorchStageRunner
 from dtrt.exporter.stages import drafter_stages, target_stage
 from dtrt.launch import resolve_spec
 from dtrt.launch.sources import load_pair
@@ -55,62 +56,51 @@ def sources(args) -> dict:
     return {"model": args.model, "target": args.target, "drafter": args.drafter, "model_dir": args.model_dir}
 
 
-def stage_cases(args, exp, pair):
-    """(name, shape, torch module, session, (n, p)) for every stage of the export."""
+def stage_cases(args, exp, pair) -> tuple[list, TorchStageRunner, OrtRunner]:
+    """(label, shape, stage name, (n, p)) for every stage of the export, and the two runners that run them: the
+    PyTorch wrappers built from `pair`, ONNX Runtime over the export."""
     dtype = parse_dtype(exp.manifest["dtype"])
     target = load_target(pair.target, dtype)
-    cases = []
-    t = target_stage(target, tuple(exp.manifest["target"]["taps"]))
-    runner = OrtRunner(exp, args.threads or None)
-
-    def open_session(exp, name, threads):
-        runner.open(name)
-        return runner.sessions[name]
-
-    threads = args.threads or None
-    sess = open_session(exp, "target", threads)
-    cases.append(("target prefill", f"N={args.prefill} P=0", t, sess, (args.prefill, 0)))
-    cases.append(("target verify", f"N={args.width} P={args.past}", t, sess, (args.width, args.past)))
+    stages = [target_stage(target, tuple(exp.manifest["target"]["taps"]))]
+    cases = [
+        ("target prefill", f"N={args.prefill} P=0", "target", (args.prefill, 0)),
+        ("target verify", f"N={args.width} P={args.past}", "target", (args.width, args.past)),
+    ]
     for kind in exp.drafters:
         path = pair.dflash if kind == "dflash" else pair.domino
-        context, block = drafter_stages(target, load_drafter(path, dtype), kind)
-        cases.append(
-            (
-                context.name,
-                f"n={args.context} P={args.past}",
-                context,
-                open_session(exp, context.name, threads),
-                (args.context, args.past),
-            )
-        )
-        cases.append((block.name, f"P={args.past}", block, open_session(exp, block.name, threads), (1, args.past)))
+        context, block = drafter_stages(target, load_drafter(path, dtype), kind, exp.draft_vocab(kind))
+        stages += [context, block]
+        cases.append((context.name, f"n={args.context} P={args.past}", context.name, (args.context, args.past)))
+        cases.append((block.name, f"P={args.past}", block.name, (1, args.past)))
     scorer = [f"domino.{s}" for s in ("scorer_root", "scorer_setup", "scorer_children", "scorer_advance", "frontier")]
     if all(s in exp.manifest["stages"] for s in scorer):
         from dtrt.exporter.scorer_stages import scorer_stages
 
         m = exp.manifest
         for stage in scorer_stages(target, load_drafter(pair.domino, dtype), m["budget"], m["topm"], m["node_topk"]):
-            name = f"domino.{stage.name}"
-            cases.append((name, "n=1", stage, open_session(exp, name, threads), (1, 0)))
-    return cases
+            stage.name = f"domino.{stage.name}"
+            stages.append(stage)
+            cases.append((stage.name, "n=1", stage.name, (1, 0)))
+    return cases, TorchStageRunner(exp, {s.name: s for s in stages}), OrtRunner(exp, args.threads or None)
 
 
-def max_abs_diff(ref: torch.Tensor, got: np.ndarray) -> float:
-    ref, got = ref.float(), torch.from_numpy(got).float()
+def max_abs_diff(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref, got = ref.float(), got.float()
     return float((ref - got).abs().masked_fill(ref == got, 0).max()) if ref.numel() else 0.0  # equal infs: 0
 
 
 @torch.no_grad()
-def time_stages(args, cases):
+def time_stages(args, cases, reference: TorchStageRunner, runner: OrtRunner):
+    """Each case's stage through both runners (the runtime's `runner(stage, **feeds)` path), interleaved."""
     rows = []
     gen = torch.Generator().manual_seed(args.seed)
-    for name, shape, stage, sess, (n, p) in cases:
-        inputs = stage.example(n, p, gen)
-        feeds = {k: np.ascontiguousarray(v.numpy()) for k, v in inputs.items()}
-        module = stage.module.eval()
+    for label, shape, name, (n, p) in cases:
+        inputs = reference.stage(name).example(n, p, gen)
+        for r in (reference, runner):
+            r.open(name)
         calls = {
-            "torch": lambda module=module, inputs=inputs, stage=stage: module(*(inputs[k] for k in stage.inputs)),
-            "onnxruntime": lambda sess=sess, feeds=feeds: sess.run(None, feeds),
+            "torch": lambda name=name, inputs=inputs: reference(name, **inputs),
+            "onnxruntime": lambda name=name, inputs=inputs: runner(name, **inputs),
         }
         times = {k: [] for k in calls}
         for i in range(args.warmup + args.repeats):
@@ -119,13 +109,15 @@ def time_stages(args, cases):
                 calls[backend]()
                 if i >= args.warmup:
                     times[backend].append(time.perf_counter() - t0)
-        ref, got = calls["torch"](), calls["onnxruntime"]()
-        ref = ref if isinstance(ref, tuple) else (ref,)
-        diff = max(max_abs_diff(r, g) for r, g in zip(ref, got))
+        # on fresh copies: a torch stage may write into its inputs (the target's cache room), which the timed calls
+        # shared
+        ref = reference(name, **{k: v.clone() for k, v in inputs.items()})
+        got = runner(name, **{k: v.clone() for k, v in inputs.items()})
+        diff = max(max_abs_diff(ref[k], got[k]) for k in ref)
         t_ms, o_ms = (statistics.median(times[k]) * 1e3 for k in ("torch", "onnxruntime"))
         rows.append(
             {
-                "stage": name,
+                "stage": label,
                 "shape": shape,
                 "torch_ms": t_ms,
                 "onnxruntime_ms": o_ms,
@@ -256,10 +248,10 @@ def main():
             from dtrt.exporter.config import ExportConfig
             from dtrt.exporter.export import export_pair
 
-            pair = load_pair(resolve_spec(**sources(args), backend="torch"))
             model = args.model or (None if args.target else "tiny")
+            pair = load_pair(resolve_spec(**(sources(args) | {"model": model}), backend="torch"))
             exp = export_pair(pair, Path(tmp) / "export", ExportConfig(max_context=1024), model=model)
-        stages = time_stages(args, stage_cases(args, exp, pair))
+        stages = time_stages(args, *stage_cases(args, exp, pair))
         rounds = time_rounds(args, exp, pair)
 
     print(

@@ -1,6 +1,6 @@
 """The target's verify cost per quantization: milliseconds of one target call of N new tokens over a past of P,
-as the runtime makes it (a quantized target's one-row calls padded to its min_rows, its MatMulNBits kernels at
-accuracy level 4), side by side in one process: every repeat runs every export in turn, the order rotating.
+as the runtime makes it (through its stage runner, a quantized target's one-row calls padded to its min_rows, its
+MatMulNBits kernels at accuracy level 4), side by side in one process: every repeat runs every export in turn, the order rotating.
 
 The ratio to N=1 is what decides a budget: a tree of N nodes pays for itself while tau tokens per round cost less
 than tau single-token calls, so a steep curve wants a small tree.
@@ -21,7 +21,7 @@ from dtrt.artifacts.export import load_export
 from dtrt.launch import resolve_spec
 from dtrt.launch.first_use import cached_export
 from dtrt.launch.sources import load_pair
-from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, cpu_session
+from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, OrtRunner
 from dtrt.runtime.backends.stages import pad_rows
 
 NS = (1, 2, 3, 5, 9, 17, 33)
@@ -59,10 +59,12 @@ def measure(
     rng = np.random.default_rng(seed)
     kernels = kernels or {}
     for t in threads:
-        sessions = {
-            name: cpu_session(e.stage("target"), threads=t, accuracy=accuracy, kernels=kernels.get(name, True))
+        runners = {
+            name: OrtRunner(e, threads=t, accuracy=accuracy, kernels=kernels.get(name, True))
             for name, e in exports.items()
         }
+        for runner in runners.values():
+            runner.open("target")
         for past in pasts:
             for n in ns:
                 feeds = {name: chain_feeds(exp, n, past, rng) for name, exp in exports.items()}
@@ -71,7 +73,7 @@ def measure(
                 for i in range(warmup + repeats):
                     for name in names[i % len(names) :] + names[: i % len(names)]:
                         t0 = time.perf_counter()
-                        sessions[name].run(["logits"], feeds[name])
+                        runners[name]("target", **feeds[name])
                         if i >= warmup:
                             times[name].append(time.perf_counter() - t0)
                 for name in names:

@@ -13,15 +13,16 @@ from test_ort_backend import check_speculative, ort_pipeline
 from dtrt.artifacts.export import MANIFEST
 from dtrt.errors import DtrtError
 from dtrt.exporter.quantize import check_drafter_quant, quantized_stages
+from dtrt.exporter.reference import TorchStageRunner, reference_stages
 from dtrt.parity.check import (
     QUANT_TOLERANCE,
     TOLERANCES,
     compare_stage,
     random_cases,
     real_tolerance,
-    reference_stages,
     run_parity,
 )
+from dtrt.runtime.backends.onnxruntime import OrtRunner
 
 
 def test_only_the_block_stages_are_quantized(tiny_export_int8):
@@ -135,6 +136,10 @@ def test_real_inputs_of_int8_stages_may_tie(tiny_export_int8):
     _, feed = random_cases(stage, True)[0]
     feed = dict(feed, base=torch.zeros_like(feed["base"]))  # every candidate tied
     rows = compare_stage(
-        stage, tiny_export_int8.stage("domino.scorer_setup"), [("tied", feed)], real_tolerance(strict, quantized)
+        "domino.scorer_setup",
+        OrtRunner(tiny_export_int8),
+        TorchStageRunner(tiny_export_int8, {"domino.scorer_setup": stage}),
+        [("tied", feed)],
+        real_tolerance(strict, quantized),
     )
     assert all(r.ok for r in rows), rows

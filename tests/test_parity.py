@@ -11,7 +11,8 @@ import torch
 from helpers import run_cli
 
 from dtrt.artifacts.files import write_manifest
-from dtrt.parity.check import NS, PS, TOLERANCES, compare, reference_stages, run_parity
+from dtrt.exporter.reference import reference_stages
+from dtrt.parity.check import NS, PS, TOLERANCES, compare, run_parity
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +166,7 @@ def test_bad_export_dir_is_one_line_error(tmp_path, monkeypatch, capsys):
 
 
 def test_quick_parity_is_one_case_per_stage(tiny_export):
-    from dtrt.parity.check import random_cases, reference_stages
+    from dtrt.parity.check import random_cases
 
     stages = reference_stages(tiny_export)
     for name, stage in stages.items():
@@ -174,3 +175,26 @@ def test_quick_parity_is_one_case_per_stage(tiny_export):
     assert target == "N=9 P=7"
     report = run_parity(tiny_export, prompts=0, quick=True, stages={"target": stages["target"]})
     assert report.ok and {r.case for r in report.rows} == {"N=9 P=7"}
+
+
+def test_the_torch_stage_runner_decodes_as_onnx_runtime_does(tiny_export):
+    """The PyTorch reference stages behind the same backend as the export: the same DominoTree tokens as ONNX
+    Runtime gives, AR's tokens, with drafts accepted (one stage contract, three runners)."""
+    from dataclasses import replace
+
+    from dtrt.exporter.reference import TorchStageRunner
+    from dtrt.runtime.backends.stages import ExportedBackend
+    from dtrt.runtime.methods import make_method
+    from dtrt.runtime.pipeline import Pipeline
+    from tests.helpers import generate_all, pipe_for, spec
+
+    ort = pipe_for(None, spec("dominotree", budget=4), backend="onnxruntime", export=tiny_export.path, threads=1)
+    ar = pipe_for(None, spec("ar"), backend="onnxruntime", export=tiny_export.path, threads=1)
+    backend = ExportedBackend(TorchStageRunner(tiny_export), "domino")
+    backend.prepare(ort.spec)
+    ref = replace(ort, backend=backend, method=make_method(ort.spec))
+    assert isinstance(ref, Pipeline) and backend.name == "torch"
+    want = [g.tokens for g in generate_all(ar, max_new=24)]
+    gens = generate_all(ref, max_new=24)
+    assert [g.tokens for g in gens] == want == [g.tokens for g in generate_all(ort, max_new=24)]
+    assert sum(r.accepted - 1 for g in gens for r in g.rounds) > 0

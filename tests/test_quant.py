@@ -19,11 +19,11 @@ from dtrt.artifacts.files import MANIFEST, write_manifest
 from dtrt.errors import DtrtError
 from dtrt.exporter.config import ExportConfig
 from dtrt.exporter.export import export_pair
+from dtrt.exporter.reference import TorchStageRunner, reference_stages
 from dtrt.exporter.target_quant import DATA_SUFFIX, pack_int4, unpack_int4
 from dtrt.models.checkpoint import load_target
 from dtrt.models.quant import QuantSpec, dequantize, quant_spec, quantize
 from dtrt.parity import run_parity
-from dtrt.parity.check import reference_stages
 from dtrt.parity.quantized import order_check
 from dtrt.runtime.backends.stages import pad_rows
 from dtrt.runtime.sampling import SamplingConfig
@@ -274,11 +274,13 @@ def test_prefills_take_the_whole_row_as_their_head(int4_export):
     """A call of more than max_rows rows (a prefill) runs the same per-layer ops as a verify, its plan putting the
     head's end at the last column (an empty tail): it matches the dequantized reference like every other call."""
     from dtrt.parity.check import QWEIGHT_TOLERANCE, compare_stage
+    from dtrt.runtime.backends.onnxruntime import OrtRunner
 
     stage = reference_stages(int4_export)["target"]
     assert int4_export.manifest["ordered_attention"]["max_rows"] < 70
     cases = [(f"N=70 P={p}", stage.example(70, p, torch.Generator().manual_seed(p))) for p in (0, 150)]
-    rows = compare_stage(stage, int4_export.stage("target"), cases, QWEIGHT_TOLERANCE, accuracy=0)
+    runner, reference = OrtRunner(int4_export, accuracy=0), TorchStageRunner(int4_export, {"target": stage})
+    rows = compare_stage("target", runner, reference, cases, QWEIGHT_TOLERANCE)
     assert len(rows) == 2 * len(stage.outputs) and all(r.ok for r in rows), rows
     model = onnx.load(str(int4_export.stage("target")), load_external_data=False)
     (planned,) = [f for f in model.functions if f.name == "TreeAttentionPlanned"]

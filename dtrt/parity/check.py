@@ -3,7 +3,8 @@
 Inputs: random ones from `Stage.example()` over a grid of N new tokens and P past positions, and the real ones
 the torch backend feeds its stages while generating from a few prompts with the export's own checkpoints (for
 the scorer and frontier stages: the drafter rows and the per-node steps of the DominoTree rounds).
-Both runners go through polygraphy's Comparator; the verdict is ours, per output:
+Both are stage runners (OrtRunner, and dtrt.exporter.reference.TorchStageRunner: the export's stages rebuilt from
+the checkpoints it names), each wrapped as a polygraphy runner for its Comparator; the verdict is ours, per output:
 
     float            cosine >= tol.cosine and max|ort - torch| <= tol.rel * max|torch|
     integer, bool    exact equality (fp16: see _tied)
@@ -22,26 +23,22 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import torch
 from polygraphy.backend.base import BaseRunner
-from polygraphy.backend.onnxrt import OnnxrtRunner
 from polygraphy.common import TensorMetadata
 from polygraphy.comparator import Comparator
-from polygraphy.datatype import DataType
 from polygraphy.logger import G_LOGGER
 
-from dtrt.artifacts.export import Export, check_source
+from dtrt.artifacts.export import Export
 from dtrt.artifacts.files import MANIFEST
 from dtrt.errors import DtrtError
-from dtrt.exporter.export import load_models, pair_stages
+from dtrt.exporter.reference import TorchStageRunner
 from dtrt.exporter.stages import Stage
-from dtrt.models.checkpoint import parse_dtype
 from dtrt.models.hybrid import HybridCache, tree_parents
-from dtrt.models.quant import dequantized
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.parity.quantized import order_check
-from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, cpu_session
+from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, OrtRunner
+from dtrt.runtime.backends.stages import StageRunner
 from dtrt.runtime.backends.torch import TorchBackend
 from dtrt.runtime.generate import collect, generate
 from dtrt.runtime.methods import make_method
@@ -98,62 +95,29 @@ PROMPTS = (
 MAX_NEW_TOKENS = 32
 
 
-# the torch side: the export's stages rebuilt from the checkpoints it names
+class PolygraphyStage(BaseRunner):
+    """One stage of a dtrt stage runner (ONNX Runtime, TensorRT, the PyTorch reference) as a polygraphy runner, so
+    that polygraphy's Comparator drives both sides through the runtime's own `runner(stage, **feeds)` path."""
 
-
-def reference_stages(exp: Export) -> dict[str, Stage]:
-    """The torch wrappers of every stage in the export's manifest, built from the checkpoints it was exported
-    from (checked by hash) in the export's dtype, in manifest order."""
-    m, src = exp.manifest, exp.manifest["source"]
-    drafter_paths = {kind: Path(d["path"]) for kind, d in src["drafters"].items()}
-    check_source(exp, Path(src["target"]), drafters=drafter_paths)
-    target, drafters, taps = load_models(Path(src["target"]), drafter_paths, parse_dtype(m["dtype"]))
-    models = {k: d for k, (_, d) in drafters.items()}
-    vocabs = {k: exp.draft_vocab(k) for k in models}
-    built = {s.name: s for s in pair_stages(target, taps, models, m["budget"], m["topm"], m["node_topk"], vocabs)}
-    if exp.quant is not None:  # the quantized model: the same dequantized weights; the drafters keep the others
-        built["target"].module.target = dequantized(target, exp.quant)
-    out = {}
-    for name, meta in m["stages"].items():
-        if name not in built:
-            raise DtrtError(
-                f"{exp.path / MANIFEST}: this dtrt has no PyTorch reference for stage {name!r}; "
-                f"re-export with `{exp.fix_hint()}`"
-            )
-        s = built[name]
-        if (s.inputs, s.outputs) != (meta["inputs"], meta["outputs"]):
-            raise DtrtError(
-                f"{exp.path / MANIFEST}: stage {name!r} records inputs {meta['inputs']} and outputs "
-                f"{meta['outputs']}, this dtrt builds {s.inputs} -> {s.outputs}; "
-                f"re-export with `{exp.fix_hint()}`"
-            )
-        out[name] = s
-    return out
-
-
-class TorchRunner(BaseRunner):
-    """A Stage's torch module as a polygraphy runner (polygraphy's PytRunner moves everything to CUDA)."""
-
-    def __init__(self, stage: Stage, feed: dict):
-        super().__init__(name=f"torch:{stage.name}", prefix="torch-runner")
-        self.stage = stage
+    def __init__(self, runner: StageRunner, stage: str, feed: dict):
+        super().__init__(name=f"{runner.name}:{stage}", prefix="dtrt-stage")
+        self.runner, self.stage = runner, stage
         self.meta = TensorMetadata()
-        for name in stage.inputs:
-            self.meta.add(name, feed[name].dtype, [None] * feed[name].ndim)
+        for name, x in feed.items():
+            self.meta.add(name, x.dtype, [None] * x.ndim)
 
     def activate_impl(self):
-        self.stage.module.eval()
+        self.runner.open(self.stage)
 
     def get_input_metadata_impl(self):
         return self.meta  # the Comparator feeds only the inputs listed here
 
     def infer_impl(self, feed_dict):
         t0 = time.perf_counter()
-        with torch.no_grad():
-            outs = self.stage.module(*(torch.from_numpy(np.asarray(feed_dict[n])) for n in self.stage.inputs))
-        outs = (outs,) if isinstance(outs, torch.Tensor) else outs
+        out = self.runner(self.stage, **{n: torch.from_numpy(np.asarray(x)) for n, x in feed_dict.items()})
         self.inference_time = time.perf_counter() - t0
-        return OrderedDict((n, t.detach().numpy()) for n, t in zip(self.stage.outputs, outs))
+        # a runner's outputs are valid until the stage's next call: the Comparator keeps them longer
+        return OrderedDict((n, out[n].detach().cpu().numpy().copy()) for n in self.runner.output_names(self.stage))
 
     def deactivate_impl(self):
         pass
@@ -340,7 +304,7 @@ def compare(stage: str, case: str, name: str, ref: np.ndarray, out: np.ndarray, 
             math.nan,
             math.nan,
             ok=False,
-            note=f"onnxruntime gives {out.dtype}{list(out.shape)}, torch {ref.dtype}{list(ref.shape)}",
+            note=f"the runner gives {out.dtype}{list(out.shape)}, the reference {ref.dtype}{list(ref.shape)}",
         )
     r, o = ref.astype(np.float64).ravel(), out.astype(np.float64).ravel()
     if np.isnan(r).any() or np.isnan(o).any():
@@ -401,47 +365,44 @@ def _tied(feed: dict) -> bool:
     return False
 
 
-def _check_signature(sess: ort.InferenceSession, stage: Stage, feed: dict, path: Path):
-    """The graph takes the stage's inputs in its dtypes (the Comparator would cast them silently)."""
-    names = [i.name for i in sess.get_inputs()], [o.name for o in sess.get_outputs()]
-    if names != (stage.inputs, stage.outputs):
-        raise ValueError(
-            f"{path.name} has inputs {names[0]} and outputs {names[1]}, the stage {stage.inputs} -> {stage.outputs}"
-        )
-    for i in sess.get_inputs():
-        dtype = np.dtype(DataType.to_dtype(DataType.from_dtype(i.type, "onnxruntime"), "numpy"))
-        if dtype != feed[i.name].dtype:
-            raise ValueError(f"{path.name} takes {i.name} as {dtype}, the stage gives {feed[i.name].dtype}")
+def _check_signature(runner: StageRunner, reference: StageRunner, stage: str):
+    """Both runners take the stage's inputs in the same dtypes (the Comparator would cast them silently)."""
+    got, want = runner.inputs(stage), reference.inputs(stage)
+    for name, dtype in want.items():
+        if got.get(name) != dtype:
+            raise ValueError(f"{runner.name} takes {name} as {got.get(name)}, the reference as {dtype}")
 
 
 def compare_stage(
-    stage: Stage, path: Path, cases: list[tuple[str, dict]], tol: Tolerance, accuracy: int = MATMUL_ACCURACY
+    stage: str, runner: StageRunner, reference: StageRunner, cases: list[tuple[str, dict]], tol: Tolerance
 ) -> list[Row]:
-    """ONNX Runtime and the torch module on every case through polygraphy's Comparator, one row per case and
-    output; a graph that does not load or run is one failing row. `accuracy`: the MatMulNBits accuracy level of a
-    quantized target (dtrt.parity.quantized)."""
-    feeds = [OrderedDict((n, feed[n].numpy()) for n in stage.inputs) for _, feed in cases]
+    """`runner` against `reference` on every case of `stage` through polygraphy's Comparator, one row per case and
+    output; a stage that does not load or run is one failing row."""
     rows = []
     try:
         with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
-            sess = cpu_session(path, accuracy=accuracy)
-            _check_signature(sess, stage, feeds[0], path)
+            runner.open(stage)
+            reference.open(stage)
+            _check_signature(runner, reference, stage)
+            types = reference.inputs(stage)
+            feeds = [OrderedDict((n, feed[n].to(types[n]).numpy()) for n in types) for _, feed in cases]
             results = Comparator.run(
-                [OnnxrtRunner(sess), TorchRunner(stage, feeds[0])], data_loader=feeds, streaming=True
+                [PolygraphyStage(runner, stage, feeds[0]), PolygraphyStage(reference, stage, feeds[0])],
+                data_loader=feeds,
+                streaming=True,
             )
+            outputs = reference.output_names(stage)
             for (case, _), feed, result in zip(cases, feeds, results):
                 (_, [got]), (_, [want]) = result
-                case_rows = [compare(stage.name, case, n, want[n], got[n], tol) for n in stage.outputs]
+                case_rows = [compare(stage, case, n, want[n], got[n], tol) for n in outputs]
                 if tol.ties and any(not r.ok and want[r.output].dtype.kind in "biu" for r in case_rows) and _tied(feed):
                     for r in case_rows:  # not a shape, dtype or NaN failure (cosine NaN)
                         if not r.ok and math.isfinite(r.cosine):
                             r.ok, r.tied = True, 1
                 rows += case_rows
-    except Exception as e:  # onnxruntime and polygraphy raise many types; the stage fails either way
+    except Exception as e:  # the runtimes and polygraphy raise many types; the stage fails either way
         msg = " ".join(str(e).split())[:300]
-        rows.append(
-            Row(stage.name, "-", "-", math.nan, math.nan, math.nan, ok=False, note=f"{e.__class__.__name__}: {msg}")
-        )
+        rows.append(Row(stage, "-", "-", math.nan, math.nan, math.nan, ok=False, note=f"{e.__class__.__name__}: {msg}"))
     return rows
 
 
@@ -535,10 +496,15 @@ def run_parity(
     if dtype not in TOLERANCES:
         raise DtrtError(f"{exp.path / MANIFEST}: dtype {dtype!r} has no parity tolerance; use an fp32 or fp16 export")
     quantized = tuple(exp.manifest.get("quantized_stages", ()))
-    stages = stages if stages is not None else reference_stages(exp)
-    real = real_inputs(exp, stages, prompts) if prompts else {}
+    reference = TorchStageRunner(exp, stages)
+    runners = {}  # MatMulNBits accuracy level -> the ONNX Runtime runner that runs the export so
+
+    def ort(accuracy: int) -> OrtRunner:
+        return runners.setdefault(accuracy, OrtRunner(exp, accuracy=accuracy))
+
+    real = real_inputs(exp, reference.stages, prompts) if prompts else {}
     rows = []
-    for name, stage in stages.items():
+    for name, stage in reference.stages.items():
         t0 = time.perf_counter()
         cases = random_cases(stage, quick)
         captured = [(f"real {i}", c) for i, c in enumerate(real.get(name, []))]
@@ -547,18 +513,18 @@ def run_parity(
         if name == "target" and exp.quant is not None:  # weights at unquantized activations, then the runtime's
             runs = [(weight_tolerance(dtype), 0, "", cases), (ACT_TOLERANCE, MATMUL_ACCURACY, ", int8 activations", [])]
         for tol, accuracy, suffix, random in runs:
-            case_rows = compare_stage(stage, exp.stage(name), random, tol, accuracy) if random else []
+            case_rows = compare_stage(name, ort(accuracy), reference, random, tol) if random else []
             for r in case_rows:
                 r.case += suffix
             rows += case_rows
             if captured:
                 by_output = defaultdict(list)
-                for r in compare_stage(stage, exp.stage(name), captured, real_tolerance(tol, quantized), accuracy):
+                for r in compare_stage(name, ort(accuracy), reference, captured, real_tolerance(tol, quantized)):
                     by_output[r.output].append(r)
                 label = _real_label(stage, [c for _, c in captured]) + suffix
                 rows += [merge(rs, label) for rs in by_output.values()]
         log(f"{name}: {len(cases)} random + {len(captured)} real inputs in {time.perf_counter() - t0:.1f}s")
-    if exp.quant is not None and "target" in stages:
+    if exp.quant is not None and "target" in reference.stages:
         for case, output, want, got in order_check(exp):
             row = compare("target", case, output, want, got, TOLERANCES[dtype])
             row.ok = row.ok and row.max_abs == 0.0

@@ -43,7 +43,7 @@ def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, 
     vocab = exp.manifest["target"]["vocab_size"]
     rng = np.random.default_rng(seed)
     past_type = NUMPY_TYPES[runner.inputs("target")["past_k"]]
-    names = runner.outputs["target"]
+    names = runner.output_names("target")
 
     def run(ids, positions, mask, past_k, past_v):
         past = np.arange(past_k.shape[2])

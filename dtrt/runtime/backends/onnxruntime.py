@@ -158,12 +158,15 @@ class OrtRunner(StageRunner):
         device="cpu",
         binding: bool | None = None,
         accuracy: int = MATMUL_ACCURACY,
+        kernels: bool = True,
     ):
         """`binding`: run through IO binding (default: on a CUDA device only; the CPU tests also run it);
-        `accuracy`: the quantized MatMuls' accumulation (make_session; dtrt quality compares settings)."""
+        `accuracy`: the quantized MatMuls' accumulation (make_session; dtrt quality compares settings); `kernels`:
+        dtrt's ONNX Runtime kernels where they serve the graph (make_session; benchmarks time without them)."""
         import onnxruntime as ort
 
         self.export, self.threads, self.device, self.accuracy = export, threads, torch.device(device), accuracy
+        self.kernels = kernels
         stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
         self.providers = providers_for(self.device, ort.get_available_providers(), stream)
         self.binding = self.device.type == "cuda" if binding is None else binding
@@ -183,7 +186,7 @@ class OrtRunner(StageRunner):
         exp = self.export
         path = exp.stage(stage)
         try:
-            sess = make_session(path, self.threads, self.providers, self.accuracy)
+            sess = make_session(path, self.threads, self.providers, self.accuracy, kernels=self.kernels)
         except Exception as e:  # ONNX Runtime raises its own exception types for unreadable or invalid graphs
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             raise DtrtError(

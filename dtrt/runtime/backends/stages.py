@@ -77,6 +77,10 @@ class StageRunner(ABC):
     def run(self, stage: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run an opened stage on feeds already in its dtypes on `device` (the `host_inputs` on the host)."""
 
+    def output_names(self, stage: str) -> list[str]:
+        """A stage's outputs, in the order the export records them."""
+        return self.export.manifest["stages"][stage]["outputs"]
+
     def host_inputs(self, stage: str) -> frozenset[str]:
         """The inputs of an opened stage that the runner reads on the host."""
         return frozenset()
