@@ -81,7 +81,7 @@ def test_a_chain_worth_a_drafted_round_is_verified_alone():
     tree); the gain is measured on the drafted rounds."""
     want = fake_pipeline("ar").generate(repeating(), NEW, SamplingConfig()).tokens
     cheap = fake_pipeline("dominotree", lookup=True, budget=BUDGET)
-    cheap.method.draft_gain = 0.0  # any chain beats drafting
+    cheap.method.policy.gain = -1.0  # a drafted round gives nothing: any chain beats it, however long it takes
     starts = drafted_starts(cheap)
     g = cheap.generate(repeating(), NEW, SamplingConfig())
     assert g.tokens == want
@@ -91,7 +91,7 @@ def test_a_chain_worth_a_drafted_round_is_verified_alone():
     assert sum(r.lookup for r in alone) == sum(r.accepted - 1 for r in alone) > 0  # the chain's tokens, accepted
 
     dear = fake_pipeline("dominotree", lookup=True, budget=BUDGET)
-    dear.method.draft_gain = math.inf
+    dear.method.policy.gain = math.inf
     starts = drafted_starts(dear)
     g = dear.generate(repeating(), NEW, SamplingConfig())
     assert g.tokens == want and len(starts) == len(g.rounds) and sum(r.lookup for r in g.rounds) > 0
@@ -101,7 +101,26 @@ def test_a_chain_worth_a_drafted_round_is_verified_alone():
         measured.generate(partly_wrong(), NEW, SamplingConfig()).tokens
         == fake_pipeline("ar").generate(partly_wrong(), NEW, SamplingConfig()).tokens
     )
-    assert measured.method.draft_gain > 1.0  # the fake drafter's trees accept more than the prior
+    assert measured.method.policy.gain > 1.0  # the fake drafter's trees accept more than the prior
+
+
+def test_chain_or_draft_weighs_tokens_by_the_seconds_they_take():
+    """A chain expected to give 0.6 tokens against drafted rounds that give 1: drafted while both kinds take as
+    long, alone once drafted rounds take 1.8x a chain round (1.6 tokens a chain round, 2 in 1.8 of them); no chain
+    always drafts; the time between generations counts for neither kind."""
+    from dtrt.tree.lookup_source import ChainOrDraft
+
+    p = ChainOrDraft(gain=1.0)
+    assert not p.choose(0.6, now=0.0) and not p.choose(0.0, now=1.0)  # both drafted: one timed kind only
+    assert p.seconds == {False: 1.0}
+    assert p.choose(1.0, now=2.0)  # 1 + 1 >= 1 + 1 at equal (assumed) times
+    assert not p.choose(0.6, now=3.0)  # the chain round took 1 s: still equal times
+    p.restart()
+    p.seconds = {True: 1.0, False: 1.8}
+    assert p.choose(0.6, now=100.0) and not p.choose(0.0, now=101.0)
+    assert p.seconds[True] == pytest.approx(1.0)
+    p.observe_drafted(3)
+    assert p.gain == pytest.approx(1.2)
 
 
 def test_lookup_partly_wrong_is_measured():

@@ -26,7 +26,7 @@ from dtrt.runtime.calibrate import cost_curve
 from dtrt.tree import CostAwareStop, Round, Tree, build_ddtree, build_heap
 from dtrt.tree.adaptive import AcceptanceMap, AdaptiveStop, NodeCost, RoundClock, SpeculationGate
 from dtrt.tree.lookup import LookupIndex
-from dtrt.tree.lookup_source import LookupSource
+from dtrt.tree.lookup_source import ChainOrDraft, LookupSource
 
 if TYPE_CHECKING:
     from dtrt.runtime.spec import RunSpec
@@ -204,9 +204,9 @@ class CaDDTree(CostAware, DDTree):
 
 class DominoTree(Method):
     """With --lookup, a round first proposes lookup's chain: where its expected accepted tokens (at the request's
-    running acceptance per depth) reach what a drafted round has been accepting (a running mean over this
-    method's drafted rounds), the chain alone is verified and nothing is drafted; otherwise the drafter's tree
-    takes the chain's nodes too (one budget)."""
+    running acceptance per depth) per second of a chain-alone round reach what drafted rounds have been accepting
+    per second (ChainOrDraft: running means over this method's rounds of each kind), the chain alone is verified
+    and nothing is drafted; otherwise the drafter's tree takes the chain's nodes too (one budget)."""
 
     name = "dominotree"
     has_budget = True
@@ -215,8 +215,11 @@ class DominoTree(Method):
     cuda_graph = True
     graph = None
     lookup = None
-    draft_gain = 1.0  # the running mean of accepted draft tokens in drafted rounds (prior: a tau of 2)
     _chain_only = _measured = False  # this round: the chain alone; a drafted round whose gain counts
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.policy = ChainOrDraft()  # what drafted and chain-alone rounds give, carried between generations
 
     @classmethod
     def needs_head(cls, spec):
@@ -230,6 +233,7 @@ class DominoTree(Method):
     def begin(self, prompt):
         if self.cfg.lookup:
             self.lookup = LookupSource(prompt)
+            self.policy.restart()
 
     def rows(self, backend):
         if self.cfg.builder == "frontier":  # the exported frontier stage's shapes are fixed: every row
@@ -251,7 +255,7 @@ class DominoTree(Method):
         if self.lookup is None:
             return True
         expected = self.propose(root)
-        self._chain_only = expected > 0 and expected >= self.draft_gain  # no chain: draft
+        self._chain_only = self.policy.choose(expected, time.perf_counter())  # no chain: draft
         self._measured = not self._chain_only
         return self._measured
 
@@ -282,7 +286,7 @@ class DominoTree(Method):
         if self.lookup is None:
             return None
         if self._measured:
-            self.draft_gain = 0.9 * self.draft_gain + 0.1 * (len(accepted) - 1)
+            self.policy.observe_drafted(len(accepted) - 1)
             self._measured = False
         return self.lookup.observe(tree, accepted)
 

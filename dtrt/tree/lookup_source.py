@@ -65,3 +65,43 @@ class LookupSource:
         self.index.extend(tree.tokens[accepted[1 if self.rooted else 0 :]].tolist())
         self.rooted, self.trie = False, Trie()
         return taken
+
+
+class ChainOrDraft:
+    """Whether a round verifies lookup's chain alone or drafts, by tokens per second: a chain expected to give
+    `expected` accepted tokens, in a round of `chain_s` seconds, against drafted rounds that have been accepting
+    `gain` draft tokens in `draft_s` seconds (running means, decay 0.9, over the rounds of each kind). Each round's
+    seconds run from its `choose` to the next one's, so commit and the loop count for both kinds; `restart` drops the
+    round under way (the time between generations is no round's). Until both kinds have been timed they count as
+    equally long: the chain goes alone where it is expected to give what a drafted round gives."""
+
+    DECAY = 0.9
+
+    def __init__(self, gain: float = 1.0):
+        self.gain = gain  # prior: a drafted round accepts one draft token (a tau of 2)
+        self.seconds: dict[bool, float] = {}  # chain alone? -> running seconds a round
+        self._round: tuple[bool, float] | None = None
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else self.DECAY * old + (1 - self.DECAY) * new
+
+    def restart(self):
+        self._round = None
+
+    def choose(self, expected: float, now: float) -> bool:
+        """Whether this round (its chain expected to give `expected` tokens; 0: no chain) verifies the chain
+        alone; `now`: the clock at the round's start."""
+        if self._round is not None:
+            alone, t0 = self._round
+            self.seconds[alone] = self._mean(self.seconds.get(alone), now - t0)
+        if len(self.seconds) == 2:
+            chain_s, draft_s = self.seconds[True], self.seconds[False]
+        else:
+            chain_s = draft_s = 1.0
+        alone = expected > 0 and (1 + expected) * draft_s >= (1 + self.gain) * chain_s
+        self._round = (alone, now)
+        return alone
+
+    def observe_drafted(self, accepted_drafts: int):
+        """A drafted round's accepted draft tokens."""
+        self.gain = self._mean(self.gain, accepted_drafts)
