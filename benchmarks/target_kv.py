@@ -18,7 +18,7 @@ import torch
 from dtrt.launch import resolve_spec
 from dtrt.launch.first_use import cached_export
 from dtrt.launch.sources import load_pair
-from dtrt.runtime.backends.kv import PackedKV
+from dtrt.runtime.backends.kv import PackedKV, past_feeds
 from dtrt.runtime.backends.onnxruntime import OrtBackend
 
 
@@ -28,7 +28,7 @@ class DenseKV(PackedKV):
 
     def feeds(self, length: int | None = None) -> dict[str, torch.Tensor]:
         k, v = self.view(length)
-        return {"past_k": k, "past_v": v, "past_positions": torch.arange(k.shape[2])}
+        return past_feeds(k, v, k.shape[2])
 
 
 def backend(exp, threads: int, dense: bool, capacity: int) -> OrtBackend:

@@ -1,6 +1,7 @@
 """The target's verify cost per quantization: milliseconds of one target call of N new tokens over a past of P,
 as the runtime makes it (through its stage runner, a quantized target's one-row calls padded to its min_rows, its
-MatMulNBits kernels at accuracy level 4), side by side in one process: every repeat runs every export in turn, the order rotating.
+MatMulNBits kernels at accuracy level 4), side by side in one process: every repeat runs every export in turn,
+the order rotating.
 
 The ratio to N=1 is what decides a budget: a tree of N nodes pays for itself while tau tokens per round cost less
 than tau single-token calls, so a steep curve wants a small tree.
@@ -21,6 +22,7 @@ from dtrt.artifacts.export import load_export
 from dtrt.launch import resolve_spec
 from dtrt.launch.first_use import cached_export
 from dtrt.launch.sources import load_pair
+from dtrt.runtime.backends.kv import past_feeds
 from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, OrtRunner
 from dtrt.runtime.backends.stages import pad_rows
 
@@ -38,8 +40,7 @@ def chain_feeds(exp, n: int, past: int, rng) -> dict:
         ids, positions, mask = (x.numpy() for x in pad_rows(*map(torch.from_numpy, (ids, positions, mask)), rows))
     # the runtime's cache: room for the new tokens after the past
     kv = rng.standard_normal((t["num_layers"], t["num_kv_heads"], past + n, t["head_dim"])).astype(np.float32)
-    feeds = {"ids": ids, "positions": positions, "mask": mask, "past_k": kv, "past_v": kv.copy()}
-    return feeds | {"past_positions": np.arange(past)}
+    return {"ids": ids, "positions": positions, "mask": mask, **past_feeds(kv, kv.copy(), past)}
 
 
 def measure(

@@ -34,6 +34,7 @@ import torch
 from dtrt.artifacts.kernel_path import emulated_command, this_path
 from dtrt.bench.datasets import read_dataset
 from dtrt.errors import DtrtError
+from dtrt.runtime.backends.kv import past_feeds
 from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, OrtRunner
 from dtrt.zoo.gate import GATE, loops, same_start
 
@@ -100,9 +101,7 @@ def score(runner, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         ids=ids,
         positions=torch.arange(n),
         mask=torch.ones(n, n, dtype=torch.bool).tril(),
-        past_k=empty,
-        past_v=empty,
-        past_positions=torch.zeros(0, dtype=torch.long),
+        **past_feeds(empty, empty, 0),
     )
     return _argmax_nll(out["logits"], ids)
 

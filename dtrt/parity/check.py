@@ -37,8 +37,9 @@ from dtrt.exporter.stages import Stage
 from dtrt.models.hybrid import HybridCache, tree_parents
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.parity.quantized import order_check
+from dtrt.runtime.backends.kv import past_feeds
 from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, OrtRunner
-from dtrt.runtime.backends.stages import StageRunner
+from dtrt.runtime.backends.stages import StageRunner, block_feeds
 from dtrt.runtime.backends.torch import TorchBackend
 from dtrt.runtime.generate import collect, generate
 from dtrt.runtime.methods import make_method
@@ -170,9 +171,7 @@ class Recorder(TorchBackend):
             "ids": ids,
             "positions": positions,
             "mask": mask,
-            "past_k": self.cache.k,
-            "past_v": self.cache.v,
-            "past_positions": torch.arange(self.cache.past),
+            **past_feeds(self.cache.k, self.cache.v, self.cache.past),
         }
         if isinstance(self.cache, HybridCache):
             inputs.update(parents=tree_parents(mask), state=self.cache.state, conv=self.cache.conv)
@@ -185,16 +184,7 @@ class Recorder(TorchBackend):
 
     def draft_block(self, root: int, start: int, *, rows: int):
         cache, n = self.draft_cache, self.draft_cache.length
-        self.keep(
-            f"{self.kind}.block",
-            {
-                "root": torch.tensor([root]),
-                "start": torch.tensor([start]),
-                "rows": torch.tensor([rows]),
-                "cache_k": cache.k[:, :, :n],
-                "cache_v": cache.v[:, :, :n],
-            },
-        )
+        self.keep(f"{self.kind}.block", block_feeds(root, start, rows, cache.k[:, :, :n], cache.v[:, :, :n]))
         # every row is kept for the stages that read them (the chain and the frontier take all k_draft)
         ph, base = super().draft_block(root, start, rows=self.drafter.cfg.k_draft)
         self.keep(f"{self.kind}.rows", {"root": torch.tensor([root]), "ph": ph, "base": base})

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dtrt.artifacts.export import Export
+from dtrt.runtime.backends.kv import past_feeds
 from dtrt.runtime.backends.onnxruntime import NUMPY_TYPES, OrtRunner
 from dtrt.runtime.backends.stages import first_rows, pad_rows
 
@@ -46,13 +47,11 @@ def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, 
     names = runner.output_names("target")
 
     def run(ids, positions, mask, past_k, past_v):
-        past = np.arange(past_k.shape[2])
+        past = past_k.shape[2]
         # as the runtime's cache: the past in the first positions of a bigger buffer, the rest not zeros
         spare = [(0, 0), (0, 0), (0, CACHE_SPARE), (0, 0)]
         past_k, past_v = (np.pad(c, spare, constant_values=np.nan) for c in (past_k, past_v))
-        out = runner(
-            "target", ids=ids, positions=positions, mask=mask, past_k=past_k, past_v=past_v, past_positions=past
-        )
+        out = runner("target", ids=ids, positions=positions, mask=mask, **past_feeds(past_k, past_v, past))
         return {name: t.numpy() for name, t in out.items()}
 
     def call(ids, positions, mask, past_k, past_v):

@@ -18,6 +18,14 @@ import ctypes
 import torch
 
 
+def past_feeds(past_k, past_v, past) -> dict:
+    """The target stage's cache inputs (DESIGN.md section 2): K/V buffers [layers, kv_heads, capacity, head_dim]
+    of which the first `past` positions are the past (`past`: their count, or their positions 0..n-1 as a tensor);
+    every caller of the target stage builds them here."""
+    positions = past if isinstance(past, torch.Tensor) else torch.arange(past)
+    return {"past_k": past_k, "past_v": past_v, "past_positions": positions}
+
+
 class TargetKV:
     def __init__(self, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device="cpu"):
         self.capacity = capacity
@@ -29,7 +37,7 @@ class TargetKV:
         """The target stage's cache inputs for a past of `length` positions (default: the stored ones; a longer
         one reads stale entries, as the cost probes do)."""
         n = self.length if length is None else length
-        return {"past_k": self.k, "past_v": self.v, "past_positions": self._positions[:n]}
+        return past_feeds(self.k, self.v, self._positions[:n])
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
         """Add k, v [layers, kv_heads, n, head_dim] after the stored entries."""

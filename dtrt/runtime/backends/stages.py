@@ -33,6 +33,18 @@ def as_input(x, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=dtype).contiguous()
 
 
+def block_feeds(root: int, start: int, rows: int, cache_k, cache_v) -> dict:
+    """A drafter block stage's inputs (DESIGN.md section 2): the round's root at position `start`, the `rows` it
+    asks for, and the drafter's dense context cache [layers, kv_heads, length, head_dim]."""
+    return {
+        "root": torch.tensor([root]),
+        "start": torch.tensor([start]),
+        "rows": torch.tensor([rows]),
+        "cache_k": cache_k,
+        "cache_v": cache_v,
+    }
+
+
 def pad_rows(ids, positions, mask, rows: int):
     """A target call of len(ids) rows as one of `rows`: the last row repeated, attending only to itself."""
     ids, positions, mask = (torch.as_tensor(x) for x in (ids, positions, mask))
@@ -258,9 +270,7 @@ class ExportedBackend(Backend):
     def draft_block(self, root: int, start: int, *, rows: int):
         check_rows(rows, self.drafter.cfg.k_draft)
         cache_k, cache_v = self.draft_cache.view()
-        out = self.runner(
-            f"{self.kind}.block", root=[root], start=[start], rows=[rows], cache_k=cache_k, cache_v=cache_v
-        )
+        out = self.runner(f"{self.kind}.block", **block_feeds(root, start, rows, cache_k, cache_v))
         return out["ph"], out["base"]
 
     # the scorers and the frontier
