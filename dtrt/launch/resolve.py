@@ -97,7 +97,7 @@ def resolve_spec(
         quant=quant,
         threads=threads,
         method=method,
-        budget=default_budget(model, quant, method) if budget is None else budget,
+        budget=default_budget(model, quant, method, lookup) if budget is None else budget,
         builder=builder or default_builder(method, device, cuda_graph, lookup),
         arm=arm,
         topm=topm,

@@ -35,9 +35,12 @@ class ModelEntry:
     """The method where `--method` is not given: the one `dtrt bench` measured fastest on the default target."""
     quant_methods: tuple[tuple[str, str], ...] = ()
     """(quantization, method) where another target quantization wants another method than `method`."""
-    lookup: bool = False
-    """Whether DominoTree's trees also take prompt lookup's chains where `--lookup/--no-lookup` is not given: on the
-    default target (`quant`), on a CPU, with the heap builder, where `dtrt bench` found it never slower."""
+    lookup: tuple[str, ...] = ()
+    """The target quantizations whose DominoTree trees also take prompt lookup's chains where `--lookup/--no-lookup`
+    is not given (on a CPU, with the heap builder): where `dtrt bench` found it never slower."""
+    lookup_budget: int | None = None
+    """The tree budget where lookup's chains are taken (a chain-alone round verifies up to this many tokens): None,
+    the budget without them."""
     gate: GateRecord | None = None
     """The quality gate's result for the default target configuration (`quant`), as `dtrt quality` measured it
     against the fp32 PyTorch target: a quantized default needs a passing one (dtrt.zoo.gate)."""
@@ -53,7 +56,9 @@ class ModelEntry:
                 f"{self.name} --quant {self.quant}` and record a passing GateRecord, or keep quant='none'"
             )
 
-    def budget_for(self, quant: str | None) -> int:
+    def budget_for(self, quant: str | None, lookup: bool = False) -> int:
+        if lookup and self.lookup_budget is not None:
+            return self.lookup_budget
         return dict(self.quant_budgets).get(quant or "none", self.budget)
 
     def method_for(self, quant: str | None) -> str:
@@ -80,7 +85,8 @@ MODELS = {
             budget=4,
             quant="none",
             quant_budgets=(("int8", 1), ("int4", 1)),
-            lookup=True,
+            lookup=("none",),
+            lookup_budget=4,
             gate=GateRecord(
                 "none",
                 agreement=1.0,
@@ -116,17 +122,19 @@ def names() -> list[str]:
     return list(MODELS)
 
 
-def default_budget(model: str | None, quant: str | None = None, method: str | None = None) -> int:
-    """The per-model fixed budget; the cost-aware methods' cap is DEFAULT_BUDGET (an export's default width)."""
+def default_budget(model: str | None, quant: str | None = None, method: str | None = None, lookup: bool = False) -> int:
+    """The per-model fixed budget (`lookup`: with prompt lookup's chains); the cost-aware methods' cap is
+    DEFAULT_BUDGET (an export's default width)."""
     if method in REGISTRY and REGISTRY[method].cost_aware:  # its budget is a cap
         return DEFAULT_BUDGET
-    return MODELS[model].budget_for(quant) if model in MODELS else DEFAULT_BUDGET
+    lookup = lookup or method == "lookup"  # lookup alone: its budget is its chain's length
+    return MODELS[model].budget_for(quant, lookup) if model in MODELS else DEFAULT_BUDGET
 
 
 def default_lookup(model: str | None, quant: str | None, method: str) -> bool:
     """`--lookup` where it is not given: the model's choice on its default target, for the tree methods."""
     e = MODELS.get(model)
-    return e is not None and e.lookup and (quant or "none") == e.quant and REGISTRY[method].takes_lookup
+    return e is not None and (quant or "none") in e.lookup and REGISTRY[method].takes_lookup
 
 
 def default_method(model: str | None, quant: str | None = None) -> str:
@@ -135,7 +143,12 @@ def default_method(model: str | None, quant: str | None = None) -> str:
 
 def lookup_help() -> str:
     """`--lookup`'s default as the table has it, for help texts."""
-    on = [f"{e.name} on its {'fp32' if e.quant == 'none' else e.quant} target" for e in MODELS.values() if e.lookup]
+    on = [
+        f"{e.name} on its {', '.join('fp32' if q == 'none' else q for q in e.lookup)} targets"
+        + (f" (budget {e.lookup_budget})" if e.lookup_budget is not None else "")
+        for e in MODELS.values()
+        if e.lookup
+    ]
     return "off" + (f" (on for {', '.join(on)}, on a CPU with the heap builder)" if on else "")
 
 
