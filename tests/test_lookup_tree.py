@@ -104,6 +104,23 @@ def test_a_chain_worth_a_drafted_round_is_verified_alone():
     assert measured.method.policy.gain > 1.0  # the fake drafter's trees accept more than the prior
 
 
+def test_a_chain_just_accepted_whole_is_proposed_as_deep_as_a_tree_goes():
+    """Budget 2 under a drafter of depth D: chains are 2 tokens long until one is accepted whole, then D long while
+    they keep being accepted whole, and 2 again after one is not; AR's tokens throughout."""
+    want = fake_pipeline("ar").generate(repeating(), NEW, SamplingConfig()).tokens
+    pipe = fake_pipeline("dominotree", lookup=True, budget=2)
+    pipe.method.policy.gain = -1.0  # every round with a chain verifies it alone: its length is the tree's
+    g = pipe.generate(repeating(), NEW, SamplingConfig())
+    assert g.tokens == want
+    sizes = [r.tree_size - 1 for r in g.rounds]
+    accepted = [r.accepted - 1 for r in g.rounds]
+    assert max(sizes) == D and sizes[0] <= 2
+    for i in range(1, len(g.rounds)):
+        whole = sizes[i - 1] > 0 and accepted[i - 1] == sizes[i - 1]
+        assert sizes[i] <= (D if whole else 2), (i, sizes, accepted)
+    assert sum(accepted) > len(g.rounds)  # more than a token a round from the chains
+
+
 def test_chain_or_draft_weighs_tokens_by_the_seconds_they_take():
     """A chain expected to give 0.6 tokens against drafted rounds that give 1: drafted while both kinds take as
     long, alone once drafted rounds take 1.8x a chain round (1.6 tokens a chain round, 2 in 1.8 of them); no chain

@@ -248,8 +248,11 @@ class DominoTree(Method):
             self.graph = DraftGraph(backend, self)
 
     def propose(self, root: int) -> float:
-        """Lookup's chains for this round (see LookupSource.propose): their expected accepted tokens."""
-        return self.lookup.propose(root=root, max_len=min(self.cfg.budget, self.max_depth))
+        """Lookup's chains for this round (see LookupSource.propose): their expected accepted tokens. They are
+        --budget tokens long, or as deep as a tree may go right after a round that accepted its whole chain
+        (LookupSource.length): a drafted round's heap still takes --budget nodes of them at most."""
+        base = min(self.cfg.budget, self.max_depth)
+        return self.lookup.propose(root=root, max_len=self.lookup.length(base, self.max_depth))
 
     def drafts(self, start, root):
         if self.lookup is None:
