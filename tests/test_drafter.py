@@ -13,7 +13,7 @@ def test_incremental_context_cache_equals_one_shot(tmp_path):
     feats = torch.randn(20, 128)
     cache = DraftCache(drafter.cfg, 32)
     for lo, hi in ((0, 12), (12, 15), (15, 20)):
-        cache.append(drafter.context_kv(feats[lo:hi], torch.arange(lo, hi)))
+        cache.append_layers(drafter.context_kv(feats[lo:hi], torch.arange(lo, hi)))
     x = torch.randn(8, 64)
     pos = torch.arange(20, 28)
     inc = drafter.block(x, pos, [cache.layer(i) for i in range(2)])

@@ -13,6 +13,7 @@ from torch import nn
 
 from dtrt.models.config import DrafterConfig
 from dtrt.models.domino import DominoHead
+from dtrt.models.kv_buffer import KVBuffer
 from dtrt.models.layers import MLP, Projections, RMSNorm, attention, rope_cos_sin
 
 
@@ -55,30 +56,11 @@ def split_attention(q, ctx_k, ctx_v, k, v):
     return out.reshape(heads, rows, hd)
 
 
-class DraftCache:
-    """Context K/V of committed positions, [layers, kv_heads, capacity, head_dim] each, batch 1."""
+class DraftCache(KVBuffer):
+    """The drafter's context K/V of committed positions, batch 1 (KVBuffer in the drafter's shape)."""
 
     def __init__(self, cfg: DrafterConfig, capacity: int, dtype=torch.float32, device="cpu"):
-        shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.capacity = capacity
-        self.length = 0
-
-    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]):
-        n = kv[0][0].shape[-2]
-        if self.length + n > self.capacity:
-            raise RuntimeError(f"draft cache overflow: {self.length + n} > capacity {self.capacity}")
-        for i, (k, v) in enumerate(kv):
-            self.k[i, :, self.length : self.length + n] = k
-            self.v[i, :, self.length : self.length + n] = v
-        self.length += n
-
-    def layer(self, i):
-        return self.k[i, :, : self.length], self.v[i, :, : self.length]
-
-    def reset(self):
-        self.length = 0
+        super().__init__(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, dtype, device)
 
 
 class Drafter(nn.Module):

@@ -17,6 +17,8 @@ import ctypes
 
 import torch
 
+from dtrt.models.kv_buffer import KVBuffer
+
 
 def past_feeds(past_k, past_v, past) -> dict:
     """The target stage's cache inputs (DESIGN.md section 2): K/V buffers [layers, kv_heads, capacity, head_dim]
@@ -26,30 +28,16 @@ def past_feeds(past_k, past_v, past) -> dict:
     return {"past_k": past_k, "past_v": past_v, "past_positions": positions}
 
 
-class TargetKV:
+class TargetKV(KVBuffer):
     def __init__(self, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device="cpu"):
-        self.capacity = capacity
-        self.k, self.v = (torch.zeros(layers, heads, capacity, head_dim, dtype=dtype, device=device) for _ in range(2))
+        super().__init__(layers, heads, head_dim, capacity, dtype, device)
         self._positions = torch.arange(capacity, device=device)
-        self.length = 0
 
     def feeds(self, length: int | None = None) -> dict[str, torch.Tensor]:
         """The target stage's cache inputs for a past of `length` positions (default: the stored ones; a longer
         one reads stale entries, as the cost probes do)."""
         n = self.length if length is None else length
         return past_feeds(self.k, self.v, self._positions[:n])
-
-    def append(self, k: torch.Tensor, v: torch.Tensor):
-        """Add k, v [layers, kv_heads, n, head_dim] after the stored entries."""
-        p, q = self.length, self.length + k.shape[2]
-        if q > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {q} > capacity {self.capacity}")
-        self.k[:, :, p:q] = k
-        self.v[:, :, p:q] = v
-        self.length = q
-
-    def reset(self):
-        self.length = 0
 
 
 class PackedKV:

@@ -66,7 +66,7 @@ class TorchBackend(Backend):
     @torch.no_grad()
     def draft_context(self, hidden, positions):
         kv = self.drafter.context_kv(hidden.to(self.device, self.drafter.dtype), positions.to(self.device))
-        self.draft_cache.append(kv)
+        self.draft_cache.append_layers(kv)
 
     @torch.no_grad()
     def draft_block(self, root: int, start: int, *, rows: int):
