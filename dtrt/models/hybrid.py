@@ -41,18 +41,44 @@ def recurrent_parents(mask, flatten_tree: bool = False) -> torch.Tensor:
     return tree_parents(mask)
 
 
+class RecurrentState:
+    """Per Gated-DeltaNet layer, the committed recurrent state [layers, *batch, H, dk, dv] (fp32) and conv window
+    [layers, *batch, C, K-1]: what a hybrid target carries between rounds. The torch target keeps one in its cache
+    (HybridCache), the export backends one beside their K/V (the target stage takes and returns it); both take the
+    last accepted node's entries at commit, the node axis just before a state's last three axes."""
+
+    def __init__(
+        self, layers: int, heads: int, dk: int, dv: int, conv_dim: int, kernel: int, dtype, device, batch: tuple = ()
+    ):
+        self.state = torch.zeros(layers, *batch, heads, dk, dv, device=device)
+        self.conv = torch.zeros(layers, *batch, conv_dim, kernel - 1, dtype=dtype, device=device)
+
+    @classmethod
+    def of(cls, cfg: HybridConfig, dtype, device, batch: tuple = ()) -> "RecurrentState":
+        n = len(cfg.recurrent_layers)
+        heads, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        return cls(n, heads, dk, dv, cfg.conv_dim, cfg.linear_conv_kernel_dim, dtype, device, batch)
+
+    def take(self, layer: int | slice, states: torch.Tensor, windows: torch.Tensor, last: int):
+        """Layer `layer`'s entries (a slice: those layers', states and windows then lead with them) of node `last`
+        from every node's states [..., N, H, dk, dv] and windows [..., N, C, K-1]."""
+        self.state[layer] = states[..., last, :, :, :]
+        self.conv[layer] = windows[..., last, :, :]
+
+    def reset(self):
+        self.state.zero_()
+        self.conv.zero_()
+
+
 class HybridCache(KVCache):
-    """K/V of the full-attention layers, plus per Gated-DeltaNet layer the committed recurrent state
-    [layers, *batch, H, dk, dv] (fp32) and conv window [layers, *batch, C, K-1]. A forward keeps every node's state
-    and window; commit moves the accepted K/V and takes the last accepted node's state and window."""
+    """K/V of the full-attention layers, plus the recurrent state (RecurrentState). A forward keeps every node's
+    state and window; commit moves the accepted K/V and takes the last accepted node's state and window."""
 
     def __init__(self, cfg: HybridConfig, capacity: int, dtype=torch.float32, device="cpu", batch: tuple = ()):
         super().__init__(replace(cfg, num_layers=len(cfg.attention_layers)), capacity, dtype, device, batch)
         n = len(cfg.recurrent_layers)
-        self.state = torch.zeros(
-            n, *batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, device=device
-        )
-        self.conv = torch.zeros(n, *batch, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+        self.recurrent_state = RecurrentState.of(cfg, dtype, device, batch)
+        self.state, self.conv = self.recurrent_state.state, self.recurrent_state.conv
         self.node_states: list = [None] * n
         self.node_windows: list = [None] * n
 
@@ -66,15 +92,13 @@ class HybridCache(KVCache):
         super().commit(accepted)
         last = int(accepted[-1])
         for i, (states, windows) in enumerate(zip(self.node_states, self.node_windows)):
-            self.state[i] = states[..., last, :, :, :]
-            self.conv[i] = windows[..., last, :, :]
+            self.recurrent_state.take(i, states, windows, last)
         self.node_states = [None] * len(self.node_states)
         self.node_windows = [None] * len(self.node_windows)
 
     def reset(self):
         super().reset()
-        self.state.zero_()
-        self.conv.zero_()
+        self.recurrent_state.reset()
 
 
 class OffsetRMSNorm(nn.Module):

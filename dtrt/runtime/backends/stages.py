@@ -14,7 +14,7 @@ from dtrt.artifacts.export import Export
 from dtrt.artifacts.files import MANIFEST
 from dtrt.artifacts.machine import first_line
 from dtrt.errors import BackendFault, DtrtError
-from dtrt.models.hybrid import recurrent_parents
+from dtrt.models.hybrid import RecurrentState, recurrent_parents
 from dtrt.runtime.backends.base import Backend, check_rows
 from dtrt.runtime.backends.kv import TargetKV, kv_cache_for
 from dtrt.scoring import greedy_chain_tables
@@ -182,7 +182,7 @@ class ExportedBackend(Backend):
         self.kv_cache = kv_cache_for(self.device)
         self.cache = self.draft_cache = None
         self._new_kv = self._new_states = None  # the last target forward's new entries, until commit
-        self.state = self.conv = None  # per Gated-DeltaNet layer, carried between rounds
+        self.state: RecurrentState | None = None  # a hybrid target's, carried between rounds
         self.frontier_stage = False
         order = self.export.manifest.get("ordered_attention") or {}
         self.min_rows, self.order_align = order.get("min_rows", 1), order.get("align")
@@ -225,11 +225,9 @@ class ExportedBackend(Backend):
         self._new_kv = self._new_states = None
         if self.recurrent:
             t = self.target_dims
-            layers = t["recurrent_layers"]
-            state = (layers, t["linear_num_value_heads"], t["linear_key_head_dim"], t["linear_value_head_dim"])
-            self.state = torch.zeros(state, dtype=torch.float32, device=self.device)
-            conv = (layers, t["conv_dim"], t["linear_conv_kernel_dim"] - 1)
-            self.conv = torch.zeros(conv, dtype=self.dtype, device=self.device)
+            dims = ("recurrent_layers", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+            dims += ("conv_dim", "linear_conv_kernel_dim")
+            self.state = RecurrentState(*(t[k] for k in dims), self.dtype, self.device)
 
     # target stages
     def _target(self, ids, positions, mask, past: int) -> dict[str, torch.Tensor]:
@@ -239,7 +237,7 @@ class ExportedBackend(Backend):
         feeds = dict(ids=ids, positions=positions, mask=mask, **self.cache.feeds(past))
         if self.recurrent:  # the tree's parents, read on the host from its ancestor mask
             parents = recurrent_parents(torch.as_tensor(mask).cpu(), self.flatten_tree)
-            feeds.update(parents=parents, state=self.state, conv=self.conv)
+            feeds.update(parents=parents, state=self.state.state, conv=self.state.conv)
         out = self.runner("target", **feeds)
         return first_rows(out, n) if len(ids) > n else out
 
@@ -256,10 +254,8 @@ class ExportedBackend(Backend):
         self.cache.append(new_k.index_select(2, idx), new_v.index_select(2, idx))
         self._new_kv = None
         if self.recurrent:  # the last accepted node's state already holds the whole accepted path
-            states, windows = self._new_states
-            last = idx[-1:]
-            self.state = states.index_select(1, last)[:, 0].clone()
-            self.conv = windows.index_select(1, last)[:, 0].clone()
+            states, windows = self._new_states  # [layers, N, ...]: every layer at once, the node axis second
+            self.state.take(slice(None), states, windows, int(idx[-1]))
             self._new_states = None
 
     # drafter stages
