@@ -79,7 +79,11 @@ MODELS = {
         # 0.97x); docs/benchmarks.md, "Drafting and attention at export layout 14". Prompt lookup's chains in the
         # tree (--lookup) were faster than DominoTree alone on every set the bench has, the model repeating its
         # prompt and itself (fp32, T=0: MT-Bench 2.07x AR vs 1.35x, HumanEval 2.19x vs 1.50x, code edits 2.06x vs
-        # 1.49x, Multi-LexSum 2K 1.57x vs 0.83x, essays 2K 1.33x vs 0.84x; docs/benchmarks.md, "Prompt lookup").
+        # 1.49x, Multi-LexSum 2K 1.57x vs 0.83x, essays 2K 1.33x vs 0.84x; docs/benchmarks.md, "Prompt lookup"). On
+        # the quantized targets the chains carry T=0 (dominotree+lookup@4 1.64-1.80x its AR) but cost more than they
+        # return at T=1 (0.82-0.91x, where dominotree@1 alone gives 1.10x / 0.95x), so lookup stays off there by
+        # default; with --lookup they take lookup's budget, 4 (@1: 1.52x / 1.56x; docs/benchmarks.md, "Prompt lookup
+        # on the int8 and int4 targets").
         ModelEntry(
             "smollm2-135m",
             budget=4,
