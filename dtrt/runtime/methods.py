@@ -25,7 +25,6 @@ from dtrt.errors import DtrtError
 from dtrt.runtime.calibrate import cost_curve
 from dtrt.tree import CostAwareStop, Round, Tree, build_ddtree, build_heap
 from dtrt.tree.adaptive import AcceptanceMap, AdaptiveStop, NodeCost, RoundClock, SpeculationGate
-from dtrt.tree.lookup import LookupIndex
 from dtrt.tree.lookup_source import ChainOrDraft, LookupSource
 
 if TYPE_CHECKING:
@@ -124,16 +123,14 @@ class Lookup(Method):
     has_budget = True
 
     def begin(self, prompt):
-        self.index = LookupIndex(prompt)
+        self.source = LookupSource(prompt)  # the same source --lookup gives the tree methods; a fixed length here
 
     def draft(self, backend, root, start):
-        self.index.extend([root])
-        chains = self.index.propose(max_len=self.cfg.budget)
-        return Tree.chain(chains[0] if chains else [], root=root), time.perf_counter()
+        self.source.propose(root=root, max_len=self.cfg.budget)
+        return self.source.chain(root), time.perf_counter()
 
     def observe(self, tree, accepted):
-        self.index.extend(tree.tokens[accepted[1:]].tolist())  # the root joined the stream when drafting
-        return len(accepted) - 1  # every accepted draft node is lookup's
+        return self.source.observe(tree, accepted)  # every accepted draft node is lookup's
 
 
 class DFlashChain(Method):
