@@ -7,6 +7,13 @@ buffer with the past's length) sees the same addresses on every call."""
 import torch
 
 
+def appended_end(length: int, n: int, capacity: int) -> int:
+    """Where `n` entries appended after `length` stored ones end; an overflow of `capacity` is an error."""
+    if length + n > capacity:
+        raise RuntimeError(f"KV cache overflow: {length + n} > capacity {capacity}")
+    return length + n
+
+
 class KVBuffer:
     def __init__(self, layers: int, heads: int, head_dim: int, capacity: int, dtype=torch.float32, device="cpu"):
         shape = (layers, heads, capacity, head_dim)
@@ -15,22 +22,16 @@ class KVBuffer:
         self.capacity = capacity
         self.length = 0
 
-    def _end(self, n: int) -> int:
-        q = self.length + n
-        if q > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {q} > capacity {self.capacity}")
-        return q
-
     def append(self, k: torch.Tensor, v: torch.Tensor):
         """Add k, v [layers, kv_heads, n, head_dim] after the stored entries."""
-        p, q = self.length, self._end(k.shape[2])
+        p, q = self.length, appended_end(self.length, k.shape[2], self.capacity)
         self.k[:, :, p:q] = k
         self.v[:, :, p:q] = v
         self.length = q
 
     def append_layers(self, kv: list[tuple[torch.Tensor, torch.Tensor]]):
         """Add each layer's (k, v) [kv_heads, n, head_dim] after the stored entries."""
-        p, q = self.length, self._end(kv[0][0].shape[-2])
+        p, q = self.length, appended_end(self.length, kv[0][0].shape[-2], self.capacity)
         for i, (k, v) in enumerate(kv):
             self.k[i, :, p:q] = k
             self.v[i, :, p:q] = v

@@ -17,7 +17,7 @@ import ctypes
 
 import torch
 
-from dtrt.models.kv_buffer import KVBuffer
+from dtrt.models.kv_buffer import KVBuffer, appended_end
 
 
 def past_feeds(past_k, past_v, past) -> dict:
@@ -54,16 +54,10 @@ class PackedKV:
         shape = (*self.lead, n, self.head_dim)
         return self.k[:size].view(shape), self.v[:size].view(shape)
 
-    def _check(self, n: int) -> int:
-        q = self.length + n
-        if q > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {q} > capacity {self.capacity}")
-        return q
-
     def append(self, k: torch.Tensor, v: torch.Tensor):
         """Add k, v [layers, kv_heads, n, head_dim] after the stored entries."""
         p, n, hd = self.length, k.shape[2], self.head_dim
-        q = self._check(n)
+        q = appended_end(self.length, n, self.capacity)
         for buf, new in ((self.k, k), (self.v, v)):
             if p:
                 row, base, item = p * hd * buf.element_size(), buf.data_ptr(), buf.element_size()
@@ -83,7 +77,7 @@ class DevicePackedKV(PackedKV):
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
         p, n, hd = self.length, k.shape[2], self.head_dim
-        q = self._check(n)
+        q = appended_end(self.length, n, self.capacity)
         for i, (buf, new) in enumerate(((self.k, k), (self.v, v))):
             dst = self._spare[i][: self.rows * q * hd].view(self.rows, q, hd)
             if p:
