@@ -9,8 +9,9 @@ from pathlib import Path
 
 from limits import LIMITS, MiB
 
-# tracked inputs that travel once, as parts, instead of with every call: moved aside (`loan.py hold`) for the loan
-HELD = ("data/smollm2-v2", "dtrt/assets/smollm2-135m/domino")
+# tracked paths that must not travel with every call, moved aside (`loan.py hold`) for the loan: the inputs travel
+# once, inside the parts; the bench records (several MB, growing with every record) are not needed there at all
+HELD = ("data/smollm2-v2", "dtrt/assets/smollm2-135m/domino", "bench-results")
 REMOTE = "/tmp/dtrt-loan"  # on the GPU machine: parts as they arrive, the unpacked stage, the run
 
 
@@ -136,8 +137,8 @@ def markdown(calls: list[Call], *, staged: dict) -> str:
 Staged: {staged["summary"]}. Expected: {expected_s(calls) / 60:.1f} minutes of GPU time, the machine's start
 ({LIMITS.start_s}s) and {LIMITS.gap_s}s between calls included; the loan gives {LIMITS.loan_s / 60:.0f}.
 
-1. Before the first call: `python scripts/gpu/loan.py hold` (moves {held} aside, so they travel once, inside the
-   parts, not with every call; `python scripts/gpu/loan.py release` puts them back).
+1. Before the first call: `python scripts/gpu/loan.py hold` (moves {held} aside, so that they do not travel with
+   every call: the inputs travel once, inside the parts; `python scripts/gpu/loan.py release` puts them back).
 2. Make the calls below in order, each as soon as the one before returns: the machine is given back after
    {LIMITS.idle_s}s idle, and with it the parts already sent. Run each command from the repository root, with the
    paths it carries; `$OUT` is the folder whose files come back.
