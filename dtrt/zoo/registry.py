@@ -78,8 +78,8 @@ MODELS = {
         # 1.30x / 1.00x, cadominotree@2 1.26x / 1.03x), int4 1.18x / 0.95x (@2 1.09x / 0.83x, cadominotree@2 1.17x /
         # 0.97x); docs/benchmarks.md, "Drafting and attention at export layout 14". Prompt lookup's chains in the
         # tree (--lookup) were faster than DominoTree alone on every set the bench has, the model repeating its
-        # prompt and itself (fp32, T=0: MT-Bench 2.07x AR vs 1.35x, HumanEval 2.19x vs 1.50x, code edits 2.06x vs
-        # 1.49x, Multi-LexSum 2K 1.57x vs 0.83x, essays 2K 1.33x vs 0.84x; docs/benchmarks.md, "Prompt lookup"). On
+        # prompt and itself (fp32, T=0, lookup first: MT-Bench 2.37x AR vs 1.57x, HumanEval 2.49x vs 1.55x, code
+        # edits 2.41x vs 1.46x, Multi-LexSum 2K 2.24x vs 0.85x, essays 2K 1.55x vs 0.83x; docs/methods.md). On
         # the quantized targets the chains carry T=0 (dominotree+lookup@4 1.64-1.80x its AR) but cost more than they
         # return at T=1 (0.82-0.91x, where dominotree@1 alone gives 1.10x / 0.95x), so lookup stays off there by
         # default; with --lookup they take lookup's budget, 4 (@1: 1.52x / 1.56x; docs/benchmarks.md, "Prompt lookup
