@@ -490,7 +490,9 @@ def run_parity(
     runners = {}  # MatMulNBits accuracy level -> the ONNX Runtime runner that runs the export so
 
     def ort(accuracy: int) -> OrtRunner:
-        return runners.setdefault(accuracy, OrtRunner(exp, accuracy=accuracy))
+        if accuracy not in runners:
+            runners[accuracy] = OrtRunner(exp, accuracy=accuracy)
+        return runners[accuracy]
 
     real = real_inputs(exp, reference.stages, prompts) if prompts else {}
     rows = []

@@ -72,7 +72,8 @@ class LookupSource:
                 taken += 1
         committed = tree.tokens[accepted[1:]].tolist()
         self.copying = bool(self.first) and committed[: len(self.first)] == self.first
-        self.index.extend(tree.tokens[accepted[1 if self.rooted else 0 :]].tolist())
+        # the root joined the stream when proposing
+        self.index.extend(committed if self.rooted else [int(tree.tokens[0]), *committed])
         self.rooted, self.trie, self.first = False, Trie(), []
         return taken
 

@@ -182,7 +182,7 @@ class ExportedBackend(Backend):
         self.kv_cache = kv_cache_for(self.device)
         self.cache = self.draft_cache = None
         self._new_kv = self._new_states = None  # the last target forward's new entries, until commit
-        self.state: RecurrentState | None = None  # a hybrid target's, carried between rounds
+        self.recurrent_state: RecurrentState | None = None  # a hybrid target's, carried between rounds
         self.frontier_stage = False
         order = self.export.manifest.get("ordered_attention") or {}
         self.min_rows, self.order_align = order.get("min_rows", 1), order.get("align")
@@ -227,7 +227,7 @@ class ExportedBackend(Backend):
             t = self.target_dims
             dims = ("recurrent_layers", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
             dims += ("conv_dim", "linear_conv_kernel_dim")
-            self.state = RecurrentState(*(t[k] for k in dims), self.dtype, self.device)
+            self.recurrent_state = RecurrentState(*(t[k] for k in dims), self.dtype, self.device)
 
     # target stages
     def _target(self, ids, positions, mask, past: int) -> dict[str, torch.Tensor]:
@@ -237,7 +237,7 @@ class ExportedBackend(Backend):
         feeds = dict(ids=ids, positions=positions, mask=mask, **self.cache.feeds(past))
         if self.recurrent:  # the tree's parents, read on the host from its ancestor mask
             parents = recurrent_parents(torch.as_tensor(mask).cpu(), self.flatten_tree)
-            feeds.update(parents=parents, state=self.state.state, conv=self.state.conv)
+            feeds.update(parents=parents, state=self.recurrent_state.state, conv=self.recurrent_state.conv)
         out = self.runner("target", **feeds)
         return first_rows(out, n) if len(ids) > n else out
 
@@ -255,7 +255,7 @@ class ExportedBackend(Backend):
         self._new_kv = None
         if self.recurrent:  # the last accepted node's state already holds the whole accepted path
             states, windows = self._new_states  # [layers, N, ...]: every layer at once, the node axis second
-            self.state.take(slice(None), states, windows, int(idx[-1]))
+            self.recurrent_state.take(slice(None), states, windows, int(idx[-1]))
             self._new_states = None
 
     # drafter stages
