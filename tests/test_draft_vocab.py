@@ -1,6 +1,6 @@
 """A reduced draft vocabulary (`dtrt draft-vocab`, `--draft-vocab`): the file's EAGLE-3 layout and its checks, the
 drafter's head over the subset, every method giving AR's tokens at T=0 with drafts accepted on torch and ONNX Runtime
-(fp32 and int8 drafter stages), T=1 output following the target's distribution when the target often picks a token
+(fp32, int8 and int4 drafter stages), T=1 output following the target's distribution when the target often picks a token
 outside the subset, and the one-line errors."""
 
 import json
@@ -135,11 +135,11 @@ def exported(tiny, subset, tmp_path_factory):
             ExportConfig(max_context=512, draft_vocab=str(subset), drafter_quant=quant),
             model="tiny",
         )
-        for quant in ("none", "int8")
+        for quant in ("none", "int8", "int4")
     }
 
 
-@pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 @pytest.mark.parametrize("method", ["dflash", "ddtree", "dominotree"])
 def test_onnxruntime_is_ar_with_drafts_accepted(tiny, ar, exported, quant, method):
     exp = exported[quant]

@@ -1,6 +1,7 @@
-"""`dtrt export --drafter-quant int8`: the drafters' block stages with int8 weights. The output stays the AR
-tokens with drafts accepted, parity judges those stages by their own tolerance (and still catches a wrong
-weight), and the exports that cannot take them (TensorRT, fp16) say so."""
+"""`dtrt export --drafter-quant int8|int4`: the drafters' block stages with int8 weights (int4: an int4 lm_head and
+int4 context stages besides). The output stays the AR tokens with drafts accepted, parity judges those stages by
+their own tolerance (and still catches a wrong weight), and the exports that cannot take them (TensorRT, fp16) say
+so."""
 
 import json
 
@@ -37,25 +38,50 @@ def test_only_the_block_stages_are_quantized(tiny_export_int8):
     assert "--drafter-quant int8" in tiny_export_int8.fix_hint()
 
 
+def test_int4_quantizes_the_lm_head_and_the_context_stages(tiny_export_int4):
+    """int4: the context stages' products and the block's lm_head (the product that reads the proposal rows `ph`)
+    on int4 weights, the block's other products int8 as --drafter-quant int8 makes them."""
+    import onnx
+    from onnx import TensorProto
+
+    m = tiny_export_int4.manifest
+    assert m["quantized_stages"] == ["dflash.context", "dflash.block", "domino.context", "domino.block"]
+    assert "--drafter-quant int4" in tiny_export_int4.fix_hint()
+    for name in m["quantized_stages"]:
+        graph = onnx.load(str(tiny_export_int4.stage(name)), load_external_data=False).graph
+        int4 = {i.name for i in graph.initializer if i.data_type == TensorProto.INT4}
+        dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in int4}
+        readers = [n.input[0] for n in graph.node if n.op_type == "MatMul" and n.input[1] in dequantized]
+        integer = [n for n in graph.node if n.op_type == "MatMulInteger"]
+        if name.endswith(".context"):
+            assert readers and not integer and not any(n.op_type == "Gemm" for n in graph.node), name
+        else:
+            assert readers == ["head_rows"] and integer, (name, readers)  # quantize.head_min_rows
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize(
     "draft",
     [spec("dflash"), spec("dominotree"), spec("dominotree", builder="frontier")],
     ids=lambda d: d.method + d.builder,
 )
-def test_int8_drafter_keeps_the_ar_tokens_with_drafts_accepted(tiny_export_int8, torch_tokens, draft):
-    check_speculative(ort_pipeline(tiny_export_int8, draft), draft, torch_tokens)
+def test_quantized_drafter_keeps_the_ar_tokens_with_drafts_accepted(request, torch_tokens, draft, quant):
+    check_speculative(ort_pipeline(request.getfixturevalue(f"tiny_export_{quant}"), draft), draft, torch_tokens)
 
 
+@pytest.mark.parametrize("quant", ["int8", "int4"])
 @pytest.mark.parametrize("kind", ["dflash", "domino"])
-def test_int8_rows_are_those_of_every_row(tiny_export_int8, kind):
-    """The lm_head's activations are quantized over every proposal row, whatever `rows` a round asks for: a row's
-    base logits are the same bits as with every row (a scale over the rows asked alone would move them)."""
+def test_quantized_rows_are_those_of_every_row(request, kind, quant):
+    """A row's base logits are the same bits whatever `rows` a round asks for: the int8 lm_head's activations are
+    quantized over every proposal row (a scale over the rows asked alone would move them), the int4 one's row by
+    row."""
     from dtrt.runtime.backends.onnxruntime import OrtBackend
 
-    backend = OrtBackend(tiny_export_int8, kind, threads=1)
+    exp = request.getfixturevalue(f"tiny_export_{quant}")
+    backend = OrtBackend(exp, kind, threads=1)
     backend.reset(32)
     n, gen = 11, torch.Generator().manual_seed(0)
-    ids = torch.randint(0, tiny_export_int8.manifest["target"]["vocab_size"], (n,), generator=gen)
+    ids = torch.randint(0, exp.manifest["target"]["vocab_size"], (n,), generator=gen)
     _, hidden = backend.target_forward(ids, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
     backend.commit(torch.arange(n))
     backend.draft_context(hidden, torch.arange(n))
@@ -66,14 +92,14 @@ def test_int8_rows_are_those_of_every_row(tiny_export_int8, kind):
         assert torch.equal(ph, full[0][:rows]) and torch.equal(base, full[1][:rows]), rows
 
 
-def test_int8_drafts_stay_close_to_the_fp32_ones(tiny_export, tiny_export_int8):
-    """Same prompts, same target: acceptance moves little (the drafts are the fp32 ones up to int8 rounding)."""
+def test_quantized_drafts_stay_close_to_the_fp32_ones(tiny_export, tiny_export_int8, tiny_export_int4):
+    """Same prompts, same target: acceptance moves little (the drafts are the fp32 ones up to rounding)."""
     taus = []
-    for exp in (tiny_export, tiny_export_int8):
+    for exp in (tiny_export, tiny_export_int8, tiny_export_int4):
         gens = generate_all(ort_pipeline(exp, spec("dominotree")))
         rounds = [r.accepted for g in gens for r in g.rounds]
         taus.append(sum(rounds) / len(rounds))
-    assert taus[1] > 0.8 * taus[0], taus
+    assert taus[1] > 0.8 * taus[0] and taus[2] > 0.8 * taus[0], taus
 
 
 def test_parity_judges_quantized_stages_by_their_tolerance(tiny_export_int8):
@@ -82,7 +108,7 @@ def test_parity_judges_quantized_stages_by_their_tolerance(tiny_export_int8):
     assert report.ok, report.table()
     assert report.quantized == ("dflash.block", "domino.block")
     assert (
-        "int8 drafter stages" in report.table()
+        "quantized drafter stages" in report.table()
         and report.to_json()["quantized"]["domino.block"]["cosine"] == QUANT_TOLERANCE.cosine
     )
     # a wrong weight in the reference is still caught at that tolerance
@@ -93,16 +119,32 @@ def test_parity_judges_quantized_stages_by_their_tolerance(tiny_export_int8):
     assert bad.failed == ["domino.block"], bad.table()
 
 
+def test_parity_judges_int4_drafter_stages_by_their_tolerance(tiny_export_int4):
+    wanted = ("target", "domino.block", "domino.context")
+    stages = {k: v for k, v in reference_stages(tiny_export_int4).items() if k in wanted}
+    report = run_parity(tiny_export_int4, 1, stages=stages)
+    assert report.ok, report.table()
+    assert report.quantized == ("dflash.context", "dflash.block", "domino.context", "domino.block")
+    assert {r.stage for r in report.rows} == set(wanted)
+    fc = stages["domino.context"].module.drafter.fc.weight
+    with torch.no_grad():
+        fc.copy_(torch.randn_like(fc) * fc.std())
+    bad = run_parity(tiny_export_int4, 0, stages={"domino.context": stages["domino.context"]})
+    assert bad.failed == ["domino.context"], bad.table()
+
+
 def test_exports_that_cannot_take_int8_drafters(tiny_export_int8):
     with pytest.raises(DtrtError, match="--drafter-quant int8 .* --dtype fp32"):
         check_drafter_quant("int8", "fp16")
-    with pytest.raises(DtrtError, match="--drafter-quant 'int4'"):
-        check_drafter_quant("int4", "fp32")
+    with pytest.raises(DtrtError, match="--drafter-quant int4 .* --dtype fp32"):
+        check_drafter_quant("int4", "bf16")
+    with pytest.raises(DtrtError, match="--drafter-quant 'int2'"):
+        check_drafter_quant("int2", "fp32")
     from dtrt.engines.build import build_engines
 
     with pytest.raises(
         DtrtError,
-        match=r"int8 weights .* ONNX Runtime only; for TensorRT re-export with "
+        match=r"quantized weights .* ONNX Runtime only; for TensorRT re-export with "
         r"`dtrt export --model tiny .*--drafter-quant none",
     ):
         build_engines(tiny_export_int8.path, tiny_export_int8.path.parent / "engines")

@@ -71,7 +71,7 @@ def build_engines(export_dir, out_root, cfg: BuildConfig = BuildConfig(), force:
     exp = load_export(export_dir)
     if exp.manifest.get("quantized_stages"):
         raise DtrtError(
-            f"{exp.path}: its drafter stages have int8 weights (--drafter-quant "
+            f"{exp.path}: its drafter stages have quantized weights (--drafter-quant "
             f"{exp.manifest['drafter_quant']}), which run on ONNX Runtime only; for TensorRT re-export "
             f"with `{exp.fix_hint(drafter_quant='none')}`"
         )

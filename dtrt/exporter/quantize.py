@@ -1,23 +1,34 @@
-"""`dtrt export --drafter-quant int8`: the drafters' block stages with int8 weights, for ONNX Runtime on the CPU.
+"""`dtrt export --drafter-quant int8|int4`: the drafters' stages with quantized weights, for ONNX Runtime on the CPU.
 
-A block stage is one draft layer and the target's lm_head over the block's positions. At batch 1 its cost is
-reading the weights, and the lm_head ([vocab, hidden], 113 MB in fp32 for SmolLM2) is most of them, so int8
-weights make the stage about 2.5x faster. Drafts need not be exact: the target, which stays in the export's
-dtype, verifies every drafted token, so the output is unchanged and only acceptance can move.
+A block stage is the draft layers and the target's lm_head over the rows a round asks for; a context stage
+projects the target's hidden states into the drafter's K/V. At batch 1 their cost is reading the weights: a round
+runs them right after the target's step, which has pushed them out of the CPU's caches, so a round's drafting time
+follows the bytes its weights take. Drafts need not be exact: the target, which stays in the export's dtype,
+verifies every drafted token, so the output is unchanged and only acceptance can move.
 
-ONNX Runtime's dynamic quantization: weights int8 per output channel, activations uint8 per tensor, measured at
-run time (MatMulInteger). The context stages, the scorer stages and the target are left as exported.
-The lm_head reads the first `rows` proposal rows only, but its activations are quantized over all of them, as
-before the block took `rows` (`whole_rows_scale`): each row's integer products, hence its base logits, are the same
-whatever `rows` a round asks for, and drafts stay those of every row.
+int8: the block stages' products with int8 weights per output channel and uint8 activations per tensor, measured at
+run time (ONNX Runtime's dynamic quantization, MatMulInteger); the context stages as exported.
 
-The weights use 7 bits (reduce_range: -64..64). A CPU without VNNI (AVX2 only) multiplies uint8 by int8 in pairs
-summed in int16 (vpmaddubsw), which saturates once a pair passes 32,767 (255 x 127 x 2 can reach 64,770): on such
-a CPU the SmolLM2 block's logits came out at cosine 0.986 to the fp32 reference with 8-bit weights, 0.9955 with 7-bit.
-With 7 bits no pair can saturate (255 x 64 x 2 = 32,640), so every CPU computes the same exact integer sums and
-drafts the same tokens; a VNNI CPU, which never saturates, gives up a little (SmolLM2's lm_head on real hidden
+int4: the block stages as int8, except the lm_head, whose weights are int4 per block of HEAD_BLOCK input features;
+the context stages' products with int4 weights per block of CONTEXT_BLOCK. Both are weight-only (the target's
+`--quant int4` form, ONNX Runtime's MatMulNBits, which quantizes each row's activations per block). Why not all:
+  - the draft layers take 8 block rows, where MatMulNBits ran slower than MatMulInteger at these sizes;
+  - the context stage's activations are the target's hidden states, whose few large features a per-tensor uint8
+    scale flattens: dynamic int8 there cost 5% of tau on SmolLM2 (MT-Bench and HumanEval, budget 1), weight-only
+    int4 0.9% with its lm_head together.
+On SmolLM2-135M (16K draft vocabulary, one thread) the lm_head falls from 9.4 to 5 MB and the context projection
+from 8.4 to 1.3 MB: drafting 2.98 -> 2.12 ms a round.
+
+The int8 weights use 7 bits (reduce_range: -64..64). A CPU without VNNI (AVX2 only) multiplies uint8 by int8 in
+pairs summed in int16 (vpmaddubsw), which saturates once a pair passes 32,767 (255 x 127 x 2 can reach 64,770): on
+such a CPU the SmolLM2 block's logits came out at cosine 0.986 to the fp32 reference with 8-bit weights, 0.9955 with
+7-bit. With 7 bits no pair can saturate (255 x 64 x 2 = 32,640), so every CPU computes the same exact integer sums
+and drafts the same tokens; a VNNI CPU, which never saturates, gives up a little (SmolLM2's lm_head on real hidden
 states, the exact integer sums emulated: cosine 0.9997-0.9999 and rel 0.02-0.03 at 8 bits, 0.9991-0.9999 and
-0.04-0.06 at 7).
+0.04-0.06 at 7). int4 weights (0..15 after their offset) cannot saturate a pair either.
+A row's base logits do not depend on how many rows a round asks for: the int8 lm_head's activations are quantized
+over every proposal row (`whole_rows_scale`), the int4 one's row by row over an even number of rows
+(`head_even_rows`).
 """
 
 import logging
@@ -27,9 +38,13 @@ from pathlib import Path
 import numpy as np
 
 from dtrt.errors import DtrtError
+from dtrt.models.quant import quant_spec
 
-DRAFTER_QUANTS = ("none", "int8")
-QUANT_STAGES = ("block",)  # per drafter kind
+DRAFTER_QUANTS = ("none", "int8", "int4")
+QUANT_STAGES = {"none": (), "int8": ("block",), "int4": ("block", "context")}  # per drafter kind
+HEAD_BLOCK = 128  # faster than 32 at the same tau (SmolLM2: the block 0.17 ms a round less); see head_even_rows
+CONTEXT_BLOCK = 32
+HEAD_INPUT = "ph"  # the block stage's proposal rows, which its lm_head reads
 
 
 def check_drafter_quant(quant: str, dtype: str):
@@ -40,10 +55,8 @@ def check_drafter_quant(quant: str, dtype: str):
 
 
 def quantized_stages(stage_names, quant: str) -> list[str]:
-    """The stages `quant` rewrites: every drafter kind's block stage."""
-    if quant == "none":
-        return []
-    return [name for name in stage_names if name.partition(".")[2] in QUANT_STAGES]
+    """The stages `quant` rewrites: every drafter kind's block stage (int4: and its context stage)."""
+    return [name for name in stage_names if name.partition(".")[2] in QUANT_STAGES[quant]]
 
 
 def quantize_drafters(root: Path, stages: dict, quant: str, log=None) -> list[str]:
@@ -52,13 +65,39 @@ def quantize_drafters(root: Path, stages: dict, quant: str, log=None) -> list[st
     for name in names:
         if log:
             log(f"quantizing {name} to {quant}")
-        quantize_stage(Path(root) / stages[name]["file"])
+        path = Path(root) / stages[name]["file"]
+        if quant == "int8":
+            quantize_stage(path)
+        elif name.endswith(".context"):
+            quantize_weights(path, quant_spec("int4", CONTEXT_BLOCK), lambda node: True)
+        else:
+            quantize_weights(path, quant_spec("int4", HEAD_BLOCK), lambda node: node.input[0] == HEAD_INPUT)
+            quantize_stage(path, whole_rows=False, rewrite=head_even_rows)
     return names
 
 
-def quantize_stage(path: Path):
-    """Replace the stage at `path` (and its .data file) by its dynamically quantized int8 version (7-bit weights)."""
+def quantize_weights(path: Path, spec, chosen) -> None:
+    """The linear products of the stage at `path` for which `chosen(node)` holds, as weight-only `spec` products
+    (dtrt.exporter.target_quant's form; their integers in `<stage>.quant.data`)."""
+    import onnx
+
+    from dtrt.exporter.target_quant import quantize_target, weight_input
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    inits = {i.name: i for i in graph.initializer}
+    names = sorted({(w[0],) for n in graph.node if (w := weight_input(n, inits)) is not None and chosen(n)})
+    if not names:
+        raise DtrtError(f"{path.name}: no linear product to quantize to {spec.name}")
+    quantize_target(path, spec, names)
+
+
+def quantize_stage(path: Path, whole_rows: bool = True, rewrite=None):
+    """Replace the stage at `path` (and its data files) by its dynamically quantized int8 version (7-bit weights);
+    `whole_rows`: quantize the lm_head's activations over every proposal row (whole_rows_scale; an lm_head already
+    quantized otherwise has no activations of its own to quantize); `rewrite(model)`: a last graph pass."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from dtrt.exporter.target_quant import DATA_SUFFIX
 
     path = Path(path)
     tmp = path.with_name(f".q-{path.name}")
@@ -78,9 +117,12 @@ def quantize_stage(path: Path):
         import onnx
 
         model = onnx.load(str(tmp))  # the weights, renamed to the stage's own .data file
-        whole_rows_scale(model)
+        if whole_rows:
+            whole_rows_scale(model)
+        if rewrite is not None:
+            rewrite(model)
         data = path.with_name(path.name + ".data")
-        for f in (path, data):
+        for f in (path, data, path.with_name(path.name + DATA_SUFFIX)):  # every weight is in `model` now
             f.unlink(missing_ok=True)
         onnx.save_model(
             model,
@@ -125,3 +167,36 @@ def whole_rows_scale(model, rows_input: str = "rows", rows_output: str = "ph"):
     at = list(graph.node).index(dql)
     graph.node.insert(at + 1, first)
     graph.node.insert(at, whole)
+
+
+def head_even_rows(model, rows_input: str = "rows", rows_output: str = HEAD_INPUT):
+    """The int4 lm_head reads an even number of proposal rows (`rows` rounded up, as far as the block has rows) and
+    its logits are cut to `rows` after. ONNX Runtime's int4 product at blocks of 64 or more input features computes
+    rows in pairs and an odd last row alone, in another kernel whose sums differ in the last bits: without this a
+    row's base logits, hence its drafts near a tie, would depend on how many rows a round asks for."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    heads = [n for n in graph.node if n.op_type == "MatMul" and n.input[0] == rows_output]
+    cut = producer.get(rows_output)
+    if len(heads) != 1 or cut is None or cut.op_type != "Slice" or len(cut.input) < 4 or not cut.input[3]:
+        raise DtrtError(f"the block stage's {rows_output} is not the one sliced input of its lm_head")
+    head = heads[0]
+    data, starts, _, axes = cut.input[:4]
+    graph.initializer.extend(
+        [numpy_helper.from_array(np.array([2]), "head_pair"), numpy_helper.from_array(np.array([0]), "head_first_row")]
+    )
+    logits = head.output[0]
+    head.input[0], head.output[0] = "head_rows", "head_rows_logits"
+    before = [
+        helper.make_node("Mod", [rows_input, "head_pair"], ["head_odd_row"]),
+        helper.make_node("Add", [rows_input, "head_odd_row"], ["head_rows_count"]),
+        helper.make_node("Add", [starts, "head_rows_count"], ["head_rows_end"]),
+        helper.make_node("Slice", [data, starts, "head_rows_end", axes, *cut.input[4:5]], ["head_rows"]),
+    ]
+    after = helper.make_node("Slice", ["head_rows_logits", "head_first_row", rows_input, axes], [logits])
+    at = list(graph.node).index(head)
+    graph.node.insert(at + 1, after)
+    for node in reversed(before):
+        graph.node.insert(at, node)

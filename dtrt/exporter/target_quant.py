@@ -98,7 +98,7 @@ class DataWriter:
         self.file.close()
 
 
-def _weight_input(node: onnx.NodeProto, inits: dict) -> tuple[str, bool] | None:
+def weight_input(node: onnx.NodeProto, inits: dict) -> tuple[str, bool] | None:
     """(weight initializer, stored transposed) of a linear product: Gemm(x, W^T) as torch exports nn.Linear, or
     MatMul(x, W) with a constant W [in, out]; None for any other node."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -117,7 +117,7 @@ def _products(nodes: list, inits: dict, wanted: set) -> dict[int, list[tuple]]:
     product over their weights side by side is one activation quantization and one kernel call instead of three,
     and each output column is the same dot product as alone, so the outputs are bit for bit the separate
     products'. Weights read by more than one product (a tied lm_head) stay alone."""
-    found = [(n, *w) for n in nodes if (w := _weight_input(n, inits)) is not None and w[0] in wanted]
+    found = [(n, *w) for n in nodes if (w := weight_input(n, inits)) is not None and w[0] in wanted]
     readers: dict[str, int] = {}
     for _, name, _ in found:
         readers[name] = readers.get(name, 0) + 1

@@ -1,7 +1,7 @@
 """The export a registry model runs from when no --export is given: made on first use under
-<cache>/exports/<model>-<dtrt version> with `dtrt export`'s defaults and `--drafter-quant int8` (this export only
-ever runs on ONNX Runtime's CPU kernels, where int8 drafter weights cut the draft time and leave the output
-unchanged), checked against the checkpoints on every load and made again when they or those options changed."""
+<cache>/exports/<model>-<dtrt version> with `dtrt export`'s defaults and `--drafter-quant int4` (this export only
+ever runs on ONNX Runtime's CPU kernels, where quantized drafter weights cut the draft time and leave the output
+unchanged; dtrt.exporter.quantize says what int4 quantizes), checked against the checkpoints on every load and made again when they or those options changed."""
 
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from dtrt.models.checkpoint import Pair
 from dtrt.models.quant import quant_spec
 from dtrt.zoo.registry import default_quant
 
-DRAFTER_QUANT = "int8"
+DRAFTER_QUANT = "int4"
 
 
 def export_pair(*args, **kwargs) -> Export:

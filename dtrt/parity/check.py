@@ -61,7 +61,8 @@ TOLERANCES = {"fp32": Tolerance(0.99999, 5e-4, False), "fp16": Tolerance(0.9999,
 # `dtrt export --drafter-quant int8` stages against the fp32 reference: 7-bit weights and uint8 activations per
 # tensor (dtrt.exporter.quantize) give cosine >= 0.9955 and rel <= 0.13 on the SmolLM2 drafter (tiny: 0.9998,
 # 0.027), the same exact integer sums on every CPU (8-bit weights saturated on an AVX2-only CPU: SmolLM2 0.986, tiny
-# rel 0.25). A wrong weight matrix drops the cosine far below. They draft only: the target verifies every token,
+# rel 0.25). `--drafter-quant int4` (an int4 lm_head and context projection besides): cosine >= 0.99 on SmolLM2's
+# real inputs. A wrong weight matrix drops the cosine far below. They draft only: the target verifies every token,
 # the output is unchanged.
 QUANT_TOLERANCE = Tolerance(0.99, 0.25, False)
 # a quantized target (see dtrt.parity.quantized). Its weights, at fp32 activations, against the PyTorch target on the
@@ -448,7 +449,7 @@ class Report:
         )
         if self.quantized:
             summary += (
-                f"\nint8 drafter stages {', '.join(self.quantized)}: cosine >= {QUANT_TOLERANCE.cosine} "
+                f"\nquantized drafter stages {', '.join(self.quantized)}: cosine >= {QUANT_TOLERANCE.cosine} "
                 f"and rel <= {QUANT_TOLERANCE.rel:g} (drafts only; the target verifies every token); on the real "
                 "inputs, which those stages make, integer outputs may differ where a row holds tied values"
             )
