@@ -1,7 +1,8 @@
 """The export a registry model runs from when no --export is given: made on first use under
 <cache>/exports/<model>-<dtrt version> with `dtrt export`'s defaults and `--drafter-quant int4` (this export only
 ever runs on ONNX Runtime's CPU kernels, where quantized drafter weights cut the draft time and leave the output
-unchanged; dtrt.exporter.quantize says what int4 quantizes), checked against the checkpoints on every load and made again when they or those options changed."""
+unchanged; dtrt.exporter.quantize says what int4 quantizes), checked against the checkpoints on every load and
+made again when they or those options changed."""
 
 from pathlib import Path
 
