@@ -17,6 +17,7 @@ from dtrt.exporter.quantize import check_drafter_quant, quantized_stages
 from dtrt.exporter.reference import TorchStageRunner, reference_stages
 from dtrt.parity.check import (
     QUANT_TOLERANCE,
+    QUANT_TOLERANCES,
     TOLERANCES,
     compare_stage,
     random_cases,
@@ -126,6 +127,7 @@ def test_parity_judges_int4_drafter_stages_by_their_tolerance(tiny_export_int4):
     assert report.ok, report.table()
     assert report.quantized == ("dflash.context", "dflash.block", "domino.context", "domino.block")
     assert {r.stage for r in report.rows} == set(wanted)
+    assert report.to_json()["quantized"]["domino.context"]["cosine"] == QUANT_TOLERANCES["int4"].cosine
     fc = stages["domino.context"].module.drafter.fc.weight
     with torch.no_grad():
         fc.copy_(torch.randn_like(fc) * fc.std())

@@ -65,6 +65,11 @@ TOLERANCES = {"fp32": Tolerance(0.99999, 5e-4, False), "fp16": Tolerance(0.9999,
 # real inputs. A wrong weight matrix drops the cosine far below. They draft only: the target verifies every token,
 # the output is unchanged.
 QUANT_TOLERANCE = Tolerance(0.99, 0.25, False)
+# `--drafter-quant int4`: the lm_head and the context stages on int4 weights per block, whose error the cached K/V
+# carry into the block: SmolLM2's real inputs measure cosine 0.9875 (context ctx_v) and rel 0.26 (block base); the
+# bounds keep int8's margin over what it measures. A random weight matrix in the tiny drafter's context stage still
+# fails them (tests/test_drafter_quant.py).
+QUANT_TOLERANCES = {"int8": QUANT_TOLERANCE, "int4": Tolerance(0.97, 0.5, False)}
 # a quantized target (see dtrt.parity.quantized). Its weights, at fp32 activations, against the PyTorch target on the
 # same dequantized weights: the fused kernel accumulates in another order than sgemm (SmolLM2 int8: rel 8.3e-4 on
 # one random case, N=17 P=100; int4 4.8e-4); a wrong integer moves whole logits. As the runtime runs it (int8
@@ -403,7 +408,8 @@ class Report:
     dtype: str
     tol: Tolerance
     rows: list[Row]
-    quantized: tuple[str, ...] = ()  # stages judged by QUANT_TOLERANCE
+    quantized: tuple[str, ...] = ()  # stages judged by quant_tol
+    quant_tol: Tolerance = QUANT_TOLERANCE  # QUANT_TOLERANCES of the export's --drafter-quant
     target_quant: str = "none"  # a quantized target: its ", int8 activations" rows are judged by ACT_TOLERANCE
 
     @property
@@ -422,7 +428,7 @@ class Report:
             "ok": self.ok,
             "failed": self.failed,
             "tolerance": asdict(self.tol),
-            "quantized": {s: asdict(QUANT_TOLERANCE) for s in self.quantized},
+            "quantized": {s: asdict(self.quant_tol) for s in self.quantized},
             "target_quant": self.target_quant,
             "activation_tolerance": asdict(ACT_TOLERANCE) if self.target_quant != "none" else None,
             "weight_tolerance": asdict(weight_tolerance(self.dtype)) if self.target_quant != "none" else None,
@@ -449,8 +455,8 @@ class Report:
         )
         if self.quantized:
             summary += (
-                f"\nquantized drafter stages {', '.join(self.quantized)}: cosine >= {QUANT_TOLERANCE.cosine} "
-                f"and rel <= {QUANT_TOLERANCE.rel:g} (drafts only; the target verifies every token); on the real "
+                f"\nquantized drafter stages {', '.join(self.quantized)}: cosine >= {self.quant_tol.cosine} "
+                f"and rel <= {self.quant_tol.rel:g} (drafts only; the target verifies every token); on the real "
                 "inputs, which those stages make, integer outputs may differ where a row holds tied values"
             )
         if self.target_quant != "none":
@@ -487,6 +493,7 @@ def run_parity(
     if dtype not in TOLERANCES:
         raise DtrtError(f"{exp.path / MANIFEST}: dtype {dtype!r} has no parity tolerance; use an fp32 or fp16 export")
     quantized = tuple(exp.manifest.get("quantized_stages", ()))
+    quant_tol = QUANT_TOLERANCES.get(exp.manifest.get("drafter_quant", "int8"), QUANT_TOLERANCE)
     reference = TorchStageRunner(exp, stages)
     runners = {}  # MatMulNBits accuracy level -> the ONNX Runtime runner that runs the export so
 
@@ -501,7 +508,7 @@ def run_parity(
         t0 = time.perf_counter()
         cases = random_cases(stage, quick)
         captured = [(f"real {i}", c) for i, c in enumerate(real.get(name, []))]
-        tol = QUANT_TOLERANCE if name in quantized else TOLERANCES[dtype]
+        tol = quant_tol if name in quantized else TOLERANCES[dtype]
         runs = [(tol, MATMUL_ACCURACY, "", cases)]
         if name == "target" and exp.quant is not None:  # weights at unquantized activations, then the runtime's
             runs = [(weight_tolerance(dtype), 0, "", cases), (ACT_TOLERANCE, MATMUL_ACCURACY, ", int8 activations", [])]
@@ -523,7 +530,7 @@ def run_parity(
             row.ok = row.ok and row.max_abs == 0.0
             row.note = "bit for bit" if row.ok else "differs: tree verify would not reproduce plain decoding"
             rows.append(row)
-    return Report(exp.path, dtype, TOLERANCES[dtype], rows, quantized, exp.quant_name)
+    return Report(exp.path, dtype, TOLERANCES[dtype], rows, quantized, quant_tol, exp.quant_name)
 
 
 def real_tolerance(tol: Tolerance, quantized: tuple) -> Tolerance:
