@@ -63,10 +63,13 @@ def run(pair, draft, backend, export, full: bool, monkeypatch):
     return [g.tokens for g in gens], rounds, [r.accepted for g in gens for r in g.rounds], k_draft
 
 
-@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime", "onnxruntime-int4"])
 @pytest.mark.parametrize("draft", CASES, ids=lambda d: f"{d.method}-b{d.budget}")
-def test_trees_are_those_of_every_row(tiny, tiny_export, torch_tokens, draft, backend, monkeypatch):
-    pair, export = (tiny, None) if backend == "torch" else (None, tiny_export.path)
+def test_trees_are_those_of_every_row(request, tiny, tiny_export, torch_tokens, draft, backend, monkeypatch):
+    """onnxruntime-int4: the export's drafter stages as the first-use export quantizes them (--drafter-quant int4)."""
+    exp = request.getfixturevalue("tiny_export_int4") if backend.endswith("int4") else tiny_export
+    pair, export = (tiny, None) if backend == "torch" else (None, exp.path)
+    backend = backend.partition("-")[0]
     tokens, rounds, accepted, k_draft = run(pair, draft, backend, export, False, monkeypatch)
     full_tokens, full_rounds, _, _ = run(pair, draft, backend, export, True, monkeypatch)
     assert tokens == full_tokens == torch_tokens
