@@ -139,7 +139,19 @@ def quantize_stage(path: Path, whole_rows: bool = True, rewrite=None):
                 os.remove(f)
 
 
-def whole_rows_scale(model, rows_input: str = "rows", rows_output: str = "ph"):
+def lm_head_input(graph, op_type: str, rows_output: str):
+    """The one `op_type` node reading the block stage's `rows_output` (the lm_head's first node), and the inputs of
+    the Slice that makes `rows_output` from every proposal row: (node, [data, starts, axes, steps...])."""
+    producer = {o: n for n in graph.node for o in n.output}
+    readers = [n for n in graph.node if n.op_type == op_type and n.input[0] == rows_output]
+    cut = producer.get(rows_output)
+    if len(readers) != 1 or cut is None or cut.op_type != "Slice" or len(cut.input) < 4 or not cut.input[3]:
+        raise DtrtError(f"the block stage's {rows_output} is not the one sliced input of its lm_head ({op_type})")
+    data, starts, _, axes = cut.input[:4]
+    return readers[0], [data, starts, axes, *cut.input[4:5]]
+
+
+def whole_rows_scale(model, rows_input: str = "rows", rows_output: str = HEAD_INPUT):
     """Quantize the lm_head's activations over every proposal row, then take the first `rows`: the stage's `ph`
     output is Slice(x, start, start + rows) on the rows axis and the lm_head's DynamicQuantizeLinear reads it; it
     reads Slice(x, start, end of x) instead (the proposal rows run to the block's end: k_draft = B - first_row), and
@@ -147,14 +159,7 @@ def whole_rows_scale(model, rows_input: str = "rows", rows_output: str = "ph"):
     from onnx import helper, numpy_helper
 
     graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    quant = [n for n in graph.node if n.op_type == "DynamicQuantizeLinear" and n.input[0] == rows_output]
-    cut = producer.get(rows_output)
-    if len(quant) != 1 or cut is None or cut.op_type != "Slice" or len(cut.input) < 4 or not cut.input[3]:
-        raise DtrtError(f"the block stage's {rows_output} is not the one sliced input of its lm_head's quantization")
-    dql = quant[0]
-    data, starts, _, axes = cut.input[:4]
-    steps = list(cut.input[4:5])
+    dql, (data, starts, axes, *steps) = lm_head_input(graph, "DynamicQuantizeLinear", rows_output)
     end, start = np.array([np.iinfo(np.int64).max]), np.array([0])
     graph.initializer.extend(
         [numpy_helper.from_array(end, "whole_rows_end"), numpy_helper.from_array(start, "whole_rows_start")]
@@ -177,13 +182,7 @@ def head_even_rows(model, rows_input: str = "rows", rows_output: str = HEAD_INPU
     from onnx import helper, numpy_helper
 
     graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    heads = [n for n in graph.node if n.op_type == "MatMul" and n.input[0] == rows_output]
-    cut = producer.get(rows_output)
-    if len(heads) != 1 or cut is None or cut.op_type != "Slice" or len(cut.input) < 4 or not cut.input[3]:
-        raise DtrtError(f"the block stage's {rows_output} is not the one sliced input of its lm_head")
-    head = heads[0]
-    data, starts, _, axes = cut.input[:4]
+    head, (data, starts, axes, *steps) = lm_head_input(graph, "MatMul", rows_output)
     graph.initializer.extend(
         [numpy_helper.from_array(np.array([2]), "head_pair"), numpy_helper.from_array(np.array([0]), "head_first_row")]
     )
@@ -193,7 +192,7 @@ def head_even_rows(model, rows_input: str = "rows", rows_output: str = HEAD_INPU
         helper.make_node("Mod", [rows_input, "head_pair"], ["head_odd_row"]),
         helper.make_node("Add", [rows_input, "head_odd_row"], ["head_rows_count"]),
         helper.make_node("Add", [starts, "head_rows_count"], ["head_rows_end"]),
-        helper.make_node("Slice", [data, starts, "head_rows_end", axes, *cut.input[4:5]], ["head_rows"]),
+        helper.make_node("Slice", [data, starts, "head_rows_end", axes, *steps], ["head_rows"]),
     ]
     after = helper.make_node("Slice", ["head_rows_logits", "head_first_row", rows_input, axes], [logits])
     at = list(graph.node).index(head)
