@@ -66,7 +66,7 @@ TOLERANCES = {"fp32": Tolerance(0.99999, 5e-4, False), "fp16": Tolerance(0.9999,
 # the output is unchanged.
 QUANT_TOLERANCE = Tolerance(0.99, 0.25, False)
 # `--drafter-quant int4`: the lm_head and the context stages on int4 weights per block, whose error the cached K/V
-# carry into the block: SmolLM2's real inputs measure cosine 0.9875 (context ctx_v) and rel 0.26 (block base); the
+# carry into the block: SmolLM2's real inputs measure cosine 0.9871 (context ctx_v) and rel 0.29 (block base); the
 # bounds keep int8's margin over what it measures. A random weight matrix in the tiny drafter's context stage still
 # fails them (tests/test_drafter_quant.py).
 QUANT_TOLERANCES = {"int8": QUANT_TOLERANCE, "int4": Tolerance(0.97, 0.5, False)}
