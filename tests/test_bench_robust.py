@@ -126,6 +126,21 @@ def test_hygiene_is_stated():
     line = machine.describe(busy)
     assert busy["busy"] == ["before", "during"] and "another process held a core before and during the run" in line
     assert line.startswith(f"machine: {m['model']}, {m['cores']} cores") and "threads per process: torch 1" in line
+    assert "attention" not in line  # said only where ONNX Runtime ran on the CPU
+
+
+def test_hygiene_says_which_attention_onnx_runtime_ran(monkeypatch):
+    """Without dtrt's kernel (no ONNX Runtime headers here, or turned off) the line names the function body and
+    why; with it, the kernel."""
+    from dtrt.runtime.backends import ort_ops
+
+    monkeypatch.setenv("DTRT_ORT_OPS", "0")
+    m = {**machine.cpu(), "attention": machine.ort_attention()}
+    line = machine.describe(machine.hygiene(m, {"onnxruntime": 1}, 0.0, 1.0))
+    assert "quantized targets' attention: the ONNX function body (turned off (DTRT_ORT_OPS=0))" in line
+    monkeypatch.setattr(ort_ops, "status", lambda: "")
+    monkeypatch.setattr(ort_ops, "library", lambda: "libdtrt_ort_ops.so")
+    assert machine.ort_attention() == "dtrt's kernel"
 
 
 def rows(methods, datasets, temps):

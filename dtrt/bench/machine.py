@@ -1,6 +1,7 @@
 """Timing hygiene stated with every bench: the machine (CPU model, cores, the instruction sets that decide which
-kernels run), the threads each process uses, and whether another process held a core (the load average before
-the run, and after it beyond the bench's own threads)."""
+kernels run; on ONNX Runtime's CPU provider, which attention a quantized target ran), the threads each process
+uses, and whether another process held a core (the load average before the run, and after it beyond the bench's
+own threads)."""
 
 import os
 import platform
@@ -24,6 +25,17 @@ def cpu() -> dict:
     except OSError:
         pass
     return {"model": model, "cores": os.cpu_count(), "flags": [f for f in FLAGS if f in flags]}
+
+
+def ort_attention() -> str:
+    """Which attention ONNX Runtime runs for a quantized target here: dtrt's kernel (dtrt.runtime.backends.ort_ops),
+    or the ordered attention's function body and why the kernel is not there."""
+    from dtrt.runtime.backends import ort_ops
+
+    why = ort_ops.status()
+    if not why and ort_ops.library() is not None:
+        return "dtrt's kernel"
+    return f"the ONNX function body ({why or 'the kernel did not build'})"
 
 
 def load() -> float | None:
@@ -57,4 +69,5 @@ def describe(h: dict) -> str:
     else:
         verdict = ""
     flags = f" ({' '.join(m['flags'])})" if m["flags"] else ""
-    return f"machine: {m['model']}, {m['cores']} cores{flags}; threads per process: {threads}{load}{verdict}"
+    attention = f"; quantized targets' attention: {m['attention']}" if m.get("attention") else ""
+    return f"machine: {m['model']}, {m['cores']} cores{flags}{attention}; threads per process: {threads}{load}{verdict}"

@@ -173,6 +173,8 @@ def bench(o: BenchOptions, log) -> Path:
         **({"llama.cpp": o.threads} if peer else {}),
     }
     h_machine, load_before = machine.cpu(), machine.load()
+    if base.backend == "onnxruntime" and base.device == "cpu":
+        h_machine["attention"] = machine.ort_attention()
     log(
         f"bench: {', '.join(e.label for e in lineup)} on {', '.join(f'{d} ({len(p)})' for d, p in prompts.items())}"
         f" at T={','.join(f'{t:g}' for t in temps)}, {max_new} new tokens"
