@@ -1,7 +1,7 @@
-"""`dtrt export --drafter-quant int8|int4`: the drafters' block stages with int8 weights (int4: an int4 lm_head and
-int4 context stages besides). The output stays the AR tokens with drafts accepted, parity judges those stages by
-their own tolerance (and still catches a wrong weight), and the exports that cannot take them (TensorRT, fp16) say
-so."""
+"""`dtrt export --drafter-quant int8|int4`: the drafters' context stages on int4 weights and block stages on int8
+ones (int4: the block's lm_head on int4 weights). The output stays the AR tokens with drafts accepted, parity
+judges those stages by their own tolerance (and still catches a wrong weight), and the exports that cannot take
+them (TensorRT, fp16) say so."""
 
 import json
 
@@ -16,8 +16,8 @@ from dtrt.errors import DtrtError
 from dtrt.exporter.quantize import check_drafter_quant, quantized_stages
 from dtrt.exporter.reference import TorchStageRunner, reference_stages
 from dtrt.parity.check import (
+    INT4_TOLERANCE,
     QUANT_TOLERANCE,
-    QUANT_TOLERANCES,
     TOLERANCES,
     compare_stage,
     random_cases,
@@ -27,37 +27,37 @@ from dtrt.parity.check import (
 from dtrt.runtime.backends.onnxruntime import OrtRunner
 
 
-def test_only_the_block_stages_are_quantized(tiny_export_int8):
-    m = tiny_export_int8.manifest
-    assert m["quantized_stages"] == ["dflash.block", "domino.block"]
-    assert quantized_stages(["target", "dflash.context", "domino.block", "domino.scorer_root"], "none") == []
-    import onnx
-
-    for name in m["stages"]:
-        ops = {n.op_type for n in onnx.load(str(tiny_export_int8.stage(name)), load_external_data=False).graph.node}
-        assert ("MatMulInteger" in ops) == (name in m["quantized_stages"]), name
-    assert "--drafter-quant int8" in tiny_export_int8.fix_hint()
-
-
-def test_int4_quantizes_the_lm_head_and_the_context_stages(tiny_export_int4):
-    """int4: the context stages' products and the block's lm_head (the product that reads the proposal rows `ph`)
-    on int4 weights, the block's other products int8 as --drafter-quant int8 makes them."""
-    import onnx
+def int4_weights(graph) -> tuple[list[str], list]:
+    """The inputs of the products on int4 weights (DequantizeLinear -> MatMul), and the int8 products."""
     from onnx import TensorProto
 
-    m = tiny_export_int4.manifest
+    int4 = {i.name for i in graph.initializer if i.data_type == TensorProto.INT4}
+    dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in int4}
+    readers = [n.input[0] for n in graph.node if n.op_type == "MatMul" and n.input[1] in dequantized]
+    return readers, [n for n in graph.node if n.op_type == "MatMulInteger"]
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_the_drafter_stages_and_what_each_quantizes(request, quant):
+    """Both: the context stages' products on int4 weights, the block's draft layers on int8 ones; int8 the block's
+    lm_head int8 too, int4 the lm_head (the product that reads the proposal rows) on int4 weights. No other stage
+    changes."""
+    import onnx
+
+    exp = request.getfixturevalue(f"tiny_export_{quant}")
+    m = exp.manifest
     assert m["quantized_stages"] == ["dflash.context", "dflash.block", "domino.context", "domino.block"]
-    assert "--drafter-quant int4" in tiny_export_int4.fix_hint()
-    for name in m["quantized_stages"]:
-        graph = onnx.load(str(tiny_export_int4.stage(name)), load_external_data=False).graph
-        int4 = {i.name for i in graph.initializer if i.data_type == TensorProto.INT4}
-        dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in int4}
-        readers = [n.input[0] for n in graph.node if n.op_type == "MatMul" and n.input[1] in dequantized]
-        integer = [n for n in graph.node if n.op_type == "MatMulInteger"]
+    assert quantized_stages(["target", "dflash.context", "domino.block", "domino.scorer_root"], "none") == []
+    assert f"--drafter-quant {quant}" in exp.fix_hint()
+    for name in m["stages"]:
+        graph = onnx.load(str(exp.stage(name)), load_external_data=False).graph
+        readers, integer = int4_weights(graph)
         if name.endswith(".context"):
             assert readers and not integer and not any(n.op_type == "Gemm" for n in graph.node), name
+        elif name.endswith(".block"):
+            assert integer and readers == (["head_rows"] if quant == "int4" else []), (name, readers)  # head_even_rows
         else:
-            assert readers == ["head_rows"] and integer, (name, readers)  # quantize.head_min_rows
+            assert not readers and not integer, name
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
@@ -107,10 +107,11 @@ def test_parity_judges_quantized_stages_by_their_tolerance(tiny_export_int8):
     stages = {k: v for k, v in reference_stages(tiny_export_int8).items() if k.endswith(".block") or k == "target"}
     report = run_parity(tiny_export_int8, 1, stages=stages)
     assert report.ok, report.table()
-    assert report.quantized == ("dflash.block", "domino.block")
+    assert report.quantized == ("dflash.context", "dflash.block", "domino.context", "domino.block")
     assert (
         "quantized drafter stages" in report.table()
         and report.to_json()["quantized"]["domino.block"]["cosine"] == QUANT_TOLERANCE.cosine
+        and report.to_json()["quantized"]["domino.context"]["cosine"] == INT4_TOLERANCE.cosine
     )
     # a wrong weight in the reference is still caught at that tolerance
     o_proj = stages["domino.block"].module.drafter.layers[0].self_attn.o_proj.weight
@@ -127,7 +128,8 @@ def test_parity_judges_int4_drafter_stages_by_their_tolerance(tiny_export_int4):
     assert report.ok, report.table()
     assert report.quantized == ("dflash.context", "dflash.block", "domino.context", "domino.block")
     assert {r.stage for r in report.rows} == set(wanted)
-    assert report.to_json()["quantized"]["domino.context"]["cosine"] == QUANT_TOLERANCES["int4"].cosine
+    assert report.to_json()["quantized"]["domino.context"]["cosine"] == INT4_TOLERANCE.cosine
+    assert report.to_json()["quantized"]["domino.block"]["cosine"] == INT4_TOLERANCE.cosine
     fc = stages["domino.context"].module.drafter.fc.weight
     with torch.no_grad():
         fc.copy_(torch.randn_like(fc) * fc.std())

@@ -377,7 +377,7 @@ def test_default_sources():
 
 
 def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
-    tiny, tiny_export, tiny_export_int4, tmp_path, monkeypatch
+    tiny, tiny_export, tiny_export_int8, tiny_export_int4, tmp_path, monkeypatch
 ):
     from dtrt import __version__
     from dtrt.launch import first_use as cache
@@ -387,13 +387,14 @@ def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
     cached = tmp_path / "exports" / f"tiny-{__version__}"
     made = []
     monkeypatch.setattr(cache, "export_pair", lambda pair, out, cfg, **kw: made.append((pair, out, cfg)) or "new")
-    shutil.copytree(tiny_export.path, cached)  # made by an earlier dtrt with fp32 drafters: made again, int4
-    logs = []
-    assert cache.cached_export(tiny, "tiny", logs.append) == "new"
-    assert made[-1][2].drafter_quant == "int4" and any("drafter_quant" in m for m in logs)
+    for other in (tiny_export, tiny_export_int4):  # fp32 drafters (an earlier dtrt), or not the registry's choice
+        shutil.copytree(other.path, cached)
+        logs = []
+        assert cache.cached_export(tiny, "tiny", logs.append) == "new"
+        assert made[-1][2].drafter_quant == "int8" and any("--drafter-quant int8" in m for m in logs), logs
+        shutil.rmtree(cached)
     made.clear()
-    shutil.rmtree(cached)
-    shutil.copytree(tiny_export_int4.path, cached)
+    shutil.copytree(tiny_export_int8.path, cached)
     exp = cache.cached_export(tiny, "tiny")
     assert exp.path == cached and not made
     other = tmp_path / "target"

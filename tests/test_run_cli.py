@@ -330,6 +330,9 @@ def test_budget_defaults_to_the_models_measured_one(tiny, monkeypatch, capsys):
     assert resolve_spec(method="ddtree", quant="none").budget == 4
     assert resolve_spec(method="dominotree", quant="int4").budget == 1
     assert resolve_spec(model="tiny").method == "dominotree" and registry.default_method("qwen3-4b") == "dominotree"
+    # the first-use export's drafter: the int4 lm_head where the budget is 1, the int8 one on fp32's budget 4
+    quants = [registry.default_drafter_quant("smollm2-135m", q) for q in ("none", "int8", "int4")]
+    assert quants == ["int8", "int4", "int4"] and registry.default_drafter_quant("tiny", "int4") == "int8"
     assert run_json(monkeypatch, capsys, "--max-new-tokens", "4", PROMPT)["budget"] == 16
     monkeypatch.setitem(registry.MODELS, "tiny", replace(registry.MODELS["tiny"], budget=3))
     out = run_json(monkeypatch, capsys, "--max-new-tokens", "24", PROMPT)

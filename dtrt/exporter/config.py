@@ -28,8 +28,8 @@ class ExportConfig:
     node_topk: int = RunSpec.node_topk
     """Children per tree node of the frontier stage, k."""
     drafter_quant: Literal[DRAFTER_QUANTS] = "none"
-    """Quantized drafter weights (ONNX Runtime CPU; drafts only, output unchanged): int8, the block stages' products
-    in int8; int4, the same but the lm_head and the context stages in int4 (dtrt.exporter.quantize)."""
+    """Quantized drafter weights (ONNX Runtime CPU; drafts only, output unchanged): the context stages in int4 and the
+    block stages' draft layers in int8, their lm_head in int8 or int4 (dtrt.exporter.quantize)."""
     drafters: tuple[str, ...] | None = None
     """The drafter kinds to export, dflash and/or domino (default: every one the pair has; a Domino drafter alone
     serves every method, its body being a DFlash drafter)."""

@@ -6,18 +6,22 @@ runs them right after the target's step, which has pushed them out of the CPU's 
 follows the bytes its weights take. Drafts need not be exact: the target, which stays in the export's dtype,
 verifies every drafted token, so the output is unchanged and only acceptance can move.
 
-int8: the block stages' products with int8 weights per output channel and uint8 activations per tensor, measured at
-run time (ONNX Runtime's dynamic quantization, MatMulInteger); the context stages as exported.
-
-int4: the block stages as int8, except the lm_head, whose weights are int4 per block of HEAD_BLOCK input features;
-the context stages' products with int4 weights per block of CONTEXT_BLOCK. Both are weight-only (the target's
-`--quant int4` form, ONNX Runtime's MatMulNBits, which quantizes each row's activations per block). Why not all:
-  - the draft layers take 8 block rows, where MatMulNBits ran slower than MatMulInteger at these sizes;
+Both modes quantize the context stages' products to int4 weights per block of CONTEXT_BLOCK, weight-only (the
+target's `--quant int4` form, ONNX Runtime's MatMulNBits, which quantizes each row's activations per block), and
+the block stages' draft layers to int8 weights per output channel with uint8 activations per tensor, measured at
+run time (ONNX Runtime's dynamic quantization, MatMulInteger). They differ in the block's lm_head:
+  - int8: as the draft layers (its activations quantized over every proposal row: `whole_rows_scale`);
+  - int4: int4 weights per block of HEAD_BLOCK, weight-only; it reads an even number of rows (`head_even_rows`).
+Why each:
   - the context stage's activations are the target's hidden states, whose few large features a per-tensor uint8
     scale flattens: dynamic int8 there cost 5% of tau on SmolLM2 (MT-Bench and HumanEval, budget 1), weight-only
-    int4 0.9% with its lm_head together.
-On SmolLM2-135M (16K draft vocabulary, one thread) the lm_head falls from 9.4 to 5 MB and the context projection
-from 8.4 to 1.3 MB: drafting 2.98 -> 2.12 ms a round.
+    int4 0.8% (budget 4), and its 8.4 MB of fp32 weights fall to 1.3;
+  - the draft layers take 8 block rows, where MatMulNBits ran slower than MatMulInteger at these sizes;
+  - the lm_head reads the rows a round asks for: at budget 1 int4 cut SmolLM2's drafting by 0.4 ms a round for
+    0.5% of tau, but in the trees of budget 4 it cost 2.6% more tau than int8 for no speed.
+On SmolLM2-135M (16K draft vocabulary, one thread, the int8 target, side by side in one process) drafting went
+from 3.07 ms a round (the int8 block with an fp32 context, before) to 2.68 with int8 and 2.28 with int4 at budget
+1, and from 3.28 to 2.93 with int8 at budget 4.
 
 The int8 weights use 7 bits (reduce_range: -64..64). A CPU without VNNI (AVX2 only) multiplies uint8 by int8 in
 pairs summed in int16 (vpmaddubsw), which saturates once a pair passes 32,767 (255 x 127 x 2 can reach 64,770): on
@@ -27,8 +31,7 @@ and drafts the same tokens; a VNNI CPU, which never saturates, gives up a little
 states, the exact integer sums emulated: cosine 0.9997-0.9999 and rel 0.02-0.03 at 8 bits, 0.9991-0.9999 and
 0.04-0.06 at 7). int4 weights (0..15 after their offset) cannot saturate a pair either.
 A row's base logits do not depend on how many rows a round asks for: the int8 lm_head's activations are quantized
-over every proposal row (`whole_rows_scale`), the int4 one's row by row over an even number of rows
-(`head_even_rows`).
+over every proposal row, the int4 one's row by row over an even number of rows.
 """
 
 import logging
@@ -41,7 +44,7 @@ from dtrt.errors import DtrtError
 from dtrt.models.quant import quant_spec
 
 DRAFTER_QUANTS = ("none", "int8", "int4")
-QUANT_STAGES = {"none": (), "int8": ("block",), "int4": ("block", "context")}  # per drafter kind
+QUANT_STAGES = {"none": (), "int8": ("block", "context"), "int4": ("block", "context")}  # per drafter kind
 HEAD_BLOCK = 128  # faster than 32 at the same tau (SmolLM2: the block 0.17 ms a round less); see head_even_rows
 CONTEXT_BLOCK = 32
 HEAD_INPUT = "ph"  # the block stage's proposal rows, which its lm_head reads
@@ -55,7 +58,7 @@ def check_drafter_quant(quant: str, dtype: str):
 
 
 def quantized_stages(stage_names, quant: str) -> list[str]:
-    """The stages `quant` rewrites: every drafter kind's block stage (int4: and its context stage)."""
+    """The stages `quant` rewrites: every drafter kind's block and context stages."""
     return [name for name in stage_names if name.partition(".")[2] in QUANT_STAGES[quant]]
 
 
@@ -66,10 +69,10 @@ def quantize_drafters(root: Path, stages: dict, quant: str, log=None) -> list[st
         if log:
             log(f"quantizing {name} to {quant}")
         path = Path(root) / stages[name]["file"]
-        if quant == "int8":
-            quantize_stage(path)
-        elif name.endswith(".context"):
+        if name.endswith(".context"):
             quantize_weights(path, quant_spec("int4", CONTEXT_BLOCK), lambda node: True)
+        elif quant == "int8":
+            quantize_stage(path)
         else:
             quantize_weights(path, quant_spec("int4", HEAD_BLOCK), lambda node: node.input[0] == HEAD_INPUT)
             quantize_stage(path, whole_rows=False, rewrite=head_even_rows)

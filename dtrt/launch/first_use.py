@@ -1,8 +1,8 @@
 """The export a registry model runs from when no --export is given: made on first use under
-<cache>/exports/<model>-<dtrt version> with `dtrt export`'s defaults and `--drafter-quant int4` (this export only
-ever runs on ONNX Runtime's CPU kernels, where quantized drafter weights cut the draft time and leave the output
-unchanged; dtrt.exporter.quantize says what int4 quantizes), checked against the checkpoints on every load and
-made again when they or those options changed."""
+<cache>/exports/<model>-<dtrt version> with `dtrt export`'s defaults and the registry's `--drafter-quant` for the
+target's quantization (this export only ever runs on ONNX Runtime's CPU kernels, where quantized drafter weights
+cut the draft time and leave the output unchanged; dtrt.exporter.quantize says what each quantizes), checked
+against the checkpoints on every load and made again when they or those options changed."""
 
 from pathlib import Path
 
@@ -11,12 +11,11 @@ from dtrt.artifacts.export import LAYOUT, Export, check_source, load_export
 from dtrt.artifacts.files import MANIFEST, cache_dir
 from dtrt.errors import DtrtError
 from dtrt.exporter.config import ExportConfig
+from dtrt.exporter.quantize import quantized_stages
 from dtrt.launch.memory import check_first_use
 from dtrt.models.checkpoint import Pair
 from dtrt.models.quant import quant_spec
-from dtrt.zoo.registry import default_quant
-
-DRAFTER_QUANT = "int4"
+from dtrt.zoo.registry import default_drafter_quant, default_quant
 
 
 def export_pair(*args, **kwargs) -> Export:
@@ -44,8 +43,10 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none", draft_v
                 rec = exp.drafters.get(kind, {}).get("draft_vocab") or {}
                 if rec.get("sha256") != sha:
                     raise DtrtError(f"{path / MANIFEST}: the {kind} drafter's draft vocabulary is not {sha or 'full'}")
-            if exp.manifest.get("drafter_quant", "none") != DRAFTER_QUANT:
-                raise DtrtError(f"{path / MANIFEST}: drafter_quant is not {DRAFTER_QUANT}")
+            want = default_drafter_quant(model, quant)
+            have = exp.manifest.get("drafter_quant", "none"), exp.manifest.get("quantized_stages")
+            if have != (want, quantized_stages(exp.manifest["stages"], want)):
+                raise DtrtError(f"{path / MANIFEST}: its drafter stages are not quantized as --drafter-quant {want}")
             if exp.quant != qspec:
                 raise DtrtError(f"{path / MANIFEST}: its target is {exp.quant_name}, not {quant}")
             if exp.manifest.get("layout") != LAYOUT:
@@ -64,7 +65,8 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none", draft_v
             )
     check_first_use(pair, model, quant=quant)
     log(f"exporting {model} to ONNX in {path} (first use only)")
-    cfg = ExportConfig(force=True, drafter_quant=DRAFTER_QUANT, quant=quant, draft_vocab=draft_vocab)
+    drafter_quant = default_drafter_quant(model, quant)
+    cfg = ExportConfig(force=True, drafter_quant=drafter_quant, quant=quant, draft_vocab=draft_vocab)
     return export_pair(pair, Path(path), cfg, model=model, log=log)
 
 

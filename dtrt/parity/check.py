@@ -58,18 +58,23 @@ class Tolerance:
 
 
 TOLERANCES = {"fp32": Tolerance(0.99999, 5e-4, False), "fp16": Tolerance(0.9999, 2e-2, True)}
-# `dtrt export --drafter-quant int8` stages against the fp32 reference: 7-bit weights and uint8 activations per
-# tensor (dtrt.exporter.quantize) give cosine >= 0.9955 and rel <= 0.13 on the SmolLM2 drafter (tiny: 0.9998,
-# 0.027), the same exact integer sums on every CPU (8-bit weights saturated on an AVX2-only CPU: SmolLM2 0.986, tiny
-# rel 0.25). `--drafter-quant int4` (an int4 lm_head and context projection besides): cosine >= 0.99 on SmolLM2's
-# real inputs. A wrong weight matrix drops the cosine far below. They draft only: the target verifies every token,
-# the output is unchanged.
+# Quantized drafter stages (`dtrt export --drafter-quant`) against the fp32 reference. A block stage on int8 weights
+# (7 bits, uint8 activations per tensor: dtrt.exporter.quantize) gives cosine >= 0.9955 and rel <= 0.13 on the
+# SmolLM2 drafter (tiny: 0.9998, 0.027), the same exact integer sums on every CPU (8-bit weights saturated on an
+# AVX2-only CPU: SmolLM2 0.986, tiny rel 0.25). Stages on int4 weights per block (the context stages; the block with
+# --drafter-quant int4, its lm_head), whose error the cached K/V carry into the block: SmolLM2's real inputs measure
+# cosine 0.9871 (context ctx_v) and rel 0.29 (block base); the bounds keep int8's margin over what it measures. A
+# wrong weight matrix drops the cosine far below (tests/test_drafter_quant.py). They draft only: the target verifies
+# every token, the output is unchanged.
 QUANT_TOLERANCE = Tolerance(0.99, 0.25, False)
-# `--drafter-quant int4`: the lm_head and the context stages on int4 weights per block, whose error the cached K/V
-# carry into the block: SmolLM2's real inputs measure cosine 0.9871 (context ctx_v) and rel 0.29 (block base); the
-# bounds keep int8's margin over what it measures. A random weight matrix in the tiny drafter's context stage still
-# fails them (tests/test_drafter_quant.py).
-QUANT_TOLERANCES = {"int8": QUANT_TOLERANCE, "int4": Tolerance(0.97, 0.5, False)}
+INT4_TOLERANCE = Tolerance(0.97, 0.5, False)
+
+
+def quant_tolerance(stage: str, drafter_quant: str) -> Tolerance:
+    """A quantized drafter stage's tolerance: INT4_TOLERANCE where it holds int4 weights."""
+    return INT4_TOLERANCE if stage.endswith(".context") or drafter_quant == "int4" else QUANT_TOLERANCE
+
+
 # a quantized target (see dtrt.parity.quantized). Its weights, at fp32 activations, against the PyTorch target on the
 # same dequantized weights: the fused kernel accumulates in another order than sgemm (SmolLM2 int8: rel 8.3e-4 on
 # one random case, N=17 P=100; int4 4.8e-4); a wrong integer moves whole logits. As the runtime runs it (int8
@@ -408,8 +413,8 @@ class Report:
     dtype: str
     tol: Tolerance
     rows: list[Row]
-    quantized: tuple[str, ...] = ()  # stages judged by quant_tol
-    quant_tol: Tolerance = QUANT_TOLERANCE  # QUANT_TOLERANCES of the export's --drafter-quant
+    quantized: tuple[str, ...] = ()  # stages judged by quant_tolerance
+    drafter_quant: str = "int8"
     target_quant: str = "none"  # a quantized target: its ", int8 activations" rows are judged by ACT_TOLERANCE
 
     @property
@@ -428,7 +433,7 @@ class Report:
             "ok": self.ok,
             "failed": self.failed,
             "tolerance": asdict(self.tol),
-            "quantized": {s: asdict(self.quant_tol) for s in self.quantized},
+            "quantized": {s: asdict(quant_tolerance(s, self.drafter_quant)) for s in self.quantized},
             "target_quant": self.target_quant,
             "activation_tolerance": asdict(ACT_TOLERANCE) if self.target_quant != "none" else None,
             "weight_tolerance": asdict(weight_tolerance(self.dtype)) if self.target_quant != "none" else None,
@@ -453,11 +458,14 @@ class Report:
             f"{self.tol.rel:g} x max|torch| (rel); integer outputs exact"
             + (" (tied: differ on inputs with equal values in a row)" if self.tol.ties else "")
         )
-        if self.quantized:
+        by_tol = defaultdict(list)
+        for stage in self.quantized:
+            by_tol[quant_tolerance(stage, self.drafter_quant)].append(stage)
+        for tol, stages in by_tol.items():
             summary += (
-                f"\nquantized drafter stages {', '.join(self.quantized)}: cosine >= {self.quant_tol.cosine} "
-                f"and rel <= {self.quant_tol.rel:g} (drafts only; the target verifies every token); on the real "
-                "inputs, which those stages make, integer outputs may differ where a row holds tied values"
+                f"\nquantized drafter stages {', '.join(stages)}: cosine >= {tol.cosine} and rel <= {tol.rel:g} "
+                "(drafts only; the target verifies every token); on the real inputs, which those stages make, "
+                "integer outputs may differ where a row holds tied values"
             )
         if self.target_quant != "none":
             weights = weight_tolerance(self.dtype)
@@ -493,7 +501,7 @@ def run_parity(
     if dtype not in TOLERANCES:
         raise DtrtError(f"{exp.path / MANIFEST}: dtype {dtype!r} has no parity tolerance; use an fp32 or fp16 export")
     quantized = tuple(exp.manifest.get("quantized_stages", ()))
-    quant_tol = QUANT_TOLERANCES.get(exp.manifest.get("drafter_quant", "int8"), QUANT_TOLERANCE)
+    drafter_quant = exp.manifest.get("drafter_quant", "none")
     reference = TorchStageRunner(exp, stages)
     runners = {}  # MatMulNBits accuracy level -> the ONNX Runtime runner that runs the export so
 
@@ -508,7 +516,7 @@ def run_parity(
         t0 = time.perf_counter()
         cases = random_cases(stage, quick)
         captured = [(f"real {i}", c) for i, c in enumerate(real.get(name, []))]
-        tol = quant_tol if name in quantized else TOLERANCES[dtype]
+        tol = quant_tolerance(name, drafter_quant) if name in quantized else TOLERANCES[dtype]
         runs = [(tol, MATMUL_ACCURACY, "", cases)]
         if name == "target" and exp.quant is not None:  # weights at unquantized activations, then the runtime's
             runs = [(weight_tolerance(dtype), 0, "", cases), (ACT_TOLERANCE, MATMUL_ACCURACY, ", int8 activations", [])]
@@ -530,7 +538,7 @@ def run_parity(
             row.ok = row.ok and row.max_abs == 0.0
             row.note = "bit for bit" if row.ok else "differs: tree verify would not reproduce plain decoding"
             rows.append(row)
-    return Report(exp.path, dtype, TOLERANCES[dtype], rows, quantized, quant_tol, exp.quant_name)
+    return Report(exp.path, dtype, TOLERANCES[dtype], rows, quantized, drafter_quant, exp.quant_name)
 
 
 def real_tolerance(tol: Tolerance, quantized: tuple) -> Tolerance:

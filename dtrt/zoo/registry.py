@@ -41,6 +41,11 @@ class ModelEntry:
     lookup_budget: int | None = None
     """The tree budget where lookup's chains are taken (a chain-alone round verifies up to this many tokens): None,
     the budget without them."""
+    drafter_quant: str = "int8"
+    """`--drafter-quant` of its first-use ONNX Runtime exports (dtrt.exporter.quantize)."""
+    drafter_quants: tuple[tuple[str, str], ...] = ()
+    """(target quantization, --drafter-quant) where a target's first-use export wants another than `drafter_quant`:
+    int4's lm_head pays where the budget is 1 or 2 and costs tau in wider trees."""
     gate: GateRecord | None = None
     """The quality gate's result for the default target configuration (`quant`), as `dtrt quality` measured it
     against the fp32 PyTorch target: a quantized default needs a passing one (dtrt.zoo.gate)."""
@@ -64,6 +69,9 @@ class ModelEntry:
     def method_for(self, quant: str | None) -> str:
         return dict(self.quant_methods).get(quant or "none", self.method)
 
+    def drafter_quant_for(self, quant: str | None) -> str:
+        return dict(self.drafter_quants).get(quant or "none", self.drafter_quant)
+
 
 MODELS = {
     e.name: e
@@ -83,12 +91,16 @@ MODELS = {
         # the quantized targets the chains carry T=0 (dominotree+lookup@4 1.64-1.80x its AR) but cost more than they
         # return at T=1 (0.82-0.91x, where dominotree@1 alone gives 1.10x / 0.95x), so lookup stays off there by
         # default; with --lookup they take lookup's budget, 4 (@1: 1.52x / 1.56x; docs/benchmarks.md, "Prompt lookup
-        # on the int8 and int4 targets").
+        # on the int8 and int4 targets"). Its first-use exports quantize the drafter: the context stage to int4 and
+        # the draft layers to int8 everywhere; the lm_head to int4 where the budget is 1 (int8 target, DominoTree@1:
+        # tau -0.9%, drafting 2.98 -> 2.12 ms a round, 4.5% more tok/s) but not on the fp32 target's budget 4, where
+        # an int4 lm_head cost 2.6% more tau than the int8 one for no speed (docs/quantization.md).
         ModelEntry(
             "smollm2-135m",
             budget=4,
             quant="none",
             quant_budgets=(("int8", 1), ("int4", 1)),
+            drafter_quants=(("int8", "int4"), ("int4", "int4")),
             lookup=("none",),
             lookup_budget=4,
             gate=GateRecord(
@@ -164,6 +176,11 @@ def method_help() -> str:
         if e.method != "dominotree" or per_quant:
             special.append(f"{e.name}: {e.method}" + "".join(f", on {q} {m}" for q, m in per_quant.items()))
     return "dominotree" + (f" ({'; '.join(special)})" if special else "")
+
+
+def default_drafter_quant(model: str | None, quant: str | None) -> str:
+    """`--drafter-quant` of a first-use export of `model`'s `quant` target."""
+    return MODELS[model].drafter_quant_for(quant) if model in MODELS else ModelEntry.drafter_quant
 
 
 def default_quant(model: str | None) -> str:
