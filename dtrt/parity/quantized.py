@@ -12,7 +12,8 @@
    the rows plain decoding computes for the same tokens (a last-bit difference moves an int8 rounding and grows to
    whole logits). The check runs both on this machine's kernels: plain decoding token by token (each call padded
    to the export's min_rows, as the runtime does) and one verify call holding the same chain interleaved with
-   distractor branches, inside one aligned attention block; every output row must be identical.
+   distractor branches, and one holding a chain of an odd number of nodes alone (each padded as the runtime pads
+   it: target_rows), inside one aligned attention block; every output row must be identical.
 """
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 from dtrt.artifacts.export import Export
 from dtrt.runtime.backends.kv import past_feeds
 from dtrt.runtime.backends.onnxruntime import NUMPY_TYPES, OrtRunner
-from dtrt.runtime.backends.stages import first_rows, pad_rows
+from dtrt.runtime.backends.stages import first_rows, pad_rows, target_rows
 
 ORDER_DEPTH = 6  # chain tokens per order case
 CACHE_SPARE = 5  # positions of the cache after the past (NaN: a stage that reads them fails the check)
@@ -55,9 +56,10 @@ def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, 
         return {name: t.numpy() for name, t in out.items()}
 
     def call(ids, positions, mask, past_k, past_v):
+        """A target call as the runtime makes it: padded to target_rows."""
         n = len(ids)
-        if n < meta["min_rows"]:
-            padded = pad_rows(*map(torch.from_numpy, (ids, positions, mask)), meta["min_rows"])
+        if (rows := target_rows(n, meta["min_rows"])) > n:
+            padded = pad_rows(*map(torch.from_numpy, (ids, positions, mask)), rows)
             ids, positions, mask = (t.numpy() for t in padded)
         return first_rows(run(ids, positions, mask, past_k, past_v), n)
 
@@ -84,9 +86,20 @@ def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, 
                 mask[row, chain] = True
                 mask[row, row] = True
             chain.append(2 * i + 1)
-        tree = run(tokens, positions, mask, pre["new_k"], pre["new_v"])
+        tree = call(tokens, positions, mask, pre["new_k"], pre["new_v"])
+        # and a chain of an odd number of nodes alone, as the runtime calls it
+        odd = ORDER_DEPTH - 1 + ORDER_DEPTH % 2
+        alone = call(
+            ids[past : past + odd],
+            past + np.arange(odd),
+            np.tril(np.ones((odd, odd), bool)),
+            pre["new_k"],
+            pre["new_v"],
+        )
         for name in names:
             want = np.concatenate([p[name] for p in plain], axis=0 if name in ("logits", "hidden") else -2)
             got = tree[name][chain] if name in ("logits", "hidden") else tree[name][..., chain, :]
             rows.append((f"tree = plain decoding, P={past}", name, want, np.ascontiguousarray(got)))
+            want = want[:odd] if name in ("logits", "hidden") else want[..., :odd, :]
+            rows.append((f"odd chain = plain decoding, P={past}", name, want, np.ascontiguousarray(alone[name])))
     return rows

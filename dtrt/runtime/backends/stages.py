@@ -45,6 +45,14 @@ def block_feeds(root: int, start: int, rows: int, cache_k, cache_v) -> dict:
     }
 
 
+def target_rows(n: int, min_rows: int) -> int:
+    """The rows a target call of `n` runs with: `n`, or for a quantized target (min_rows > 1) at least `min_rows` and
+    an even count. ONNX Runtime's int4 product at blocks of 64 or more input features computes rows in pairs and an
+    odd last row in another kernel whose sums differ in the last bits (at 32, and int8, every row alike): an odd
+    tree's last row would not be the row plain decoding computes for its token, whose call holds two rows."""
+    return n if min_rows <= 1 else max(min_rows, n + n % 2)
+
+
 def pad_rows(ids, positions, mask, rows: int):
     """A target call of len(ids) rows as one of `rows`: the last row repeated, attending only to itself."""
     ids, positions, mask = (torch.as_tensor(x) for x in (ids, positions, mask))
@@ -231,9 +239,9 @@ class ExportedBackend(Backend):
 
     # target stages
     def _target(self, ids, positions, mask, past: int) -> dict[str, torch.Tensor]:
-        n = len(ids)
-        if n < self.min_rows:  # a quantized target: repeat the last row, seeing only itself, and drop its outputs
-            ids, positions, mask = pad_rows(ids, positions, mask, self.min_rows)
+        n, rows = len(ids), target_rows(len(ids), self.min_rows)
+        if rows > n:  # a quantized target: repeat the last row, seeing only itself, and drop its outputs
+            ids, positions, mask = pad_rows(ids, positions, mask, rows)
         feeds = dict(ids=ids, positions=positions, mask=mask, **self.cache.feeds(past))
         if self.recurrent:  # the tree's parents, read on the host from its ancestor mask
             parents = recurrent_parents(torch.as_tensor(mask).cpu(), self.flatten_tree)
