@@ -25,7 +25,7 @@ from dtrt.models.checkpoint import load_target
 from dtrt.models.quant import QuantSpec, dequantize, quant_spec, quantize
 from dtrt.parity import run_parity
 from dtrt.parity.quantized import order_check
-from dtrt.runtime.backends.stages import pad_rows, target_rows
+from dtrt.runtime.backends.stages import pad_rows, pairs_rows, target_rows
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.tree.tree import Tree
 from dtrt.zoo.registry import tiny_hybrid_pair
@@ -287,7 +287,7 @@ def test_prefills_take_the_whole_row_as_their_head(int4_export):
     assert "If" not in {n.op_type for n in planned.node}  # one path for every call: no If per layer
 
 
-def test_an_odd_tree_is_padded_to_even_rows_where_int4_products_pair_them(tiny, tmp_path, monkeypatch):
+def test_an_odd_tree_is_padded_to_even_rows_where_int4_products_pair_them(tiny, int4_export, tmp_path, monkeypatch):
     """At --quant-block 64 ONNX Runtime's int4 product computes rows in pairs and an odd last row in another kernel:
     the runtime pads every quantized target call to an even number of rows (target_rows), so a chain of an odd
     number of nodes verifies to plain decoding's rows bit for bit; with the old padding (to min_rows only) the order
@@ -297,11 +297,12 @@ def test_an_odd_tree_is_padded_to_even_rows_where_int4_products_pair_them(tiny, 
     exp = export_pair(
         tiny, tmp_path / "q64", ExportConfig(max_context=256, drafters=("domino",), quant="int4", quant_block=64)
     )
-    assert [target_rows(n, 2) for n in range(1, 6)] == [2, 2, 4, 4, 6] and target_rows(3, 1) == 3
+    assert pairs_rows(exp) and not pairs_rows(int4_export)  # blocks of 64 pair rows, 32 (the default) does not
+    assert [target_rows(n, 2, True) for n in range(1, 6)] == [2, 2, 4, 4, 6] and target_rows(3, 2) == 3
     rows = order_check(exp)
     assert any(case.startswith("odd chain") for case, *_ in rows)
     assert all(np.array_equal(want, got) for _, _, want, got in rows)
-    monkeypatch.setattr(quantized, "target_rows", lambda n, least: max(n, least))
+    monkeypatch.setattr(quantized, "pairs_rows", lambda exp: False)
     odd = [np.array_equal(want, got) for case, _, want, got in order_check(exp) if case.startswith("odd chain")]
     assert not all(odd)
     assert [g.tokens for g in generate_all(ort_pipeline(exp, spec("dominotree", budget=2)))] == [

@@ -22,7 +22,7 @@ import torch
 from dtrt.artifacts.export import Export
 from dtrt.runtime.backends.kv import past_feeds
 from dtrt.runtime.backends.onnxruntime import NUMPY_TYPES, OrtRunner
-from dtrt.runtime.backends.stages import first_rows, pad_rows, target_rows
+from dtrt.runtime.backends.stages import first_rows, pad_rows, pairs_rows, target_rows
 
 ORDER_DEPTH = 6  # chain tokens per order case
 CACHE_SPARE = 5  # positions of the cache after the past (NaN: a stage that reads them fails the check)
@@ -58,7 +58,7 @@ def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, 
     def call(ids, positions, mask, past_k, past_v):
         """A target call as the runtime makes it: padded to target_rows."""
         n = len(ids)
-        if (rows := target_rows(n, meta["min_rows"])) > n:
+        if (rows := target_rows(n, meta["min_rows"], pairs_rows(exp))) > n:
             padded = pad_rows(*map(torch.from_numpy, (ids, positions, mask)), rows)
             ids, positions, mask = (t.numpy() for t in padded)
         return first_rows(run(ids, positions, mask, past_k, past_v), n)

@@ -45,12 +45,18 @@ def block_feeds(root: int, start: int, rows: int, cache_k, cache_v) -> dict:
     }
 
 
-def target_rows(n: int, min_rows: int) -> int:
-    """The rows a target call of `n` runs with: `n`, or for a quantized target (min_rows > 1) at least `min_rows` and
-    an even count. ONNX Runtime's int4 product at blocks of 64 or more input features computes rows in pairs and an
-    odd last row in another kernel whose sums differ in the last bits (at 32, and int8, every row alike): an odd
-    tree's last row would not be the row plain decoding computes for its token, whose call holds two rows."""
-    return n if min_rows <= 1 else max(min_rows, n + n % 2)
+def target_rows(n: int, min_rows: int, even: bool = False) -> int:
+    """The rows a target call of `n` runs with: at least `min_rows` (a quantized target's: 2), and with `even` an even
+    count. ONNX Runtime's int4 product at blocks of 64 or more input features computes rows in pairs and an odd last
+    row in another kernel whose sums differ in the last bits (at 32, and int8, every row alike): an odd tree's last
+    row would not be the row plain decoding computes for its token, whose call holds two rows."""
+    return max(min_rows, n + n % 2 if even else n)
+
+
+def pairs_rows(exp: Export) -> bool:
+    """Whether the export's target needs target_rows' even count: int4 at blocks of 64 or more."""
+    q = exp.quant
+    return q is not None and q.bits == 4 and (q.block or 0) >= 64
 
 
 def pad_rows(ids, positions, mask, rows: int):
@@ -194,6 +200,7 @@ class ExportedBackend(Backend):
         self.frontier_stage = False
         order = self.export.manifest.get("ordered_attention") or {}
         self.min_rows, self.order_align = order.get("min_rows", 1), order.get("align")
+        self.even_rows = pairs_rows(self.export)
 
     def cost_key(self) -> dict:
         export = export_digest(self.export)  # the manifest's sha256: its files' sha256 included
@@ -239,7 +246,7 @@ class ExportedBackend(Backend):
 
     # target stages
     def _target(self, ids, positions, mask, past: int) -> dict[str, torch.Tensor]:
-        n, rows = len(ids), target_rows(len(ids), self.min_rows)
+        n, rows = len(ids), target_rows(len(ids), self.min_rows, self.even_rows)
         if rows > n:  # a quantized target: repeat the last row, seeing only itself, and drop its outputs
             ids, positions, mask = pad_rows(ids, positions, mask, rows)
         feeds = dict(ids=ids, positions=positions, mask=mask, **self.cache.feeds(past))
