@@ -81,10 +81,11 @@ MODELS = {
         # loop, int4 63-74%; docs/quantization.md, "The quality gate of the embedded default"). A 5-node fp32 verify
         # costs ~1.2x a 1-token step and its drafter commits ~1.7 tokens a round, so 4 nodes (T=0: dominotree@4
         # 1.19x AR, ddtree@4 1.21x, cadominotree 1.11x; docs/benchmarks.md). A quantized target verifies two rows for
-        # the price of one and three for 1.1-1.2x (benchmarks/verify_cost.py), and since drafting costs ~4 ms a round
-        # (export layout 14), DominoTree@1 is the fastest there at T=0 and T=1 alike: int8 1.28x / 1.10x its AR (@2
-        # 1.30x / 1.00x, cadominotree@2 1.26x / 1.03x), int4 1.18x / 0.95x (@2 1.09x / 0.83x, cadominotree@2 1.17x /
-        # 0.97x); docs/benchmarks.md, "Drafting and attention at export layout 14". Prompt lookup's chains in the
+        # the price of one and three for 1.1-1.2x (benchmarks/verify_cost.py), and since drafting costs 2.3-2.9 ms a
+        # round (int4 drafter stages), DominoTree@1 is the fastest there at T=0 and T=1 alike: int8 1.25x / 1.08x its
+        # AR (@2 1.23x / 0.99x), int4 1.26x / 0.99x (@2 1.15x / 0.88x); docs/benchmarks.md, "int4 drafter stages on
+        # the int8 and int4 targets" (cadominotree@2 was 1.26x / 1.03x and 1.17x / 0.97x with the int8 drafter
+        # stages, "Drafting and attention at export layout 14"). Prompt lookup's chains in the
         # tree (--lookup) were faster than DominoTree alone on every set the bench has, the model repeating its
         # prompt and itself (fp32, T=0, lookup first: MT-Bench 2.37x AR vs 1.57x, HumanEval 2.49x vs 1.55x, code
         # edits 2.41x vs 1.46x, Multi-LexSum 2K 2.24x vs 0.85x, essays 2K 1.55x vs 0.83x; docs/methods.md). On
