@@ -74,6 +74,7 @@ def test_doctor_command_on_this_machine(monkeypatch, capsys):
         "torch",
         "onnxruntime",
         "CPU kernel path",
+        "ORT attention",
         "CUDA devices",
         "Triton",
         "TensorRT",
@@ -91,3 +92,15 @@ def test_doctor_command_on_this_machine(monkeypatch, capsys):
     assert code == 0 and set(report["backends"]) == {"torch", "onnxruntime", "tensorrt"}
     trt = report["backends"]["tensorrt"]
     assert trt["ok"] or trt["why"]  # either it works here or the report says why not
+
+
+def test_the_attention_kernel_says_which_path_quantized_targets_run(monkeypatch):
+    from dtrt.runtime.backends import ort_ops
+
+    monkeypatch.setattr(ort_ops, "status", lambda: "no C++ compiler (c++)")
+    check = next(c for c in run_checks(GPU)[0] if c.name == "ORT attention")
+    assert not check.ok and check.why == "quantized targets run the ONNX function body: no C++ compiler (c++)"
+    monkeypatch.setattr(ort_ops, "status", lambda: "")
+    monkeypatch.setattr(ort_ops, "library", lambda: "/cache/ort-ops/x/libdtrt_ort_ops.so")
+    check = next(c for c in run_checks(GPU)[0] if c.name == "ORT attention")
+    assert check.ok and check.detail == "dtrt's kernel for quantized targets (/cache/ort-ops/x/libdtrt_ort_ops.so)"

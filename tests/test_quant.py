@@ -469,6 +469,24 @@ def test_kernel_runs_the_ordered_attention_in_order(int4_export):
 
 
 @pytest.mark.slow
+def test_kernel_reports_an_input_it_does_not_serve(int4_export):
+    """The kernel's errors come back as ONNX Runtime's, with its message (a C API status, not a crash)."""
+    _kernel()
+    from dtrt.runtime.backends.onnxruntime import cpu_session
+
+    t = int4_export.manifest["target"]
+    n, past = 2, 8
+    kv = np.zeros((t["num_layers"], t["num_kv_heads"], past + n, t["head_dim"]), np.float32)
+    mask = np.tril(np.ones((n, n), bool))
+    feeds = {"ids": np.arange(n), "positions": np.arange(past, past + n), "mask": mask}
+    feeds |= {"past_k": kv, "past_v": kv.copy(), "past_positions": np.arange(past)}
+    session = cpu_session(int4_export.stage("target"), threads=1, accuracy=0, kernels=True)
+    session.run(["logits"], feeds)
+    with pytest.raises(Exception, match="outside the caches"):
+        session.run(["logits"], feeds | {"past_positions": np.arange(past + n + 1)})
+
+
+@pytest.mark.slow
 def test_kernel_serves_only_what_it_computes(int4_export, tiny_export, monkeypatch, tmp_path):
     from dtrt.runtime.backends import ort_ops
 

@@ -50,6 +50,19 @@ def _kernel_path(r):
     return Check("CPU kernel path", True, f"{path} (ONNX Runtime's MLAS kernels; {why})")
 
 
+def _ort_kernel(r):
+    from dtrt.runtime.backends import ort_ops
+
+    if not r["onnxruntime"].ok:
+        return Check("ORT attention", False, why="needs onnxruntime")
+    why = ort_ops.status()
+    lib = None if why else ort_ops.library()
+    if lib is not None:
+        return Check("ORT attention", True, f"dtrt's kernel for quantized targets ({lib})")
+    why = why or "its build failed (c++ on dtrt/runtime/backends/ort_ops/tree_attention.cc)"
+    return Check("ORT attention", False, why=f"quantized targets run the ONNX function body: {why}")
+
+
 def _cuda(r):
     devices, why = cuda_status()
     return Check(
@@ -121,6 +134,7 @@ PROBES = {
     "torch": _torch,
     "onnxruntime": _onnxruntime,
     "CPU kernel path": _kernel_path,
+    "ORT attention": _ort_kernel,
     "CUDA devices": _cuda,
     "Triton": _triton,
     "TensorRT": _tensorrt,

@@ -6,10 +6,10 @@ runs a registered kernel in place of a function's body, so exports do not change
 definition (TensorRT's, and the fallback). Every row sums its terms in one fixed order, so tree rows still equal
 plain decoding's bit for bit (`dtrt parity`'s order check runs with the kernel when the kernel is in use).
 
-The library is compiled once per machine into `$DTRT_CACHE/ort-ops/` with the system C++ compiler against ONNX
-Runtime's C API headers, which the Python wheel does not ship: the directory in `DTRT_ORT_INCLUDE`, else
-/usr/include/onnxruntime (Debian's libonnxruntime-dev). Without headers, a compiler, or a CPU with AVX2 and FMA,
-sessions run the function bodies as before. `DTRT_ORT_OPS=0` turns the kernel off.
+The library is compiled once per machine into `$DTRT_CACHE/ort-ops/` with the system C++ compiler. It needs no
+ONNX Runtime headers (the Python wheel ships none): `ort_abi.h` declares the few entries of ONNX Runtime's C ABI it
+calls, which that ABI never moves (API version 21, ONNX Runtime 1.21 on). Without a compiler, a CPU with AVX2 and
+FMA, or ONNX Runtime 1.21, sessions run the function bodies as before. `DTRT_ORT_OPS=0` turns the kernel off.
 """
 
 import functools
@@ -23,16 +23,10 @@ from pathlib import Path
 from dtrt.artifacts.files import cache_dir
 
 SOURCE = Path(__file__).with_name("tree_attention.cc")
-HEADER = "onnxruntime_cxx_api.h"
+ABI = Path(__file__).with_name("ort_abi.h")
+MIN_ORT = (1, 21)  # ort_abi.h's kApiVersion
 OP = "TreeAttentionPlanned"
 MAX_HEAD_DIM = 128  # the kernel keeps a query and an accumulator row in registers: 16 chunks of 8
-
-
-def include_dir() -> Path | None:
-    for d in (os.environ.get("DTRT_ORT_INCLUDE"), "/usr/include/onnxruntime"):
-        if d and (Path(d) / HEADER).is_file():
-            return Path(d)
-    return None
 
 
 def cpu_flags() -> set[str]:
@@ -58,8 +52,11 @@ def _machine() -> str:
     """What this machine lacks for the kernel ("" for nothing), checked once per process."""
     if not {"avx2", "fma"} <= cpu_flags():
         return "this CPU lacks AVX2 or FMA"
-    if include_dir() is None:
-        return f"no ONNX Runtime C API headers ({HEADER}): set DTRT_ORT_INCLUDE or install libonnxruntime-dev"
+    import onnxruntime
+
+    version = onnxruntime.__version__
+    if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < MIN_ORT:
+        return f"ONNX Runtime {version} is older than {'.'.join(map(str, MIN_ORT))}"
     if shutil.which("c++") is None:
         return "no C++ compiler (c++)"
     return ""
@@ -70,17 +67,15 @@ def library() -> Path | None:
     """The built library, compiled on first use; None where status() says why, or when the build fails."""
     if status():
         return None
-    inc = include_dir()
-    assert inc is not None
     flags = ["-O2", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17"]
-    key = hashlib.sha256(SOURCE.read_bytes() + (inc / HEADER).read_bytes() + " ".join(flags).encode()).hexdigest()
+    key = hashlib.sha256(SOURCE.read_bytes() + ABI.read_bytes() + " ".join(flags).encode()).hexdigest()
     out = cache_dir() / "ort-ops" / key[:16] / "libdtrt_ort_ops.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        cmd = ["c++", *flags, f"-I{inc}", str(SOURCE), "-o", str(built)]
+        cmd = ["c++", *flags, str(SOURCE), "-o", str(built)]  # ort_abi.h: beside the source
         if subprocess.run(cmd, capture_output=True).returncode != 0:
             return None
         os.replace(built, out)  # whole or not at all, also when processes build it side by side

@@ -6,11 +6,14 @@
 // function's (both caches read at the layer's offset); the plan's outputs other than the grouped mask are not read.
 
 #include <immintrin.h>
-#define ORT_API_MANUAL_INIT
-#include <onnxruntime_cxx_api.h>
 
+#include "ort_abi.h"
+
+#include <climits>
 #include <cmath>
 #include <vector>
+
+using namespace dtrt_ort;
 
 // exp(x) elementwise (a value's result does not depend on its lane): Cephes' range reduction and polynomial
 static inline __m256 exp8(__m256 x) {
@@ -60,39 +63,67 @@ static inline void scores4q(const __m256* qv, int nc, const float* k0, const flo
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
+// an input's data and shape, read through the C API (nullptr status: it worked)
+struct Tensor {
+  const void* data = nullptr;
+  std::vector<int64_t> shape;
+};
+
+static Status* read_input(const Calls& ort, KernelContext* ctx, size_t i, Tensor* t) {
+  const Value* v = nullptr;
+  ShapeInfo* info = nullptr;
+  size_t rank = 0;
+  void* data = nullptr;
+  Status* s = ort.input(ctx, i, &v);
+  if (!s) s = ort.data(v, &data);
+  if (!s) s = ort.shape_info(v, &info);
+  if (!s) s = ort.rank(info, &rank);
+  if (!s) {
+    t->shape.resize(rank);
+    s = ort.dims(info, t->shape.data(), rank);
+  }
+  if (info) ort.release(info);
+  t->data = data;
+  return s;
+}
+
 struct Kernel {
-  Kernel(const OrtApi&, const OrtKernelInfo*) {}
-  void Compute(OrtKernelContext* context) {
-    Ort::KernelContext ctx(context);
-    auto q = ctx.GetInput(0), kp = ctx.GetInput(1), kn = ctx.GetInput(2), vc = ctx.GetInput(3), lay = ctx.GetInput(4),
-         vn = ctx.GetInput(5), sc = ctx.GetInput(6), mk = ctx.GetInput(7);
-    auto qs = q.GetTensorTypeAndShapeInfo().GetShape();   // [H, N, hd]
-    auto ms = mk.GetTensorTypeAndShapeInfo().GetShape();  // [N, M]
-    auto cs = vc.GetTensorTypeAndShapeInfo().GetShape();  // the V cache: [L, KVH, C, hd]
+  Calls ort;
+  Status* Compute(KernelContext* context) {
+    Tensor q, kp, kn, vc, lay, vn, sc, mk;
+    Tensor* in[8] = {&q, &kp, &kn, &vc, &lay, &vn, &sc, &mk};
+    for (size_t i = 0; i < 8; ++i)
+      if (Status* s = read_input(ort, context, i, in[i])) return s;
+    const auto &qs = q.shape, &ms = mk.shape, &cs = vc.shape, &ks = kp.shape;  // [H, N, hd], [N, M], the V and K
+    if (qs.size() != 3 || ms.size() != 2 || cs.size() != 4 || ks.size() != 4)  // caches [L, KVH, C or CK, hd]
+      return ort.error(kInvalidArgument, "TreeAttentionPlanned: an input of the wrong rank");
     const int64_t H = qs[0], N = qs[1], KVH = cs[1], M = ms[1], P = M - N, C = cs[2], G = H / KVH, R = G * N;
     const int64_t hd = qs[2];
     const int nc = (int)(hd / 8);  // hd: a multiple of 8, at most 128 (checked before registering)
-    const float* Q = q.GetTensorData<float>();
-    const float* KN = kn.GetTensorData<float>();
-    const float* VN = vn.GetTensorData<float>();
-    const int64_t l = lay.GetTensorData<int64_t>()[0];
-    auto ks = kp.GetTensorTypeAndShapeInfo().GetShape();  // the K cache: [L, KVH, CK, hd]
+    const float* Q = static_cast<const float*>(q.data);
+    const float* KN = static_cast<const float*>(kn.data);
+    const float* VN = static_cast<const float*>(vn.data);
+    const int64_t l = static_cast<const int64_t*>(lay.data)[0];
     const int64_t CK = ks[2];
     if (l < 0 || l >= cs[0] || l >= ks[0] || P > C || P > CK)
-      ORT_CXX_API_THROW("TreeAttentionPlanned: the layer or the past is outside the caches", ORT_INVALID_ARGUMENT);
-    const float* KP = kp.GetTensorData<float>() + l * KVH * CK * hd;
-    const float* VP = vc.GetTensorData<float>() + l * KVH * C * hd;
-    const float scale = sc.GetTensorData<float>()[0];
-    const bool* mask = mk.GetTensorData<bool>();
-    auto out = ctx.GetOutput(0, qs);
-    float* O = out.GetTensorMutableData<float>();
+      return ort.error(kInvalidArgument, "TreeAttentionPlanned: the layer or the past is outside the caches");
+    const float* KP = static_cast<const float*>(kp.data) + l * KVH * CK * hd;
+    const float* VP = static_cast<const float*>(vc.data) + l * KVH * C * hd;
+    const float scale = static_cast<const float*>(sc.data)[0];
+    const bool* mask = static_cast<const bool*>(mk.data);
+    Value* out = nullptr;
+    void* o = nullptr;
+    if (Status* s = ort.output(context, 0, qs.data(), qs.size(), &out)) return s;
+    if (Status* s = ort.data(out, &o)) return s;
+    float* O = static_cast<float*>(o);
     const int64_t W = M + 8;  // a row of scores, padded for the 4- and 8-wide loops
     std::vector<float> S(R * W), acc(R * hd), den(R);
     std::vector<int64_t> cnt(N), start(N + 1);
     std::vector<int32_t> cols;  // each row's attended new columns, in index order, row after row
     for (int64_t r = 0; r < N; ++r) {
       for (int64_t j = 0; j < P; ++j)
-        if (!mask[r * M + j]) ORT_CXX_API_THROW("TreeAttentionPlanned: a row that does not attend its whole past", ORT_INVALID_ARGUMENT);
+        if (!mask[r * M + j])
+          return ort.error(kInvalidArgument, "TreeAttentionPlanned: a row that does not attend its whole past");
       start[r] = (int64_t)cols.size();
       for (int64_t t = 0; t < N; ++t)
         if (mask[r * M + P + t]) cols.push_back((int32_t)t);
@@ -204,29 +235,55 @@ struct Kernel {
           for (int c = 0; c < nc; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_div_ps(a[c], dv));
         }
     }
+    return nullptr;
   }
 };
 
-struct Op : Ort::CustomOpBase<Op, Kernel> {
-  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Kernel(api, info); }
-  const char* GetName() const { return "TreeAttentionPlanned"; }
-  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 23; }
-  ONNXTensorElementDataType GetInputType(size_t i) const {
-    if (i == 7) return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
-    if (i == 0 || i == 1 || i == 2 || i == 3 || i == 5 || i == 6 || i == 10) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+// the op as ONNX Runtime sees it: 23 inputs (the function's), one float output, on the CPU provider
+static int input_type(const CustomOp*, size_t i) {
+  if (i == 7) return kBool;
+  if (i == 0 || i == 1 || i == 2 || i == 3 || i == 5 || i == 6 || i == 10) return kFloat;
+  return kInt64;
+}
+
+static CustomOp make_op() {
+  CustomOp op{};
+  op.version = kApiVersion;
+  op.GetName = [](const CustomOp*) { return "TreeAttentionPlanned"; };
+  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
+  op.GetInputType = input_type;
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 23; };
+  op.GetOutputType = [](const CustomOp*, size_t) -> int { return kFloat; };
+  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 1; };
+  op.KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
+  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return kRequired; };
+  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return kRequired; };
+  op.GetInputMemoryType = [](const CustomOp*, size_t) { return kMemDefault; };
+  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
+  op.CreateKernelV2 = [](const CustomOp*, Api api, const KernelInfo*, void** kernel) -> Status* {
+    *kernel = new Kernel{Calls{api}};
+    return nullptr;
+  };
+  op.KernelComputeV2 = [](void* k, KernelContext* ctx) { return static_cast<Kernel*>(k)->Compute(ctx); };
+  op.GetStartVersion = [](const CustomOp*) { return 1; };
+  op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
+  return op;
+}
+
+static const CustomOp op = make_op();
+
+extern "C" __attribute__((visibility("default"))) Status* RegisterCustomOps(SessionOptions* options,
+                                                                           const ApiBase* base) {
+  Api api = base->GetApi(kApiVersion);
+  if (api == nullptr) return nullptr;  // an ONNX Runtime older than 1.21: nothing registered, the function body runs
+  const Calls ort{api};
+  static OpDomain* domain = nullptr;  // one per process, kept for the sessions' lifetime
+  if (domain == nullptr) {
+    if (Status* s = ort.create_domain("dtrt", &domain)) return s;
+    if (Status* s = ort.add_op(domain, &op)) return s;
   }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-};
-
-static Op op;
-
-extern "C" OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api) {
-  Ort::InitApi(api->GetApi(ORT_API_VERSION));
-  static Ort::CustomOpDomain domain{"dtrt"};
-  domain.Add(&op);
-  Ort::UnownedSessionOptions(options).Add(domain);
-  return nullptr;
+  return ort.add_domain(options, domain);
 }
