@@ -46,6 +46,7 @@ def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, 
     rng = np.random.default_rng(seed)
     past_type = NUMPY_TYPES[runner.inputs("target")["past_k"]]
     names = runner.output_names("target")
+    even = pairs_rows(exp)
 
     def run(ids, positions, mask, past_k, past_v):
         past = past_k.shape[2]
@@ -58,7 +59,7 @@ def order_check(exp: Export, seed: int = 0) -> list[tuple[str, str, np.ndarray, 
     def call(ids, positions, mask, past_k, past_v):
         """A target call as the runtime makes it: padded to target_rows."""
         n = len(ids)
-        if (rows := target_rows(n, meta["min_rows"], pairs_rows(exp))) > n:
+        if (rows := target_rows(n, meta["min_rows"], even)) > n:
             padded = pad_rows(*map(torch.from_numpy, (ids, positions, mask)), rows)
             ids, positions, mask = (t.numpy() for t in padded)
         return first_rows(run(ids, positions, mask, past_k, past_v), n)
