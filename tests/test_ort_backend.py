@@ -416,6 +416,41 @@ def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
     assert len(why) == 1 and f"it holds tiny-{__version__})" in why[0] and "default target is fp32" in why[0]
 
 
+def test_first_use_takes_the_registrys_subset_per_target(tiny, tiny_export_int8, tmp_path, monkeypatch):
+    """A target quantization the registry gives its own subset (a file beside the Domino drafter) is exported with
+    it where --draft-vocab is not given, in the same cache directory; a cached export of another subset is remade;
+    the drafter's own and an explicit --draft-vocab are untouched."""
+    from dtrt import __version__
+    from dtrt.launch import first_use as cache
+    from dtrt.models.checkpoint import Pair
+    from dtrt.artifacts.files import checkpoint_hashes
+    from dtrt.models.draft_vocab import DraftVocab
+
+    monkeypatch.setenv("DTRT_CACHE", str(tmp_path / "cache"))
+    domino = tmp_path / "domino"
+    shutil.copytree(tiny.domino, domino)
+    DraftVocab.from_ids(range(64), 128).save(domino / "small.safetensors")
+    pair = Pair(tiny.target, tiny.dflash, domino)
+    monkeypatch.setattr(cache, "default_draft_vocab", lambda model, quant: "small.safetensors" if quant == "int8" else None)
+    made = []
+    monkeypatch.setattr(cache, "export_pair", lambda pair, out, cfg, **kw: made.append((out, cfg)) or "new")
+    cached = tmp_path / "cache" / "exports" / f"tiny-{__version__}-int8"
+    cached.parent.mkdir(parents=True)
+    shutil.copytree(tiny_export_int8.path, cached)  # drafts over the whole vocabulary: not the registry's subset
+    # from this drafter directory (its files, the new subset among them, are the drafter checkpoint's)
+    edit_manifest(cached, lambda m: m["source"]["drafters"]["domino"].update(hashes=checkpoint_hashes(domino)))
+    logs = []
+    assert cache.cached_export(pair, "tiny", logs.append, quant="int8") == "new"
+    out, cfg = made[-1]
+    assert out == cached and cfg.draft_vocab == str(domino / "small.safetensors")
+    assert any("draft vocabulary is not" in m for m in logs), logs
+    assert cache.cached_export(pair, "tiny", quant="int4") == "new" and made[-1][1].draft_vocab is None
+    assert cache.cached_export(pair, "tiny", quant="int8", draft_vocab="full") == "new"
+    assert made[-1][1].draft_vocab == "full" and made[-1][0].name == f"tiny-{__version__}-int8-fullvocab"
+    # a drafter without the file (a user's own): its own subset
+    assert cache.cached_export(tiny, "tiny", quant="int8") == "new" and made[-1][1].draft_vocab is None
+
+
 # the exported frontier stage
 
 

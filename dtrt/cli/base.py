@@ -17,7 +17,8 @@ from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, lookup_help, method_he
 MODEL_DIR_HELP = "where registry checkpoints are looked up before the Hugging Face cache"
 DRAFT_VOCAB_HELP = (
     "the vocabulary the drafter drafts from: full, or a subset file (dtrt draft-vocab); default: the drafter's own "
-    "d2t.safetensors where it has one (an export: the one it was exported with), else full"
+    "d2t.safetensors where it has one (an export: the one it was exported with; a model's first-use export: the "
+    "registry's subset for its target, e.g. SmolLM2's 8K one on its int8 and int4 targets), else full"
 )
 QUANT_HELP = (
     "the target's linear layers, lm_head included, as weight-only int8 (per output channel) or int4 (per block); "

@@ -15,7 +15,7 @@ from dtrt.exporter.quantize import quantized_stages
 from dtrt.launch.memory import check_first_use
 from dtrt.models.checkpoint import Pair
 from dtrt.models.quant import quant_spec
-from dtrt.zoo.registry import default_drafter_quant, default_quant
+from dtrt.zoo.registry import default_draft_vocab, default_drafter_quant, default_quant
 
 
 def export_pair(*args, **kwargs) -> Export:
@@ -31,8 +31,11 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none", draft_v
     directory."""
     log = log or (lambda msg: None)
     drafters = {k: p for k, p in (("dflash", pair.dflash), ("domino", pair.domino)) if p is not None}
+    tag = "" if draft_vocab in (None, "auto") else "-fullvocab" if draft_vocab == "full" else None
+    if draft_vocab in (None, "auto"):
+        draft_vocab = registry_vocab(pair, model, quant)
     vocabs = pair_vocabs(pair, drafters, draft_vocab)
-    tag = "" if draft_vocab in (None, "auto") else "-fullvocab" if draft_vocab == "full" else f"-vocab{_short(vocabs)}"
+    tag = f"-vocab{_short(vocabs)}" if tag is None else tag
     path = cache_dir() / "exports" / (f"{model}-{__version__}" + ("" if quant == "none" else f"-{quant}") + tag)
     qspec = quant_spec(quant)
     if path.exists():
@@ -68,6 +71,15 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none", draft_v
     drafter_quant = default_drafter_quant(model, quant)
     cfg = ExportConfig(force=True, drafter_quant=drafter_quant, quant=quant, draft_vocab=draft_vocab)
     return export_pair(pair, Path(path), cfg, model=model, log=log)
+
+
+def registry_vocab(pair: Pair, model: str, quant: str) -> str | None:
+    """The subset the registry gives `model`'s `quant` target (a file beside its Domino drafter), None for the
+    drafters' own."""
+    name = default_draft_vocab(model, quant)
+    if name is None or pair.domino is None or not (Path(pair.domino) / name).is_file():
+        return None
+    return str(Path(pair.domino) / name)
 
 
 def pair_vocabs(pair: Pair, drafters: dict, draft_vocab: str | None) -> dict[str, str | None]:

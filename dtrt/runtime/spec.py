@@ -68,7 +68,8 @@ class RunSpec:
     """DominoTree with the frontier on a CUDA torch backend: drafting and building replayed as one CUDA graph."""
     draft_vocab: str | None = None
     """The vocabulary the drafter's base logits cover (`--draft-vocab`): None, the drafter's own d2t.safetensors
-    where it has one (an export: the subset it was exported with), else the whole vocabulary; `full`, the whole
+    where it has one (an export: the subset it was exported with; a model's first-use export: the registry's subset
+    for its target, dtrt.zoo.registry.default_draft_vocab), else the whole vocabulary; `full`, the whole
     vocabulary; a path, that subset file (`dtrt draft-vocab` writes one). Tokens outside it are never drafted; the
     target still verifies over its whole vocabulary, so the output is unchanged."""
     lookup: bool = False

@@ -46,6 +46,9 @@ class ModelEntry:
     drafter_quants: tuple[tuple[str, str], ...] = ()
     """(target quantization, --drafter-quant) where a target's first-use export wants another than `drafter_quant`:
     int4's lm_head pays where the budget is 1 or 2 and costs tau in wider trees."""
+    draft_vocabs: tuple[tuple[str, str], ...] = ()
+    """(target quantization, file in its Domino drafter's directory) where a target's first-use export drafts from
+    another subset than the drafter's own d2t.safetensors: a smaller head pays where the budget is 1."""
     gate: GateRecord | None = None
     """The quality gate's result for the default target configuration (`quant`), as `dtrt quality` measured it
     against the fp32 PyTorch target: a quantized default needs a passing one (dtrt.zoo.gate)."""
@@ -72,6 +75,9 @@ class ModelEntry:
     def drafter_quant_for(self, quant: str | None) -> str:
         return dict(self.drafter_quants).get(quant or "none", self.drafter_quant)
 
+    def draft_vocab_for(self, quant: str | None) -> str | None:
+        return dict(self.draft_vocabs).get(quant or "none")
+
 
 MODELS = {
     e.name: e
@@ -95,13 +101,16 @@ MODELS = {
         # on the int8 and int4 targets"). Its first-use exports quantize the drafter: the context stage to int4 and
         # the draft layers to int8 everywhere; the lm_head to int4 where the budget is 1 (int8 target, DominoTree@1:
         # tau -0.9%, drafting 2.98 -> 2.12 ms a round, 4.5% more tok/s) but not on the fp32 target's budget 4, where
-        # an int4 lm_head cost 2.6% more tau than the int8 one for no speed (docs/quantization.md).
+        # an int4 lm_head cost 2.6% more tau than the int8 one for no speed (docs/quantization.md). The budget-1
+        # targets also draft from the 8K subset (2.28 -> 2.07 ms a round, tau 1.486 -> 1.484); the fp32 target's
+        # budget-4 trees keep the 16K one (8K: -0.7% tau there, -1.6% at budget 16).
         ModelEntry(
             "smollm2-135m",
             budget=4,
             quant="none",
             quant_budgets=(("int8", 1), ("int4", 1)),
             drafter_quants=(("int8", "int4"), ("int4", "int4")),
+            draft_vocabs=(("int8", "d2t-8k.safetensors"), ("int4", "d2t-8k.safetensors")),
             lookup=("none",),
             lookup_budget=4,
             gate=GateRecord(
@@ -182,6 +191,12 @@ def method_help() -> str:
 def default_drafter_quant(model: str | None, quant: str | None) -> str:
     """`--drafter-quant` of a first-use export of `model`'s `quant` target."""
     return MODELS[model].drafter_quant_for(quant) if model in MODELS else ModelEntry.drafter_quant
+
+
+def default_draft_vocab(model: str | None, quant: str | None) -> str | None:
+    """The subset file (in the Domino drafter's directory) a first-use export of `model`'s `quant` target drafts from
+    where `--draft-vocab` is not given; None: the drafter's own d2t.safetensors."""
+    return MODELS[model].draft_vocab_for(quant) if model in MODELS else None
 
 
 def default_quant(model: str | None) -> str:
