@@ -421,9 +421,9 @@ def test_first_use_takes_the_registrys_subset_per_target(tiny, tiny_export_int8,
     it where --draft-vocab is not given, in the same cache directory; a cached export of another subset is remade;
     the drafter's own and an explicit --draft-vocab are untouched."""
     from dtrt import __version__
+    from dtrt.artifacts.files import checkpoint_hashes
     from dtrt.launch import first_use as cache
     from dtrt.models.checkpoint import Pair
-    from dtrt.artifacts.files import checkpoint_hashes
     from dtrt.models.draft_vocab import DraftVocab
 
     monkeypatch.setenv("DTRT_CACHE", str(tmp_path / "cache"))
@@ -431,7 +431,9 @@ def test_first_use_takes_the_registrys_subset_per_target(tiny, tiny_export_int8,
     shutil.copytree(tiny.domino, domino)
     DraftVocab.from_ids(range(64), 128).save(domino / "small.safetensors")
     pair = Pair(tiny.target, tiny.dflash, domino)
-    monkeypatch.setattr(cache, "default_draft_vocab", lambda model, quant: "small.safetensors" if quant == "int8" else None)
+    monkeypatch.setattr(
+        cache, "default_draft_vocab", lambda model, quant: "small.safetensors" if quant == "int8" else None
+    )
     made = []
     monkeypatch.setattr(cache, "export_pair", lambda pair, out, cfg, **kw: made.append((out, cfg)) or "new")
     cached = tmp_path / "cache" / "exports" / f"tiny-{__version__}-int8"

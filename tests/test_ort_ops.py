@@ -46,13 +46,13 @@ def abi_check() -> str:
     lines = ["#include <cstddef>", "#include <onnxruntime_c_api.h>", '#include "ort_abi.h"']
     lines.append("static_assert(ORT_API_VERSION >= dtrt_ort::kApiVersion);")
     for ours, theirs in ENTRIES.items():
-        lines.append(f"static_assert(offsetof(OrtApi, {theirs}) == sizeof(void*) * dtrt_ort::{ours}, \"{theirs}\");")
+        lines.append(f'static_assert(offsetof(OrtApi, {theirs}) == sizeof(void*) * dtrt_ort::{ours}, "{theirs}");')
     for f in FIELDS:
-        lines.append(f"static_assert(offsetof(OrtCustomOp, {f}) == offsetof(dtrt_ort::CustomOp, {f}), \"{f}\");")
+        lines.append(f'static_assert(offsetof(OrtCustomOp, {f}) == offsetof(dtrt_ort::CustomOp, {f}), "{f}");')
     lines.append("static_assert(sizeof(OrtCustomOp) == sizeof(dtrt_ort::CustomOp));")
     lines.append("static_assert(offsetof(OrtApiBase, GetApi) == offsetof(dtrt_ort::ApiBase, GetApi));")
     lines.append("static_assert(sizeof(OrtApiBase) == sizeof(dtrt_ort::ApiBase));")
-    lines += [f"static_assert((int){theirs} == (int){ours}, \"{theirs}\");" for ours, theirs in VALUES.items()]
+    lines += [f'static_assert((int){theirs} == (int){ours}, "{theirs}");' for ours, theirs in VALUES.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -60,7 +60,11 @@ def test_the_declared_abi_is_onnxruntimes(tmp_path):
     """Every OrtApi entry, OrtCustomOp field and enum value ort_abi.h declares sits where ONNX Runtime's own header
     puts it (its C API header: DTRT_ORT_INCLUDE, else /usr/include/onnxruntime)."""
     inc = next(
-        (Path(d) for d in (os.environ.get("DTRT_ORT_INCLUDE"), "/usr/include/onnxruntime") if d and (Path(d) / "onnxruntime_c_api.h").is_file()),
+        (
+            Path(d)
+            for d in (os.environ.get("DTRT_ORT_INCLUDE"), "/usr/include/onnxruntime")
+            if d and (Path(d) / "onnxruntime_c_api.h").is_file()
+        ),
         None,
     )
     if inc is None or shutil.which("c++") is None:
@@ -79,11 +83,25 @@ def fake_header(shift: int) -> str:
     api = [f"void* {places.get(i, f'unused{i}')};" for i in range(max(places) + 1)]
     op = ["uint32_t version;"] + [f"void* {f};" for f in FIELDS[1:]]
     values = dict(zip(VALUES.values(), (1, 7, 9, 1, 2, 0, 0)))
-    return "\n".join(
-        ["#include <cstdint>", "#define ORT_API_VERSION 21", "struct OrtApi {", *api, "};", "struct OrtCustomOp {", *op,
-         "};", "struct OrtApiBase { void* GetApi; void* GetVersionString; };", "enum {",
-         *(f"{k} = {v}," for k, v in values.items()), "};"]
-    ) + "\n"
+    return (
+        "\n".join(
+            [
+                "#include <cstdint>",
+                "#define ORT_API_VERSION 21",
+                "struct OrtApi {",
+                *api,
+                "};",
+                "struct OrtCustomOp {",
+                *op,
+                "};",
+                "struct OrtApiBase { void* GetApi; void* GetVersionString; };",
+                "enum {",
+                *(f"{k} = {v}," for k, v in values.items()),
+                "};",
+            ]
+        )
+        + "\n"
+    )
 
 
 def _abi_enum_lines() -> list[str]:

@@ -334,7 +334,10 @@ def test_budget_defaults_to_the_models_measured_one(tiny, monkeypatch, capsys):
     quants = [registry.default_drafter_quant("smollm2-135m", q) for q in ("none", "int8", "int4")]
     assert quants == ["int8", "int4", "int4"] and registry.default_drafter_quant("tiny", "int4") == "int8"
     vocabs = [registry.default_draft_vocab("smollm2-135m", q) for q in ("none", "int8", "int4")]
-    assert vocabs == [None, "d2t-8k.safetensors", "d2t-8k.safetensors"] and registry.default_draft_vocab("tiny", "int4") is None
+    assert (
+        vocabs == [None, "d2t-8k.safetensors", "d2t-8k.safetensors"]
+        and registry.default_draft_vocab("tiny", "int4") is None
+    )
     assert run_json(monkeypatch, capsys, "--max-new-tokens", "4", PROMPT)["budget"] == 16
     monkeypatch.setitem(registry.MODELS, "tiny", replace(registry.MODELS["tiny"], budget=3))
     out = run_json(monkeypatch, capsys, "--max-new-tokens", "24", PROMPT)
