@@ -130,8 +130,8 @@ def test_hygiene_is_stated():
 
 
 def test_hygiene_says_which_attention_onnx_runtime_ran(monkeypatch):
-    """Without dtrt's kernel (no ONNX Runtime headers here, or turned off) the line names the function body and
-    why; with it, the kernel."""
+    """Without dtrt's kernel (turned off, nothing to build it with, or its build failed) the line names the function
+    body and why; with it, the kernel."""
     from dtrt.runtime.backends import ort_ops
 
     monkeypatch.setenv("DTRT_ORT_OPS", "0")
@@ -139,6 +139,8 @@ def test_hygiene_says_which_attention_onnx_runtime_ran(monkeypatch):
     line = machine.describe(machine.hygiene(m, {"onnxruntime": 1}, 0.0, 1.0))
     assert "quantized targets' attention: the ONNX function body (turned off (DTRT_ORT_OPS=0))" in line
     monkeypatch.setattr(ort_ops, "status", lambda: "")
+    monkeypatch.setattr(ort_ops, "library", lambda: None)
+    assert machine.ort_attention() == "the ONNX function body (its build failed (c++ on tree_attention.cc))"
     monkeypatch.setattr(ort_ops, "library", lambda: "libdtrt_ort_ops.so")
     assert machine.ort_attention() == "dtrt's kernel"
 

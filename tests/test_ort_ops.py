@@ -22,7 +22,6 @@ ENTRIES = {
     "kGetTensorTypeAndShape": "GetTensorTypeAndShape",
     "kKernelContextGetInput": "KernelContext_GetInput",
     "kKernelContextGetOutput": "KernelContext_GetOutput",
-    "kReleaseStatus": "ReleaseStatus",
     "kReleaseTensorTypeAndShapeInfo": "ReleaseTensorTypeAndShapeInfo",
 }
 FIELDS = """version CreateKernel GetName GetExecutionProviderType GetInputType GetInputTypeCount GetOutputType
@@ -30,14 +29,13 @@ FIELDS = """version CreateKernel GetName GetExecutionProviderType GetInputType G
     GetVariadicInputMinArity GetVariadicInputHomogeneity GetVariadicOutputMinArity GetVariadicOutputHomogeneity
     CreateKernelV2 KernelComputeV2 InferOutputShapeFn GetStartVersion GetEndVersion GetMayInplace ReleaseMayInplace
     GetAliasMap ReleaseAliasMap""".split()
-VALUES = {
-    "dtrt_ort::kFloat": "ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT",
-    "dtrt_ort::kInt64": "ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64",
-    "dtrt_ort::kBool": "ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL",
-    "dtrt_ort::kFail": "ORT_FAIL",
-    "dtrt_ort::kInvalidArgument": "ORT_INVALID_ARGUMENT",
-    "dtrt_ort::kRequired": "INPUT_OUTPUT_REQUIRED",
-    "dtrt_ort::kMemDefault": "OrtMemTypeDefault",
+VALUES = {  # ort_abi.h's name -> the C API's, and the value both give it
+    "dtrt_ort::kFloat": ("ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT", 1),
+    "dtrt_ort::kInt64": ("ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64", 7),
+    "dtrt_ort::kBool": ("ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL", 9),
+    "dtrt_ort::kInvalidArgument": ("ORT_INVALID_ARGUMENT", 2),
+    "dtrt_ort::kRequired": ("INPUT_OUTPUT_REQUIRED", 0),
+    "dtrt_ort::kMemDefault": ("OrtMemTypeDefault", 0),
 }
 
 
@@ -52,7 +50,7 @@ def abi_check() -> str:
     lines.append("static_assert(sizeof(OrtCustomOp) == sizeof(dtrt_ort::CustomOp));")
     lines.append("static_assert(offsetof(OrtApiBase, GetApi) == offsetof(dtrt_ort::ApiBase, GetApi));")
     lines.append("static_assert(sizeof(OrtApiBase) == sizeof(dtrt_ort::ApiBase));")
-    lines += [f'static_assert((int){theirs} == (int){ours}, "{theirs}");' for ours, theirs in VALUES.items()]
+    lines += [f'static_assert((int){theirs} == (int){ours}, "{theirs}");' for ours, (theirs, _) in VALUES.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -82,7 +80,7 @@ def fake_header(shift: int) -> str:
     places = {int(from_abi[ours].rstrip(",")) + shift: theirs for ours, theirs in ENTRIES.items()}
     api = [f"void* {places.get(i, f'unused{i}')};" for i in range(max(places) + 1)]
     op = ["uint32_t version;"] + [f"void* {f};" for f in FIELDS[1:]]
-    values = dict(zip(VALUES.values(), (1, 7, 9, 1, 2, 0, 0)))
+    values = dict(VALUES.values())
     return (
         "\n".join(
             [

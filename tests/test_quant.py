@@ -441,7 +441,7 @@ def _kernel():
     from dtrt.runtime.backends import ort_ops
 
     if ort_ops.library() is None:
-        pytest.skip(f"dtrt's ONNX Runtime kernel: {ort_ops.status() or 'its build failed'}")
+        pytest.skip(f"dtrt's ONNX Runtime kernel: {ort_ops.unavailable()}")
 
 
 @pytest.mark.slow

@@ -32,10 +32,8 @@ def ort_attention() -> str:
     or the ordered attention's function body and why the kernel is not there."""
     from dtrt.runtime.backends import ort_ops
 
-    why = ort_ops.status()
-    if not why and ort_ops.library() is not None:
-        return "dtrt's kernel"
-    return f"the ONNX function body ({why or 'the kernel did not build'})"
+    why = ort_ops.unavailable()
+    return f"the ONNX function body ({why})" if why else "dtrt's kernel"
 
 
 def load() -> float | None:

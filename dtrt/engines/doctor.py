@@ -55,12 +55,9 @@ def _ort_kernel(r):
 
     if not r["onnxruntime"].ok:
         return Check("ORT attention", False, why="needs onnxruntime")
-    why = ort_ops.status()
-    lib = None if why else ort_ops.library()
-    if lib is not None:
-        return Check("ORT attention", True, f"dtrt's kernel for quantized targets ({lib})")
-    why = why or "its build failed (c++ on dtrt/runtime/backends/ort_ops/tree_attention.cc)"
-    return Check("ORT attention", False, why=f"quantized targets run the ONNX function body: {why}")
+    if why := ort_ops.unavailable():
+        return Check("ORT attention", False, why=f"quantized targets run the ONNX function body: {why}")
+    return Check("ORT attention", True, f"dtrt's kernel for quantized targets ({ort_ops.library()})")
 
 
 def _cuda(r):

@@ -31,11 +31,11 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none", draft_v
     directory."""
     log = log or (lambda msg: None)
     drafters = {k: p for k, p in (("dflash", pair.dflash), ("domino", pair.domino)) if p is not None}
-    tag = "" if draft_vocab in (None, "auto") else "-fullvocab" if draft_vocab == "full" else None
+    asked = draft_vocab  # the default keeps the default directory, whichever subset the registry gives the target
     if draft_vocab in (None, "auto"):
         draft_vocab = registry_vocab(pair, model, quant)
     vocabs = pair_vocabs(pair, drafters, draft_vocab)
-    tag = f"-vocab{_short(vocabs)}" if tag is None else tag
+    tag = "" if asked in (None, "auto") else "-fullvocab" if asked == "full" else f"-vocab{_short(vocabs)}"
     path = cache_dir() / "exports" / (f"{model}-{__version__}" + ("" if quant == "none" else f"-{quant}") + tag)
     qspec = quant_spec(quant)
     if path.exists():

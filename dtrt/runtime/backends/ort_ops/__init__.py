@@ -47,6 +47,14 @@ def status() -> str:
     return "turned off (DTRT_ORT_OPS=0)" if not enabled() else _machine()
 
 
+def unavailable() -> str:
+    """ "" when quantized targets' sessions run the kernel here (built), else why they run the function body."""
+    why = status()
+    if not why and library() is None:
+        why = f"its build failed (c++ on {SOURCE.name})"
+    return why
+
+
 @functools.cache
 def _machine() -> str:
     """What this machine lacks for the kernel ("" for nothing), checked once per process."""

@@ -35,12 +35,11 @@ enum Entry : size_t {
   kGetTensorTypeAndShape = 65,
   kKernelContextGetInput = 90,
   kKernelContextGetOutput = 91,
-  kReleaseStatus = 93,
   kReleaseTensorTypeAndShapeInfo = 99,
 };
 
 enum ElementType : int { kFloat = 1, kInt64 = 7, kBool = 9 };  // ONNXTensorElementDataType
-enum ErrorCode : int { kFail = 1, kInvalidArgument = 2 };       // OrtErrorCode
+enum ErrorCode : int { kInvalidArgument = 2 };                  // OrtErrorCode
 constexpr int kRequired = 0;                                    // INPUT_OUTPUT_REQUIRED
 constexpr int kMemDefault = 0;                                  // OrtMemTypeDefault
 
@@ -89,7 +88,6 @@ struct Calls {
   Status* error(ErrorCode code, const char* message) const {
     return at<Status* (*)(int, const char*)>(kCreateStatus)(code, message);
   }
-  void release(Status* s) const { at<void (*)(Status*)>(kReleaseStatus)(s); }
   Status* create_domain(const char* name, OpDomain** out) const {
     return at<Status* (*)(const char*, OpDomain**)>(kCreateCustomOpDomain)(name, out);
   }

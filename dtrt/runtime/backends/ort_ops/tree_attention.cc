@@ -280,10 +280,12 @@ extern "C" __attribute__((visibility("default"))) Status* RegisterCustomOps(Sess
   Api api = base->GetApi(kApiVersion);
   if (api == nullptr) return nullptr;  // an ONNX Runtime older than 1.21: nothing registered, the function body runs
   const Calls ort{api};
-  static OpDomain* domain = nullptr;  // one per process, kept for the sessions' lifetime
+  static OpDomain* domain = nullptr;  // one per process, holding the op, kept for the sessions' lifetime
   if (domain == nullptr) {
-    if (Status* s = ort.create_domain("dtrt", &domain)) return s;
-    if (Status* s = ort.add_op(domain, &op)) return s;
+    OpDomain* made = nullptr;
+    if (Status* s = ort.create_domain("dtrt", &made)) return s;
+    if (Status* s = ort.add_op(made, &op)) return s;
+    domain = made;
   }
   return ort.add_domain(options, domain);
 }
