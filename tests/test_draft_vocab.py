@@ -19,6 +19,7 @@ from dtrt.exporter.export import export_pair
 from dtrt.models.draft_vocab import FILE, DraftHead, DraftVocab, load_draft_vocab, resolve_draft_vocab
 from dtrt.train.datagen import DataGenConfig, drafter_data
 from dtrt.train.draft_vocab import choose
+from dtrt.tree import Round, build_ddtree, build_heap
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,13 +90,41 @@ def test_head_covers_the_subset_only(tiny):
     lm_head = pipe_for(tiny, spec("ar")).backend.target.lm_head
     vocab = DraftVocab.from_ids([0, 3, 7, 64, 127], V)
     ph = torch.randn(3, lm_head.weight.shape[1])
-    base = DraftHead(lm_head, vocab)(ph)
-    full = DraftHead(lm_head)(ph)
-    assert base.shape == full.shape == (3, V)
-    torch.testing.assert_close(base[:, vocab.ids], full[:, vocab.ids])
+    head = DraftHead(lm_head, vocab)
+    logits, full = head(ph), DraftHead(lm_head)(ph)
+    assert logits.shape == (3, vocab.size) and full.shape == (3, V)
+    torch.testing.assert_close(logits, full[:, vocab.ids])
+    base = Round(ph[None], logits[None], torch.tensor([0]), *head.columns()).base[0]  # the full row, on demand
+    assert torch.equal(base[:, vocab.ids], logits)
     outside = torch.ones(V, dtype=torch.bool)
     outside[vocab.ids] = False
     assert torch.isneginf(base[:, outside]).all()
+
+
+@pytest.mark.parametrize("builder", ["marginal", "ddtree", "dominotree"])
+def test_columns_build_the_trees_of_the_scattered_rows(tiny, builder):
+    """The builders over a round's subset columns (the block's output) give the trees they gave over the same logits
+    scattered into the whole vocabulary (what the block returned before): tokens, parents and scores alike."""
+    backend = pipe_for(tiny, spec("dominotree")).backend
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randperm(V, generator=g)[:40].sort().values
+    D, H = backend.drafter.cfg.k_draft, backend.drafter.cfg.hidden_size
+    ph, logits, root = torch.randn(1, D, H, generator=g), 3 * torch.randn(1, D, 40, generator=g), torch.tensor([5])
+    columns = Round(ph, logits, root, ids, V)
+    scattered = Round(ph, columns.base.clone(), root)
+    for budget in (1, 2, 6, 12):
+        trees = []
+        for rnd in (columns, scattered):
+            if builder == "ddtree":
+                lp = torch.log_softmax(rnd.logits[0], dim=-1)
+                trees.append(build_ddtree(lp, budget, root=5, ids=rnd.ids))
+            else:
+                arm = "marg" if builder == "marginal" else "dominotree"
+                trees.append(build_heap(backend.scorer(arm, rnd, 3, 16), budget, D))
+        a, b = trees
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+        assert set(a.tokens[1:].tolist()) <= set(ids.tolist())
+        torch.testing.assert_close(a.scores, b.scores)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -150,7 +179,8 @@ def test_onnxruntime_is_ar_with_drafts_accepted(tiny, ar, exported, quant, metho
 
 
 def test_export_block_equals_the_torch_block(tiny, exported, subset):
-    """The exported block stage's base logits are the torch backend's over the subset, -inf at the same places."""
+    """The exported block stage's base logits are the torch backend's, over the subset's 80 columns alike, and both
+    backends name the same ids for them."""
     torch_pipe = pipe_for(tiny, spec("dominotree", draft_vocab=str(subset)))
     ort_pipe = pipe_for(tiny, spec("dominotree"), backend="onnxruntime", export=exported["none"].path)
     ids = torch_pipe.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
@@ -164,9 +194,26 @@ def test_export_block_equals_the_torch_block(tiny, exported, subset):
         b.commit(torch.arange(len(ids)))
         b.draft_context(hidden, torch.arange(len(ids)))
         outs.append(b.draft_block(int(logits[-1].argmax()), len(ids), rows=3)[1].cpu())
-    assert torch.equal(torch.isneginf(outs[0]), torch.isneginf(outs[1]))
-    finite = torch.isfinite(outs[0])
-    torch.testing.assert_close(outs[1][finite], outs[0][finite], rtol=1e-4, atol=1e-4)
+        columns, vocab_size = b.draft_columns()
+        assert columns.tolist() == load_draft_vocab(subset, V).ids.tolist() and vocab_size == V
+    assert outs[0].shape == outs[1].shape == (3, 80)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_block_of_another_width_is_refused(tiny, exported, tmp_path):
+    """An export whose manifest says its block covers the subset, but whose block returns another width (a manifest
+    edited by hand, a stage swapped), is refused in one line naming the re-export rather than mapping the wrong ids."""
+    import shutil
+
+    path = tmp_path / "exp"
+    shutil.copytree(exported["none"].path, path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["layout"] = 14  # an export of layout 14 scattered its rows into the whole vocabulary
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    pipe = pipe_for(tiny, spec("dominotree"), backend="onnxruntime", export=path)
+    with pytest.raises(DtrtError, match="block stage returns 80 columns") as e:
+        generate_all(pipe, 8)
+    assert "\n" not in str(e.value) and "dtrt export" in str(e.value)
 
 
 def test_export_and_run_refuse_another_vocabulary(tiny, exported, tmp_path):

@@ -30,7 +30,7 @@ def make_round(bs: int, depth: int, seed: int) -> Round:
     g = torch.Generator().manual_seed(seed)
     return Round(
         ph=torch.randn(bs, depth, H, generator=g),
-        base=2 * torch.randn(bs, depth, V, generator=g),
+        logits=2 * torch.randn(bs, depth, V, generator=g),
         root=torch.randint(0, V - 1, (bs,), generator=g),
     )
 

@@ -25,8 +25,10 @@ FORMAT = "dtrt-export"
 # block stage may cover a reduced draft vocabulary, kept beside it (<kind>.d2t.safetensors, dtrt.models.draft_vocab);
 # 14 = a block's attention never joins the context with the block nor repeats it per query head
 # (dtrt.models.drafter.split_attention), and the TreeAttention function repeats no K/V head per query head either
-# (dtrt.ops.functions.tree_attention). The export made on first use is made again when it is older.
-LAYOUT = 14
+# (dtrt.ops.functions.tree_attention); 15 = a block stage over a draft vocabulary returns its base logits over the
+# subset's columns (no scatter into the whole vocabulary; dtrt.tree.scorer.Round). The export made on first use is
+# made again when it is older.
+LAYOUT = 15
 
 
 @dataclass

@@ -3,11 +3,12 @@ EAGLE-3's `draft_vocab_size`).
 
 The subset lives beside the drafter checkpoint as `d2t.safetensors` in EAGLE-3's convention: `d2t` Long[V'] holds
 offsets (target id = i + d2t[i], the draft ids in ascending target order) and `t2d` Bool[V] marks the target ids
-the subset holds. The drafter's head multiplies its rows by the lm_head's rows of the subset only and scatters the
-result into a full-vocabulary row whose other entries are -inf (vLLM's layout): every consumer of base logits (the
-tree builders, the Domino scorer's top-M, the samplers) is unchanged, never picks a token outside the subset, and
-at T>0 gives it draft probability zero, so the target's residual max(0, p - q) carries it and the output stays
-the target's own.
+the subset holds. The drafter's head multiplies its rows by the lm_head's rows of the subset only: base logits over
+V' columns, which a round carries with the ids (dtrt.tree.scorer.Round). The marginal builders take their top-k over
+the columns and map them back; a consumer that indexes the whole vocabulary (Domino's scorer and the exported
+scorer stages) reads the full row, -inf outside the subset (vLLM's layout), made on demand. No builder ever picks a
+token outside the subset, and at T>0 none has draft probability, so the target's own sample carries it and the
+output stays the target's own.
 """
 
 import hashlib
@@ -120,7 +121,7 @@ def load_draft_vocab(path, vocab_size: int, must_hold=(), tokenizer_sha256: str 
 
 class DraftHead(nn.Module):
     """The target's lm_head as the drafter uses it: over the draft vocabulary only (None: the whole one), base
-    logits float32[rows, V] with -inf outside the subset."""
+    logits float32[rows, V'], column i for target id `ids[i]` (dtrt.tree.scorer.Round keeps the two together)."""
 
     def __init__(self, lm_head: nn.Linear, vocab: DraftVocab | None = None):
         super().__init__()
@@ -138,12 +139,12 @@ class DraftHead(nn.Module):
         self.lm_head.weight = nn.Parameter(rows, requires_grad=False)
         self.register_buffer("ids", vocab.ids.to(rows.device), persistent=False)
 
+    def columns(self) -> tuple[torch.Tensor | None, int | None]:
+        """(ids, V) of a subset head, (None, None) of a whole-vocabulary one: Round's `ids` and `vocab_size`."""
+        return (None, None) if self.ids is None else (self.ids, self.vocab_size)
+
     def forward(self, ph: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(ph.to(self.lm_head.weight.dtype)).float()
-        if self.ids is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        return full.index_copy(1, self.ids, logits)
+        return self.lm_head(ph.to(self.lm_head.weight.dtype)).float()
 
 
 def resolve_draft_vocab(

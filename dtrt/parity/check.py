@@ -197,9 +197,10 @@ class Recorder(TorchBackend):
         cache, n = self.draft_cache, self.draft_cache.length
         self.keep(f"{self.kind}.block", block_feeds(root, start, rows, cache.k[:, :, :n], cache.v[:, :, :n]))
         # every row is kept for the stages that read them (the chain and the frontier take all k_draft)
-        ph, base = super().draft_block(root, start, rows=self.drafter.cfg.k_draft)
+        ph, logits = super().draft_block(root, start, rows=self.drafter.cfg.k_draft)
+        base = Round(ph[None], logits[None], torch.tensor([root]), *self.draft_columns()).base[0]  # the full rows
         self.keep(f"{self.kind}.rows", {"root": torch.tensor([root]), "ph": ph, "base": base})
-        return ph[:rows], base[:rows]
+        return ph[:rows], logits[:rows]
 
     def scorer(self, arm: str, rnd: Round, k: int, topm: int):
         if arm != "dominotree":

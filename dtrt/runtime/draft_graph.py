@@ -22,8 +22,8 @@ class DraftGraph:
 
     def step(self):
         """FrontierTrees of the round whose inputs sit in root, start and length."""
-        ph, base = self.backend.draft_block_fixed(self.root, self.start, self.length)
-        return self.method.trees(self.backend, Round(ph[None], base[None], self.root))
+        ph, logits = self.backend.draft_block_fixed(self.root, self.start, self.length)
+        return self.method.trees(self.backend, Round(ph[None], logits[None], self.root, *self.backend.draft_columns()))
 
     def __call__(self, root: int, start: int) -> Tree:
         cache = self.backend.draft_cache

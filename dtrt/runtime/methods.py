@@ -92,9 +92,10 @@ class Method:
     def draft(self, backend, root: int, start: int) -> tuple[Tree, float]:
         """This round's tree from the drafter block rooted at `root` (position `start`), and the clock when the
         drafting part ended (the rest built the tree)."""
-        ph, base = backend.draft_block(root, start, rows=self.rows(backend))
+        ph, logits = backend.draft_block(root, start, rows=self.rows(backend))
         drafted = time.perf_counter()
-        return self.build(backend, Round(ph[None], base[None], torch.tensor([root], device=ph.device))), drafted
+        rnd = Round(ph[None], logits[None], torch.tensor([root], device=ph.device), *backend.draft_columns())
+        return self.build(backend, rnd), drafted
 
     def stop(self, backend):
         """A best-first builder's stopping rule for this round (None: the fixed budget)."""
@@ -175,8 +176,8 @@ class DDTree(Method):
         return min(self.cfg.budget, backend.drafter.cfg.k_draft)
 
     def build(self, backend, rnd):
-        logprobs = torch.log_softmax(rnd.base[0], dim=-1)
-        return build_ddtree(logprobs, self.cfg.budget, self.stop(backend), root=int(rnd.root[0]))
+        logprobs = torch.log_softmax(rnd.logits[0], dim=-1)
+        return build_ddtree(logprobs, self.cfg.budget, self.stop(backend), root=int(rnd.root[0]), ids=rnd.ids)
 
 
 class CostAware:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from dtrt.ops.topm_corrected_score import topm_corrected_score
-from dtrt.tree.scorer import Round, TableScorer, marginal_topk
+from dtrt.tree.scorer import Round, TableScorer
 
 
 class DominoScorer:
@@ -30,7 +30,7 @@ class DominoScorer:
         # W1 [ph; s] = W_z ph + W_s s: the W_z half is per round, so a node only pays for W_s s
         self.w1s = w1[:, head.hidden :].contiguous()
         self.zp = F.linear(round.ph.to(self.dtype), w1[:, : head.hidden]).float()  # [bs, D, E]
-        self.prefix_tokens, self.prefix_logprobs = marginal_topk(round.base[:, : min(prefix_len, self.depth)], self.k)
+        self.prefix_tokens, self.prefix_logprobs = round.marginal_topk(self.k, min(prefix_len, self.depth))
         if self.topm:
             self.cand = torch.topk(round.base, self.topm, dim=-1).indices  # [bs, D, M]
             self.basec = torch.gather(round.base, -1, self.cand).float()

@@ -26,7 +26,7 @@ class StageDominoScorer:
         self.k = min(k, min(topm, rnd.vocab) or rnd.vocab)
         self._setup = None
         p = min(prefix_len, self.depth)
-        self.prefix = MarginalScorer(Round(rnd.ph[:, :p], rnd.base[:, :p], rnd.root), self.k) if p else None
+        self.prefix = MarginalScorer(rnd.prefix(p), self.k) if p else None
 
     def setup(self) -> dict[str, torch.Tensor]:
         """The round's candidates and their per-depth terms (cand, basec, zproj, w2c), from the setup stage once."""

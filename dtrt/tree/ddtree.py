@@ -8,8 +8,11 @@ from dtrt.tree.tree import Tree
 
 
 @torch.no_grad()
-def build_ddtree(logprobs: torch.Tensor, budget: int, stop=None, root: int = 0) -> Tree:
-    """logprobs [D, V]: per-depth log-probabilities (rows of a log_softmax), depth 0 first.
+def build_ddtree(
+    logprobs: torch.Tensor, budget: int, stop=None, root: int = 0, ids: torch.Tensor | None = None
+) -> Tree:
+    """logprobs [D, V]: per-depth log-probabilities (rows of a log_softmax), depth 0 first; `ids`: the token of each
+    column where the rows cover a draft vocabulary (None: column = token).
 
     A lazy heap pops the best remaining prefix; each pop appends a node and pushes its next sibling
     (same parent, rank + 1) and its first child (depth + 1, rank 0), so the tree holds the top-`budget`
@@ -25,6 +28,8 @@ def build_ddtree(logprobs: torch.Tensor, budget: int, stop=None, root: int = 0) 
         return Tree.from_parents(tokens, parents, scores)
     K = min(budget, logprobs.shape[1])
     top_lp, top_tok = torch.topk(logprobs.float(), K, dim=-1)
+    if ids is not None:
+        top_tok = ids[top_tok]
     top_lp, top_tok = top_lp.tolist(), top_tok.tolist()
 
     # (-logw, ranks, parent, depth (1-based), rank, logw, parent logw)

@@ -12,6 +12,7 @@ The builders import no model: Domino's scorers live in dtrt.scoring, the exporte
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -34,25 +35,59 @@ class Scorer(Protocol):
 
 @dataclass
 class Round:
+    """One round's drafter output. The base logits cover the draft vocabulary's columns (dtrt.models.draft_vocab):
+    `logits` [bs, D, V'] with `ids` the target id of each column, or the whole vocabulary (`ids` None, V' = V). The
+    marginal builders read the columns (a top-k over V', ids mapped back); `base`, the full [bs, D, V] row with -inf
+    outside the subset, is made only for a consumer that indexes the whole vocabulary (Domino's scorer, the exported
+    scorer, chain and frontier stages)."""
+
     ph: torch.Tensor  # [bs, D, H] drafter hidden rows; row d predicts the token at draft depth d
-    base: torch.Tensor  # [bs, D, V] float32 base logits, the target lm_head of ph
+    logits: torch.Tensor  # [bs, D, V'] float32 base logits, the target lm_head of ph over the draft vocabulary
     root: torch.Tensor  # Long[bs] the committed token each tree hangs from
+    ids: torch.Tensor | None = None  # Long[V'] ascending target ids of the columns (None: every id, V' = V)
+    vocab_size: int | None = None  # V, where `ids` is given
+
+    def __post_init__(self):
+        if self.ids is not None and self.vocab_size is None:
+            raise ValueError("a round over a draft vocabulary needs the target's vocab_size")
 
     @property
     def batch(self) -> int:
-        return self.base.shape[0]
+        return self.logits.shape[0]
 
     @property
     def depth(self) -> int:
-        return self.base.shape[1]
+        return self.logits.shape[1]
 
     @property
     def vocab(self) -> int:
-        return self.base.shape[2]
+        """V, the target's vocabulary."""
+        return self.logits.shape[2] if self.ids is None else self.vocab_size
+
+    @cached_property
+    def base(self) -> torch.Tensor:
+        """[bs, D, V] float32 base logits over the whole vocabulary, -inf outside the draft vocabulary."""
+        if self.ids is None:
+            return self.logits
+        full = self.logits.new_full((*self.logits.shape[:2], self.vocab_size), float("-inf"))
+        return full.index_copy_(2, self.ids, self.logits)
+
+    def marginal_topk(self, k: int, depths: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-`k` tokens (target ids) and log-probs of the base marginal at the first `depths` depths (all by
+        default), [bs, depths, k] each: a top-k over the draft vocabulary's columns, whose order is the ids' order,
+        so the tokens are those of the full row's top-k."""
+        logits = self.logits if depths is None else self.logits[:, :depths]
+        tok, lp = marginal_topk(logits, min(k, logits.shape[-1]))
+        return (tok if self.ids is None else self.ids[tok]), lp
+
+    def prefix(self, depths: int) -> "Round":
+        """The round's first `depths` depths."""
+        return Round(self.ph[:, :depths], self.logits[:, :depths], self.root, self.ids, self.vocab_size)
 
     def select(self, b: int) -> "Round":
         """Request b alone, as a batch-1 round."""
-        return Round(self.ph[b : b + 1], self.base[b : b + 1], self.root[b : b + 1])
+        s = slice(b, b + 1)
+        return Round(self.ph[s], self.logits[s], self.root[s], self.ids, self.vocab_size)
 
 
 class TableScorer:
@@ -87,4 +122,4 @@ class MarginalScorer(TableScorer):
 
     @torch.no_grad()
     def __init__(self, round: Round, k: int):
-        super().__init__(round, *marginal_topk(round.base, min(k, round.vocab)))
+        super().__init__(round, *round.marginal_topk(k))

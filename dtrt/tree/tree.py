@@ -6,6 +6,7 @@ children. A node at 0-based draft depth d has tree depth d + 1 and verify positi
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -43,7 +44,8 @@ class Tree:
         if n == 0 or parent_list[0] != -1:
             raise ValueError("index 0 must be the root, with parent -1")
         depths = [0] * n
-        mask = torch.zeros(n, n, dtype=torch.bool)
+        # the mask in numpy, one small tree a round: row copies there cost a tenth of torch's per-op overhead
+        mask = np.zeros((n, n), dtype=bool)
         mask[0, 0] = True
         for i in range(1, n):
             p = parent_list[i]
@@ -54,7 +56,11 @@ class Tree:
             mask[i, i] = True
         scores = torch.zeros(n) if scores is None else torch.as_tensor(scores, dtype=torch.float32)
         return cls(
-            tokens, torch.tensor(parent_list, dtype=torch.long), torch.tensor(depths, dtype=torch.long), scores, mask
+            tokens,
+            torch.tensor(parent_list, dtype=torch.long),
+            torch.tensor(depths, dtype=torch.long),
+            scores,
+            torch.from_numpy(mask),
         )
 
     def within(self, max_depth: int) -> "Tree":

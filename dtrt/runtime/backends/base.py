@@ -84,8 +84,13 @@ class Backend(ABC):
     @abstractmethod
     def draft_block(self, root: int, start: int, *, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter block rooted at token `root` at position `start`, its first `rows` proposal rows (1..D: the
-        depths a round's tree can reach; the target's lm_head runs on these only): (ph [rows, H],
-        base float32[rows, V]) on the device."""
+        depths a round's tree can reach; the target's lm_head runs on these only): (ph [rows, H], base float32[rows,
+        V']) on the device, the base logits over the columns draft_columns() names."""
+
+    def draft_columns(self) -> tuple[torch.Tensor | None, int | None]:
+        """The columns of draft_block's base logits: (the draft vocabulary's target ids Long[V'] on the device, the
+        target's V), or (None, None) where they are the whole vocabulary (dtrt.tree.scorer.Round's `ids`)."""
+        return None, None
 
     @abstractmethod
     def scorer(self, arm: str, rnd: Round, k: int, topm: int):

@@ -24,6 +24,7 @@ from dtrt.tree import FrontierTrees, MarginalScorer, Round, TableScorer, build_f
 SCORER_STAGES = ("domino.scorer_root", "domino.scorer_setup", "domino.scorer_children", "domino.scorer_advance")
 FRONTIER_STAGE = "domino.frontier"
 CHAIN_STAGE = "domino.chain"
+SUBSET_COLUMNS_LAYOUT = 15  # a block stage's base over its draft vocabulary's columns (dtrt.artifacts.export.LAYOUT)
 
 
 def as_input(x, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -192,6 +193,7 @@ class ExportedBackend(Backend):
                 f"this dtrt asks it for the rows a round can use: re-export with `{self.export.fix_hint()}`"
             )
         self.dtype = target_inputs["past_k"]
+        self.columns = self._draft_columns()
         self.recurrent = "state" in target_inputs
         self.kv_cache = kv_cache_for(self.device)
         self.cache = self.draft_cache = None
@@ -273,7 +275,18 @@ class ExportedBackend(Backend):
             self.recurrent_state.take(slice(None), states, windows, int(idx[-1]))
             self._new_states = None
 
+    def _draft_columns(self) -> tuple[torch.Tensor | None, int | None]:
+        """An export of layout 15 on gives a subset's base logits over the subset's columns; earlier ones scattered
+        them into the whole vocabulary."""
+        vocab = self.export.draft_vocab(self.kind) if self.kind is not None else None
+        if vocab is None or self.export.manifest.get("layout", 1) < SUBSET_COLUMNS_LAYOUT:
+            return None, None
+        return vocab.ids.to(self.device), vocab.vocab_size
+
     # drafter stages
+    def draft_columns(self):
+        return self.columns
+
     def draft_context(self, hidden, positions):
         out = self.runner(f"{self.kind}.context", hidden=hidden, positions=positions)
         self.draft_cache.append(out["ctx_k"], out["ctx_v"])
@@ -282,7 +295,13 @@ class ExportedBackend(Backend):
         check_rows(rows, self.drafter.cfg.k_draft)
         cache_k, cache_v = self.draft_cache.view()
         out = self.runner(f"{self.kind}.block", **block_feeds(root, start, rows, cache_k, cache_v))
-        return out["ph"], out["base"]
+        base, ids = out["base"], self.columns[0]
+        if base.shape[-1] != (want := ids.numel() if ids is not None else self.target_dims["vocab_size"]):
+            raise DtrtError(
+                f"{self.export.path}: its {self.kind}.block stage returns {base.shape[-1]} columns where its manifest "
+                f"says {want}; re-export with `{self.export.fix_hint()}`"
+            )
+        return out["ph"], base
 
     # the scorers and the frontier
     def prepare(self, spec):

@@ -97,6 +97,9 @@ class TorchBackend(Backend):
         cache = self.draft_cache
         return (cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity)
 
+    def draft_columns(self):
+        return self.draft_head.columns()
+
     def _block(self, ids, positions, ctx, mask=None, rows: int | None = None):
         """The block's first `rows` proposal rows (None: all) and their base logits."""
         x = self.target.model.embed_tokens(ids).to(self.drafter.dtype)
