@@ -298,8 +298,9 @@ class ExportedBackend(Backend):
         base, ids = out["base"], self.columns[0]
         if base.shape[-1] != (want := ids.numel() if ids is not None else self.target_dims["vocab_size"]):
             raise DtrtError(
-                f"{self.export.path}: its {self.kind}.block stage returns {base.shape[-1]} columns where its manifest "
-                f"says {want}; re-export with `{self.export.fix_hint()}`"
+                f"{self.export.path}: its {self.kind}.block stage returns {base.shape[-1]} columns, not the {want} its "
+                f"manifest (layout {self.export.manifest.get('layout', 1)}) promises; re-export with "
+                f"`{self.export.fix_hint()}`"
             )
         return out["ph"], base
 

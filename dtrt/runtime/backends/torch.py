@@ -98,7 +98,7 @@ class TorchBackend(Backend):
         return (cache.k.data_ptr(), cache.v.data_ptr(), cache.capacity)
 
     def draft_columns(self):
-        return self.draft_head.columns()
+        return self.draft_head.columns() if self.draft_head is not None else (None, None)
 
     def _block(self, ids, positions, ctx, mask=None, rows: int | None = None):
         """The block's first `rows` proposal rows (None: all) and their base logits."""
