@@ -224,6 +224,8 @@ def test_tree_within_keeps_ancestors_and_reindexes():
     assert cut.tokens.tolist() == [5, 6, 8] and cut.parents.tolist() == [-1, 0, 0]
     assert cut.mask.tolist() == [[True, False, False], [True, True, False], [True, False, True]]
     assert t.within(2) is t and len(t.within(0)) == 1
+    chain = Tree.chain([1, 2, 3], root=0)  # as deep as it has draft nodes: returned as is only when it fits
+    assert chain.within(3) is chain and chain.within(2).tokens.tolist() == [0, 1, 2]
 
 
 def test_pad_rows_repeats_the_last_row_seeing_itself():

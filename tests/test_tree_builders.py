@@ -252,6 +252,41 @@ def test_a_budget_one_tree_over_the_prefix_computes_no_state():
     assert deeper.roots == 1 and deeper.advanced == 1  # the first pop only
 
 
+class TiedScorer(LastChildScorer):
+    """The root's children all at one log-prob: the heap pops the first of equals."""
+
+    def children(self, states, depth):
+        n = states.shape[1]
+        return torch.tensor([[[7, 3, 9]]]).expand(1, n, 3), torch.full((1, n, 3), -1.5)
+
+
+@pytest.mark.parametrize("topm, prefix_len", DOMINO_CONFIGS)
+def test_a_budget_one_tree_is_the_first_pop_of_any_budget(topm, prefix_len):
+    """build_heap's budget-1 path (no heap) gives the first node every larger budget pops first, its score
+    included, whether depth 0 reads the root's state or not; a refusing stop leaves the root alone."""
+    model = make_model(seed=5)
+    for seed in range(4):
+        rnd = make_round(1, 5, seed=seed)
+        one = build_heap(DominoScorer(rnd, *model, 4, topm, prefix_len), 1, 5)
+        more = build_heap(DominoScorer(rnd, *model, 4, topm, prefix_len), 6, 5)
+        assert len(one) == 2
+        for a, b in ((one.tokens, more.tokens), (one.parents, more.parents), (one.scores, more.scores)):
+            assert torch.equal(a, b[:2])
+    tied = TiedScorer(1)
+    assert build_heap(tied, 1, 3).tokens.tolist() == build_heap(TiedScorer(1), 3, 3).tokens[:2].tolist()
+    assert int(build_heap(tied, 1, 3).tokens[1]) == 7
+
+    class Refuse:
+        def start(self):
+            pass
+
+        def admit(self, n_nodes, logw):
+            return False
+
+    alone = build_heap(DominoScorer(make_round(1, 5, seed=1), *model, 4, 8, 1), 1, 5, Refuse())
+    assert alone.tokens.tolist() == [int(make_round(1, 5, seed=1).root[0])] and alone.mask.tolist() == [[True]]
+
+
 @pytest.mark.parametrize("n", [0, 1, 5, 11])
 def test_heap_with_a_stop_is_a_prefix_of_the_full_heap(n):
     """cadominotree's stop: the tree is the first n pops of the fixed-budget heap, and the rule saw the scores of

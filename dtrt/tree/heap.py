@@ -56,6 +56,8 @@ def build_heap(scorer, budget: int, max_depth: int, stop=None) -> Tree:
     tokens, parents, scores = [int(scorer.round.root[0])], [-1], [0.0]
     if stop is not None:
         stop.start()
+    if budget == 1 and depth_limit > 0:
+        return _best_child(scorer, root() if reads_state(scorer, 0) else torch.zeros(1, 1, 1), tokens[0], stop)
     if budget > 0 and depth_limit > 0:
         push(root, 0.0, 0, 0)
     while heap and len(tokens) <= budget:
@@ -72,3 +74,16 @@ def build_heap(scorer, budget: int, max_depth: int, stop=None) -> Tree:
             state = scorer.advance(above, torch.tensor([[tok]], device=scorer.round.root.device))
             push(state, -neg_cum, depth + 1, len(tokens) - 1)
     return Tree.from_parents(tokens, parents, scores)
+
+
+def _best_child(scorer, state: torch.Tensor, root: int, stop) -> Tree:
+    """build_heap's tree of budget 1 without the heap: its one pop is the root's child of the highest log-prob, the
+    first of equals (the heap breaks ties first in, first out), admitted or not by `stop`."""
+    tokens, logprobs = scorer.children(state, 0)
+    cums = (logprobs[0, 0] + 0.0).tolist()  # float32 sums, as push makes them
+    if not cums:
+        return Tree.from_parents([root], [-1], [0.0])
+    j = cums.index(max(cums))
+    if stop is not None and not stop.admit(0, cums[j]):
+        return Tree.from_parents([root], [-1], [0.0])
+    return Tree.from_parents([root, int(tokens[0, 0, j])], [-1, 0], [0.0, cums[j]])

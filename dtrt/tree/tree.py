@@ -66,6 +66,8 @@ class Tree:
     def within(self, max_depth: int) -> "Tree":
         """The nodes at tree depth <= max_depth (the root always), in their order: every kept node's ancestors are
         kept, so the parents re-index and the mask is the kept rows and columns."""
+        if len(self) - 1 <= max_depth:  # n draft nodes reach depth n at most
+            return self
         keep = torch.nonzero(self.depths <= max_depth)[:, 0]
         if len(keep) == len(self):
             return self
