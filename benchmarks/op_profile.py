@@ -1,9 +1,12 @@
-"""Where a target call's time goes on ONNX Runtime's CPU provider: its profiler's per-node times summed by operator
-type over decode-sized calls (N new tokens over a past of P, as the runtime feeds them), beside the call's wall
-time; the difference is what the session spends outside its kernels (scheduling, allocation, copying inputs).
+"""Where a stage call's time goes on ONNX Runtime's CPU provider: its profiler's per-node times summed by operator
+type over decode-sized calls, beside the call's wall time; the difference is what the session spends outside its
+kernels (scheduling, allocation, copying inputs). The target (`--stage target`, the default): N new tokens over a
+past of P, as the runtime feeds them; a drafter's block (`--stage domino.block`): N rows asked for over a draft
+cache of P positions; its context (`--stage domino.context`): N committed rows.
 
     python benchmarks/op_profile.py --quant int8,int4            # the first-use exports of smollm2-135m
     python benchmarks/op_profile.py --export DIR --n 2 --past 256 --calls 50
+    python benchmarks/op_profile.py --quant int4 --stage domino.block --n 1 --past 300,1500,3000
 """
 
 import argparse
@@ -21,25 +24,42 @@ from verify_cost import add_export_args, chain_feeds, exports_from
 from dtrt.runtime.backends.onnxruntime import make_session
 
 
-def profile(exp, n: int, past: int, calls: int, threads: int, seed: int) -> dict:
+def drafter_feeds(exp, stage: str, n: int, past: int, rng) -> dict:
+    """A drafter stage's inputs: the block asking for n rows over a draft cache of `past` positions (random K/V),
+    or the context over n committed rows at positions past..past+n-1."""
+    kind, _, part = stage.partition(".")
+    d = exp.manifest["drafters"][kind]
+    start = np.array([past], np.int64)
+    if part == "context":
+        width = len(d["target_layer_ids"]) * exp.manifest["target"]["hidden_size"]
+        return {"hidden": rng.standard_normal((n, width), np.float32), "positions": np.arange(past, past + n)}
+    kv = (d["num_layers"], d["num_kv_heads"], past, d["head_dim"])
+    cache = {name: rng.standard_normal(kv, np.float32) for name in ("cache_k", "cache_v")}
+    rows = np.array([min(n, d["k_draft"])], np.int64)
+    return {"root": np.array([1], np.int64), "start": start, "rows": rows, **cache}
+
+
+def profile(exp, n: int, past: int, calls: int, threads: int, seed: int, stage: str = "target") -> dict:
+    rng = np.random.default_rng(seed)
+    feeds = chain_feeds(exp, n, past, rng) if stage == "target" else drafter_feeds(exp, stage, n, past, rng)
+    outputs = ["logits"] if stage == "target" else None
     with tempfile.TemporaryDirectory() as tmp:
         optimized = os.path.join(tmp, "optimized.onnx")
-        make_session(exp.stage("target"), threads, optimized=optimized)  # the graph as ONNX Runtime runs it
+        make_session(exp.stage(stage), threads, optimized=optimized)  # the graph as ONNX Runtime runs it
         graph = onnx.load(optimized, load_external_data=False).graph
         nodes = collections.Counter(node.op_type for node in graph.node)
-        sess = make_session(exp.stage("target"), threads)
-        feeds = chain_feeds(exp, n, past, np.random.default_rng(seed))
+        sess = make_session(exp.stage(stage), threads)
         for _ in range(5):
-            sess.run(["logits"], feeds)
+            sess.run(outputs, feeds)
         plain = []
         for _ in range(calls):
             t0 = time.perf_counter()
-            sess.run(["logits"], feeds)
+            sess.run(outputs, feeds)
             plain.append(time.perf_counter() - t0)
         # the profiled session times the same calls with its per-node events on
-        profiled = make_session(exp.stage("target"), threads, profile=os.path.join(tmp, "profile"))
+        profiled = make_session(exp.stage(stage), threads, profile=os.path.join(tmp, "profile"))
         for _ in range(5 + calls):
-            profiled.run(["logits"], feeds)
+            profiled.run(outputs, feeds)
         events = json.load(open(profiled.end_profiling()))
     per_op: dict[str, float] = collections.defaultdict(float)
     runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"][5:]
@@ -73,8 +93,11 @@ def report(name: str, r: dict) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_export_args(ap, "int8,int4")
-    ap.add_argument("--n", type=int, default=2, help="new tokens per call (2: a quantized target's AR step)")
-    ap.add_argument("--past", type=int, default=256)
+    ap.add_argument("--stage", default="target", help="target, or a drafter's <kind>.block / <kind>.context")
+    ap.add_argument(
+        "--n", type=int, default=2, help="new tokens per call (2: a quantized target's AR step); a block's rows"
+    )
+    ap.add_argument("--past", default="256", help="comma list of past lengths")
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -82,10 +105,14 @@ def main():
     args = ap.parse_args()
     exports = exports_from(args)
     results = {
-        name: profile(exp, args.n, args.past, args.calls, args.threads, args.seed) for name, exp in exports.items()
+        f"{name}, {args.stage}, N={args.n}, past {past}, {args.threads} thread(s)": profile(
+            exp, args.n, past, args.calls, args.threads, args.seed, args.stage
+        )
+        for name, exp in exports.items()
+        for past in map(int, args.past.split(","))
     }
     for name, r in results.items():
-        print(report(f"{name}, N={args.n}, past {args.past}, {args.threads} thread(s)", r) + "\n")
+        print(report(name, r) + "\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "args": vars(args)}, f, indent=1)
