@@ -164,6 +164,9 @@ def test_the_tree_grows_where_it_pays_and_the_map_learns(tiny):
     pipe = pipe_for(tiny, spec("cadominotree", budget=16))
     pipe.method.curve = CHEAP
     calls = counted(pipe)
+    built = []  # (nodes, seconds) as the node cost saw them; their slope is a timing, not asserted here
+    observe = pipe.method.node_cost.observe
+    pipe.method.node_cost.observe = lambda nodes, seconds: (built.append((nodes, seconds)), observe(nodes, seconds))
     g = pipe.generate(ids, 60, SamplingConfig())
     assert g.tokens == expected and g.tau > 2
     assert len(calls) == len(g.rounds)  # every round drafts
@@ -171,7 +174,8 @@ def test_the_tree_grows_where_it_pays_and_the_map_learns(tiny):
     verified = sum(r.tree_size - 1 for r in g.rounds)
     assert sum(pipe.method.acceptance.offered) == verified
     assert sum(pipe.method.acceptance.accepted) == sum(r.accepted - 1 for r in g.rounds)
-    assert pipe.method.node_cost.per_node > 0 and pipe.method.draft_s != CHEAP.draft_cost
+    assert [n for n, _ in built] == [r.tree_size - 1 for r in g.rounds] and all(s > 0 for _, s in built)
+    assert pipe.method.node_cost.per_node >= 0 and pipe.method.draft_s != CHEAP.draft_cost
 
 
 def test_the_cost_aware_budget_is_a_cap_not_the_fixed_budget():
