@@ -24,6 +24,7 @@ from dtrt.launch import resolve_spec
 from dtrt.launch.sources import load_pair
 from dtrt.models.checkpoint import load_drafter, load_target
 from dtrt.models.draft_vocab import load_draft_vocab
+from dtrt.models.drafter import block_cache_inputs
 from dtrt.runtime.backends.onnxruntime import cpu_session
 
 
@@ -47,12 +48,11 @@ def main():
     rows = [int(r) for r in args.rows.split(",")]
     cfg = drafter.cfg
     gen = torch.Generator().manual_seed(0)
-    kv = (cfg.num_layers, cfg.num_kv_heads, args.past, cfg.head_dim)
+    kv = (args.past, cfg.num_kv_heads, cfg.head_dim)
     feed = {
         "root": np.array([17], dtype=np.int64),
         "start": np.array([args.past], dtype=np.int64),
-        "cache_k": torch.randn(kv, generator=gen).numpy(),
-        "cache_v": torch.randn(kv, generator=gen).numpy(),
+        **{name: torch.randn(kv, generator=gen).numpy() for name in block_cache_inputs(cfg.num_layers)},
     }
     sessions = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from verify_cost import add_export_args, chain_feeds, exports_from
 
+from dtrt.models.drafter import block_cache_inputs
 from dtrt.runtime.backends.onnxruntime import make_session
 
 
@@ -33,8 +34,8 @@ def drafter_feeds(exp, stage: str, n: int, past: int, rng) -> dict:
     if part == "context":
         width = len(d["target_layer_ids"]) * exp.manifest["target"]["hidden_size"]
         return {"hidden": rng.standard_normal((n, width), np.float32), "positions": np.arange(past, past + n)}
-    kv = (d["num_layers"], d["num_kv_heads"], past, d["head_dim"])
-    cache = {name: rng.standard_normal(kv, np.float32) for name in ("cache_k", "cache_v")}
+    kv = (past, d["num_kv_heads"], d["head_dim"])
+    cache = {name: rng.standard_normal(kv, np.float32) for name in block_cache_inputs(d["num_layers"])}
     rows = np.array([min(n, d["k_draft"])], np.int64)
     return {"root": np.array([1], np.int64), "start": start, "rows": rows, **cache}
 

@@ -1,6 +1,6 @@
 """What the target's K/V cache layout costs a decode step: plain decoding (one target call and its commit per
 token) on the ONNX Runtime backend, with the runtime's cache appended in place (TargetKV: the stage gets the whole
-buffer and the past's length) against a dense cache re-spaced on every append (PackedKV, the layout before export
+buffer and the past's length) against a dense cache re-spaced on every append (DenseKV, the layout before export
 layout 6, fed as a buffer that holds exactly the past). Same export, same session options, side by side in one
 process: the two backends take turns, a block of steps each, at every past length.
 
@@ -9,6 +9,7 @@ process: the two backends take turns, a block of steps each, at every past lengt
 """
 
 import argparse
+import ctypes
 import json
 import statistics
 import time
@@ -18,13 +19,39 @@ import torch
 from dtrt.launch import resolve_spec
 from dtrt.launch.first_use import cached_export
 from dtrt.launch.sources import load_pair
-from dtrt.runtime.backends.kv import PackedKV, past_feeds
+from dtrt.models.kv_buffer import appended_end
+from dtrt.runtime.backends.kv import past_feeds
 from dtrt.runtime.backends.onnxruntime import OrtBackend
 
 
-class DenseKV(PackedKV):
+class DenseKV:
     """The control: a dense [layers, kv_heads, length, head_dim] past, every (layer, head) row re-spaced on each
-    append, handed to the stage as a buffer of exactly the past."""
+    append (one memmove per row, last row first), handed to the stage as a buffer of exactly the past."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device="cpu"):
+        self.lead, self.rows, self.head_dim, self.capacity = (layers, heads), layers * heads, head_dim, capacity
+        size = self.rows * capacity * head_dim
+        self.k, self.v = (torch.zeros(size, dtype=dtype, device=device) for _ in range(2))
+        self.length = 0
+
+    def view(self, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.length if length is None else length
+        size, shape = self.rows * n * self.head_dim, (*self.lead, n, self.head_dim)
+        return self.k[:size].view(shape), self.v[:size].view(shape)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        p, n, hd = self.length, k.shape[2], self.head_dim
+        q = appended_end(self.length, n, self.capacity)
+        for buf, new in ((self.k, k), (self.v, v)):
+            if p:
+                row, base, item = p * hd * buf.element_size(), buf.data_ptr(), buf.element_size()
+                for r in range(self.rows - 1, 0, -1):
+                    ctypes.memmove(base + r * q * hd * item, base + r * row, row)
+            buf[: self.rows * q * hd].view(self.rows, q, hd)[:, p:] = new.reshape(self.rows, n, hd)
+        self.length = q
+
+    def reset(self):
+        self.length = 0
 
     def feeds(self, length: int | None = None) -> dict[str, torch.Tensor]:
         k, v = self.view(length)

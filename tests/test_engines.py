@@ -21,7 +21,6 @@ from dtrt.engines.profiles import Limits, stage_profiles
 from dtrt.errors import DtrtError
 from dtrt.plugins import sources_sha256
 from dtrt.plugins.ptx import strip_hidden_params
-from dtrt.runtime.backends.kv import DevicePackedKV, PackedKV
 from dtrt.runtime.backends.tensorrt import graph_key, host_inputs, plan_buffers
 
 H200 = Machine("NVIDIA H200", "9.0", "11.4.0.106", "12.8")
@@ -52,8 +51,8 @@ STAGES = {
             "root": ("INT64", [1]),
             "start": ("INT64", [1]),
             "rows": ("INT64", [1]),
-            "cache_k": ("FLOAT", [1, 2, "P", 24]),
-            "cache_v": ("FLOAT", [1, 2, "P", 24]),
+            "cache_k0": ("FLOAT", ["P", 2, 24]),
+            "cache_v0": ("FLOAT", ["P", 2, 24]),
         },
         {"ph": ("FLOAT", ["R", 96]), "base": ("FLOAT", ["R", 128])},
     ),
@@ -332,20 +331,6 @@ def test_stage_buffers_and_graphs(export_dir):
     key = graph_key(stages["domino.scorer_children"], {"zproj": (32,), "states": (1, 32)})
     assert key == (("states", (1, 32)), ("zproj", (32,)))
     assert graph_key(stages["domino.frontier"], {"ph": (1, 8, 96)}) is not None
-
-
-def test_device_kv_keeps_the_packed_layout():
-    # the same appends on the host PackedKV and on DevicePackedKV (here in host memory) give the same views
-    host, dev = PackedKV(2, 3, 4, 20, torch.float32), DevicePackedKV(2, 3, 4, 20, torch.float32, device="cpu")
-    g = torch.Generator().manual_seed(0)
-    for n in (5, 1, 7):
-        k, v = torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)
-        host.append(k, v)
-        dev.append(k, v)
-        for a, b in zip(host.view(), dev.view()):
-            assert torch.equal(a, b)
-    with pytest.raises(RuntimeError, match="overflow"):
-        dev.append(torch.zeros(2, 3, 8, 4), torch.zeros(2, 3, 8, 4))
 
 
 TRITON_PTX = """//

@@ -16,7 +16,7 @@ from dtrt.artifacts.export import load_export
 from dtrt.artifacts.files import write_manifest
 from dtrt.errors import DtrtError
 from dtrt.exporter.stages import random_tree_mask
-from dtrt.runtime.backends.kv import PackedKV, TargetKV
+from dtrt.runtime.backends.kv import LayerKV, TargetKV
 from dtrt.runtime.backends.onnxruntime import OrtBackend
 from dtrt.runtime.backends.stages import SCORER_STAGES
 from dtrt.tree import CostCurve
@@ -103,8 +103,8 @@ def test_stages_and_caches_match_torch(tiny, tiny_export):
         assert ort.past == p and ort.draft_cache.length == c
         for a, b in zip((ref.cache.k, ref.cache.v), (ort.cache.k, ort.cache.v)):
             same(a[:, :, :p], b[:, :, :p])
-        for a, b in zip((ref.draft_cache.k, ref.draft_cache.v), ort.draft_cache.view()):
-            same(a[:, :, :c], b)
+        for a, layers in zip((ref.draft_cache.k, ref.draft_cache.v), ort.draft_cache.view()):
+            same(a[:, :, :c], torch.stack(layers).transpose(1, 2))  # per layer [c, kv_heads, head_dim]
 
     def block_both(root):
         """Every row from the reference; from ONNX Runtime the first `rows` of them, for a few `rows`."""
@@ -169,22 +169,27 @@ def test_target_kv_appends_in_place():
     assert cache.feeds()["past_positions"].tolist() == [0, 1] and torch.equal(cache.k[:, :, :2], k[:, :, :2])
 
 
-def test_packed_kv_appends():
+def test_layer_kv_appends_without_moving_the_past():
+    """Each layer's view is its stored positions, position-major and contiguous, at the same address after every
+    append (nothing stored moves), equal to the context stage outputs appended so far."""
     rng = np.random.default_rng(0)
-    cache = PackedKV(3, 2, 4, capacity=40, dtype=torch.float32)
+    cache = LayerKV(3, 2, 4, capacity=40, dtype=torch.float32)
     ref_k, ref_v = torch.zeros((3, 2, 0, 4)), torch.zeros((3, 2, 0, 4))
+    addresses = [layer.data_ptr() for layer in cache.k]  # a view of 0 positions reports address 0
     for n in (5, 1, 0, 3, 7, 2, 22):
         k, v = torch.from_numpy(rng.standard_normal((2, 3, 2, n, 4), dtype=np.float32))
         cache.append(k, v)
         ref_k, ref_v = torch.cat((ref_k, k), dim=2), torch.cat((ref_v, v), dim=2)
         view_k, view_v = cache.view()
-        assert view_k.is_contiguous() and view_k.data_ptr() == cache.k.data_ptr()
-        assert torch.equal(view_k, ref_k) and torch.equal(view_v, ref_v)
+        assert len(view_k) == 3 and all(t.is_contiguous() for t in view_k + view_v)
+        assert [t.data_ptr() for t in view_k] == addresses
+        for i in range(3):
+            assert torch.equal(view_k[i], ref_k[i].transpose(0, 1)) and torch.equal(view_v[i], ref_v[i].transpose(0, 1))
     with pytest.raises(RuntimeError, match="overflow"):
         cache.append(k[:, :, :1], v[:, :, :1])
     cache.reset()
     cache.append(k[:, :, :2], v[:, :, :2])
-    assert torch.equal(cache.view()[0], k[:, :, :2])
+    assert torch.equal(cache.view()[0][1], k[1, :, :2].transpose(0, 1))
 
 
 # the CLI and bad exports
@@ -340,6 +345,29 @@ def test_block_stage_of_an_older_export(broken, monkeypatch, capsys):
     edit_manifest(broken, lambda m: m["stages"]["dflash.block"]["inputs"].remove("rows"))
     write_manifest(broken, json.loads((broken / "manifest.json").read_text()))
     expect_cli_error(monkeypatch, capsys, broken, "its dflash.block stage computes every drafter row", fix(broken))
+
+
+def test_block_stage_reading_a_stacked_cache(broken, monkeypatch, capsys):
+    """An export of layout 15 and before: its block stage reads one draft cache stacked over layers (here the
+    first layer's inputs renamed as that input was)."""
+    import onnx
+
+    f = broken / "dflash.block.onnx"
+    graph = onnx.load(str(f), load_external_data=False)
+    renamed = {"cache_k0": "cache_k", "cache_v0": "cache_v"}
+    for i in graph.graph.input:
+        i.name = renamed.get(i.name, i.name)
+    for node in graph.graph.node:
+        node.input[:] = [renamed.get(x, x) for x in node.input]
+    onnx.save(graph, str(f))
+    edit_manifest(
+        broken,
+        lambda m: m["stages"]["dflash.block"].update(
+            inputs=[renamed.get(x, x) for x in m["stages"]["dflash.block"]["inputs"]]
+        ),
+    )
+    write_manifest(broken, json.loads((broken / "manifest.json").read_text()))
+    expect_cli_error(monkeypatch, capsys, broken, "its dflash.block stage reads one draft cache stacked", fix(broken))
 
 
 def test_bad_options(tiny_export, monkeypatch, capsys):

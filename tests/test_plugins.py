@@ -133,9 +133,9 @@ def test_tree_causal_conv1d(dtype, atol, channels, kernel):
 
 @pytest.mark.gpu
 def test_device_kv_cache():
-    from dtrt.runtime.backends.kv import DevicePackedKV, PackedKV, TargetKV
+    from dtrt.runtime.backends.kv import LayerKV, TargetKV
 
-    host, dev = PackedKV(3, 2, 8, 40, torch.float32), DevicePackedKV(3, 2, 8, 40, torch.float32, DEV)
+    host, dev = LayerKV(3, 2, 8, 40, torch.float32), LayerKV(3, 2, 8, 40, torch.float32, DEV)
     target_host, target_dev = TargetKV(3, 2, 8, 40, torch.float32), TargetKV(3, 2, 8, 40, torch.float32, DEV)
     for n in (17, 1, 9):
         k, v = torch.randn(3, 2, n, 8), torch.randn(3, 2, n, 8)
@@ -143,7 +143,7 @@ def test_device_kv_cache():
         dev.append(k.to(DEV), v.to(DEV))
         target_host.append(k, v)
         target_dev.append(k.to(DEV), v.to(DEV))
-    for a, b in zip(host.view(), dev.view()):
+    for a, b in zip(sum(host.view(), []), sum(dev.view(), [])):
         assert torch.equal(a, b.cpu())
     for name, a in target_host.feeds().items():
         assert torch.equal(a, target_dev.feeds()[name].cpu()), name

@@ -26,9 +26,10 @@ FORMAT = "dtrt-export"
 # 14 = a block's attention never joins the context with the block nor repeats it per query head
 # (dtrt.models.drafter.split_attention), and the TreeAttention function repeats no K/V head per query head either
 # (dtrt.ops.functions.tree_attention); 15 = a block stage over a draft vocabulary returns its base logits over the
-# subset's columns (no scatter into the whole vocabulary; dtrt.tree.scorer.Round). The export made on first use is
-# made again when it is older.
-LAYOUT = 15
+# subset's columns (no scatter into the whole vocabulary; dtrt.tree.scorer.Round); 16 = a block stage reads its
+# context cache as one position-major input per draft layer (dtrt.models.drafter.block_cache_inputs). The export made
+# on first use is made again when it is older.
+LAYOUT = 16
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """torch -> ONNX for one stage: dynamo export with named dynamic dims, dtrt nodes with model-local functions."""
 
 import contextlib
+import inspect
 import io
 import logging
 import warnings
@@ -30,6 +31,10 @@ def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int, ma
     example = stage.example(3, 5, torch.Generator().manual_seed(0))
     args = tuple(example[name] for name in stage.inputs)
     shapes = tuple({axis: dims[d] for axis, d in stage.dynamic.get(name, {}).items()} or None for name in stage.inputs)
+    params = inspect.signature(stage.module.forward).parameters.values()
+    if any(p.kind == p.VAR_POSITIONAL for p in params):  # torch.export wants the *args' shapes as one tuple
+        fixed = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
+        shapes = (*shapes[:fixed], tuple(shapes[fixed:]))
     with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(

@@ -9,8 +9,8 @@ These wrappers are what gets exported and what `dtrt parity` compares ONNX Runti
                     state [R, Hv, dk, dv] fp32, conv [R, C, K-1] in (R Gated-DeltaNet layers)
                     -> also states [R, N, Hv, dk, dv], windows [R, N, C, K-1] (after each node)
     drafter_context hidden [n, taps*H], positions [n] -> ctx_k/ctx_v [Ld, KVHd, n, HDd]
-    drafter_block   root [1], start [1], rows [1] (1..D), cache_k/cache_v [Ld, KVHd, C, HDd]
-                    -> ph [rows, H], base [rows, V] fp32
+    drafter_block   root [1], start [1], rows [1] (1..D), then per draft layer l cache_k<l>/cache_v<l>
+                    [P, KVHd, HDd] (position-major) -> ph [rows, H], base [rows, V'] fp32
 """
 
 from dataclasses import dataclass, field
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dtrt.models.draft_vocab import DraftHead, DraftVocab
-from dtrt.models.drafter import Drafter
+from dtrt.models.drafter import Drafter, block_cache_inputs
 from dtrt.models.hybrid import HybridTarget, tree_parents
 from dtrt.models.target import Target
 
@@ -110,10 +110,14 @@ class DrafterBlockStage(nn.Module):
         self.register_buffer("slots", torch.arange(cfg.block_size), persistent=False)
         self.register_buffer("mask_ids", torch.full((cfg.block_size - 1,), cfg.mask_token_id), persistent=False)
 
-    def forward(self, root, start, rows, cache_k, cache_v):
+    def forward(self, root, start, rows, *cache):
+        """`cache`: block_cache_inputs' tensors, one [P, KVH, HD] K and V per draft layer. Read position-major, each
+        layer's own input: ONNX Runtime folds their transposes into its products, so no call copies the context
+        (a cache stacked over layers was split by layer, a copy of it all on every call), and the runtime appends
+        to them without moving what is stored."""
         ids = torch.cat((root, self.mask_ids))
         x = self.embed(ids).to(self.drafter.dtype)
-        kv = [(cache_k[i], cache_v[i]) for i in range(cache_k.shape[0])]
+        kv = [(k.transpose(0, 1), v.transpose(0, 1)) for k, v in zip(cache[0::2], cache[1::2])]
         ph = self.drafter.proposal_rows(self.drafter.block(x, start + self.slots, kv))
         n = rows[0].item()
         torch._check(n >= 1)
@@ -189,13 +193,12 @@ def _block_example(stage, n, p, gen):
     """n: the rows asked for (at most k_draft)."""
     d = stage.module.drafter
     cfg = d.cfg
-    kv = (cfg.num_layers, cfg.num_kv_heads, p, cfg.head_dim)
+    kv = (p, cfg.num_kv_heads, cfg.head_dim)
     return {
         "root": torch.randint(0, cfg.vocab_size, (1,), generator=gen),
         "start": torch.tensor([p]),
         "rows": torch.tensor([min(n, cfg.k_draft)]),
-        "cache_k": torch.randn(kv, generator=gen).to(d.dtype),
-        "cache_v": torch.randn(kv, generator=gen).to(d.dtype),
+        **{name: torch.randn(kv, generator=gen).to(d.dtype) for name in block_cache_inputs(cfg.num_layers)},
     }
 
 
@@ -246,9 +249,9 @@ def drafter_stages(target: Target, drafter: Drafter, kind: str, vocab: DraftVoca
         Stage(
             f"{kind}.block",
             DrafterBlockStage(target, drafter, vocab),
-            ["root", "start", "rows", "cache_k", "cache_v"],
+            ["root", "start", "rows", *block_cache_inputs(drafter.cfg.num_layers)],
             ["ph", "base"],
-            {"cache_k": {2: "P"}, "cache_v": {2: "P"}},
+            {name: {0: "P"} for name in block_cache_inputs(drafter.cfg.num_layers)},
             _block_example,
             {"ph": {0: "R"}, "base": {0: "R"}},
         ),

@@ -56,6 +56,12 @@ def split_attention(q, ctx_k, ctx_v, k, v):
     return out.reshape(heads, rows, hd)
 
 
+def block_cache_inputs(num_layers: int) -> list[str]:
+    """A block stage's context-cache inputs, K then V of each draft layer in turn: cache_k0, cache_v0, cache_k1, ...
+    Each is one layer's [P, kv_heads, head_dim], position-major (dtrt.runtime.backends.kv.LayerKV)."""
+    return [f"cache_{kv}{i}" for i in range(num_layers) for kv in "kv"]
+
+
 class DraftCache(KVBuffer):
     """The drafter's context K/V of committed positions, batch 1 (KVBuffer in the drafter's shape)."""
 

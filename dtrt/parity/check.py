@@ -195,7 +195,9 @@ class Recorder(TorchBackend):
 
     def draft_block(self, root: int, start: int, *, rows: int):
         cache, n = self.draft_cache, self.draft_cache.length
-        self.keep(f"{self.kind}.block", block_feeds(root, start, rows, cache.k[:, :, :n], cache.v[:, :, :n]))
+        layers = range(cache.k.shape[0])  # the torch backend's DraftCache [layers, kv_heads, capacity, head_dim]
+        cache_k, cache_v = ([t[i, :, :n].transpose(0, 1) for i in layers] for t in (cache.k, cache.v))
+        self.keep(f"{self.kind}.block", block_feeds(root, start, rows, cache_k, cache_v))
         # every row is kept for the stages that read them (the chain and the frontier take all k_draft)
         ph, logits = super().draft_block(root, start, rows=self.drafter.cfg.k_draft)
         base = Round(ph[None], logits[None], torch.tensor([root]), *self.draft_columns()).base[0]  # the full rows

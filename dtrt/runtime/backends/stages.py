@@ -14,9 +14,10 @@ from dtrt.artifacts.export import Export
 from dtrt.artifacts.files import MANIFEST
 from dtrt.artifacts.machine import first_line
 from dtrt.errors import BackendFault, DtrtError
+from dtrt.models.drafter import block_cache_inputs
 from dtrt.models.hybrid import RecurrentState, recurrent_parents
 from dtrt.runtime.backends.base import Backend, check_rows
-from dtrt.runtime.backends.kv import TargetKV, kv_cache_for
+from dtrt.runtime.backends.kv import LayerKV, TargetKV
 from dtrt.scoring import greedy_chain_tables
 from dtrt.scoring.stages import StageDominoScorer
 from dtrt.tree import FrontierTrees, MarginalScorer, Round, TableScorer, build_frontier
@@ -34,16 +35,11 @@ def as_input(x, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=dtype).contiguous()
 
 
-def block_feeds(root: int, start: int, rows: int, cache_k, cache_v) -> dict:
+def block_feeds(root: int, start: int, rows: int, cache_k: list, cache_v: list) -> dict:
     """A drafter block stage's inputs (DESIGN.md section 2): the round's root at position `start`, the `rows` it
-    asks for, and the drafter's dense context cache [layers, kv_heads, length, head_dim]."""
-    return {
-        "root": torch.tensor([root]),
-        "start": torch.tensor([start]),
-        "rows": torch.tensor([rows]),
-        "cache_k": cache_k,
-        "cache_v": cache_v,
-    }
+    asks for, and per draft layer its context cache's K and V [length, kv_heads, head_dim] (LayerKV.view)."""
+    layers = zip(block_cache_inputs(len(cache_k)), (t for kv in zip(cache_k, cache_v) for t in kv))
+    return {"root": torch.tensor([root]), "start": torch.tensor([start]), "rows": torch.tensor([rows]), **dict(layers)}
 
 
 def target_rows(n: int, min_rows: int, even: bool = False) -> int:
@@ -166,8 +162,8 @@ def drafter_dims(exp: Export, kind: str) -> DrafterDims:
 
 
 class ExportedBackend(Backend):
-    """The backend contract over a StageRunner: one generation's target K/V (TargetKV) and draft K/V (PackedKV
-    layout) on the runner's device, a hybrid target's recurrent state and conv window carried between rounds,
+    """The backend contract over a StageRunner: one generation's target K/V (TargetKV) and draft K/V (LayerKV) on
+    the runner's device, a hybrid target's recurrent state and conv window carried between rounds,
     Domino's scores from the scorer stages and the frontier tree from the frontier stage."""
 
     flatten_tree = False  # the negative control for hybrid targets (tests and benchmarks only): dtrt.models.hybrid
@@ -192,10 +188,14 @@ class ExportedBackend(Backend):
                 f"{self.export.path}: its {kind}.block stage computes every drafter row (an export of an older dtrt); "
                 f"this dtrt asks it for the rows a round can use: re-export with `{self.export.fix_hint()}`"
             )
+        if kind is not None and "cache_k0" not in runner.inputs(f"{kind}.block"):
+            raise DtrtError(
+                f"{self.export.path}: its {kind}.block stage reads one draft cache stacked over layers (an export of "
+                f"an older dtrt); this dtrt hands it one per layer: re-export with `{self.export.fix_hint()}`"
+            )
         self.dtype = target_inputs["past_k"]
         self.columns = self._draft_columns()
         self.recurrent = "state" in target_inputs
-        self.kv_cache = kv_cache_for(self.device)
         self.cache = self.draft_cache = None
         self._new_kv = self._new_states = None  # the last target forward's new entries, until commit
         self.recurrent_state: RecurrentState | None = None  # a hybrid target's, carried between rounds
@@ -235,7 +235,7 @@ class ExportedBackend(Backend):
             self.cache = TargetKV(layers, t["num_kv_heads"], t["head_dim"], capacity, self.dtype, dev)
             if self.drafter is not None:
                 d = self.drafter.cfg
-                self.draft_cache = self.kv_cache(d.num_layers, d.num_kv_heads, d.head_dim, capacity, self.dtype, dev)
+                self.draft_cache = LayerKV(d.num_layers, d.num_kv_heads, d.head_dim, capacity, self.dtype, dev)
         self.cache.reset()
         if self.draft_cache is not None:
             self.draft_cache.reset()

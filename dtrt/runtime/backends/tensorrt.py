@@ -3,7 +3,7 @@ commit, scorers and the frontier are ExportedBackend's, as on ONNX Runtime.
 
 One execution context per stage, created once; every output lands in a device buffer sized from the stage's
 optimization profiles and reused on every call. The target K/V stay on the device in TargetKV's buffer, appended
-in place; the draft K/V in PackedKV's dense layout (DevicePackedKV). A stage whose shapes repeat round after round
+in place; the draft K/V one position-major buffer per layer (LayerKV). A stage whose shapes repeat round after round
 (the Domino scorer stages, the frontier) is captured in a CUDA graph per shape and replayed. An input whose value
 sizes an output (the block's `rows`, VALUE_DIMS) is a shape tensor: bound in host memory.
 """
