@@ -1,7 +1,7 @@
 """The export directory contract: `manifest.json` next to one ONNX file per stage, checked on every load."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtrt import __version__
@@ -36,6 +36,7 @@ LAYOUT = 16
 class Export:
     path: Path
     manifest: dict
+    _vocabs: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # kind -> DraftVocab, read once
 
     def stage(self, name: str) -> Path:
         return self.path / self.manifest["stages"][name]["file"]
@@ -51,10 +52,12 @@ class Export:
         rec = self.drafters.get(kind, {}).get("draft_vocab")
         if not rec:
             return None
-        vocab = load_draft_vocab(self.path / rec["file"], rec["vocab_size"])
-        if vocab.sha256 != rec["sha256"]:
-            raise DtrtError(f"{self.path / rec['file']}: is not the subset {self.path / MANIFEST} records")
-        return vocab
+        if kind not in self._vocabs:
+            vocab = load_draft_vocab(self.path / rec["file"], rec["vocab_size"])
+            if vocab.sha256 != rec["sha256"]:
+                raise DtrtError(f"{self.path / rec['file']}: is not the subset {self.path / MANIFEST} records")
+            self._vocabs[kind] = vocab
+        return self._vocabs[kind]
 
     @property
     def dtype(self) -> str:
