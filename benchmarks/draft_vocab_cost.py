@@ -24,8 +24,8 @@ from dtrt.launch import resolve_spec
 from dtrt.launch.sources import load_pair
 from dtrt.models.checkpoint import load_drafter, load_target
 from dtrt.models.draft_vocab import load_draft_vocab
-from dtrt.models.drafter import block_cache_inputs
 from dtrt.runtime.backends.onnxruntime import cpu_session
+from dtrt.runtime.backends.stages import block_feeds
 
 
 def main():
@@ -49,11 +49,8 @@ def main():
     cfg = drafter.cfg
     gen = torch.Generator().manual_seed(0)
     kv = (args.past, cfg.num_kv_heads, cfg.head_dim)
-    feed = {
-        "root": np.array([17], dtype=np.int64),
-        "start": np.array([args.past], dtype=np.int64),
-        **{name: torch.randn(kv, generator=gen).numpy() for name in block_cache_inputs(cfg.num_layers)},
-    }
+    cache_k, cache_v = ([torch.randn(kv, generator=gen) for _ in range(cfg.num_layers)] for _ in "kv")
+    feed = {name: t.numpy() for name, t in block_feeds(17, args.past, 1, cache_k, cache_v).items()}  # rows: per case
     sessions = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, vocab in vocabs.items():

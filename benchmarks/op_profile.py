@@ -19,10 +19,11 @@ import time
 
 import numpy as np
 import onnx
+import torch
 from verify_cost import add_export_args, chain_feeds, exports_from
 
-from dtrt.models.drafter import block_cache_inputs
 from dtrt.runtime.backends.onnxruntime import make_session
+from dtrt.runtime.backends.stages import block_feeds
 
 
 def drafter_feeds(exp, stage: str, n: int, past: int, rng) -> dict:
@@ -30,14 +31,15 @@ def drafter_feeds(exp, stage: str, n: int, past: int, rng) -> dict:
     or the context over n committed rows at positions past..past+n-1."""
     kind, _, part = stage.partition(".")
     d = exp.manifest["drafters"][kind]
-    start = np.array([past], np.int64)
     if part == "context":
         width = len(d["target_layer_ids"]) * exp.manifest["target"]["hidden_size"]
         return {"hidden": rng.standard_normal((n, width), np.float32), "positions": np.arange(past, past + n)}
-    kv = (past, d["num_kv_heads"], d["head_dim"])
-    cache = {name: rng.standard_normal(kv, np.float32) for name in block_cache_inputs(d["num_layers"])}
-    rows = np.array([min(n, d["k_draft"])], np.int64)
-    return {"root": np.array([1], np.int64), "start": start, "rows": rows, **cache}
+    shape = (past, d["num_kv_heads"], d["head_dim"])
+    cache_k, cache_v = (
+        [torch.from_numpy(rng.standard_normal(shape, np.float32)) for _ in range(d["num_layers"])] for _ in "kv"
+    )
+    feeds = block_feeds(1, past, min(n, d["k_draft"]), cache_k, cache_v)
+    return {name: t.numpy() for name, t in feeds.items()}
 
 
 def profile(exp, n: int, past: int, calls: int, threads: int, seed: int, stage: str = "target") -> dict:

@@ -194,9 +194,8 @@ class Recorder(TorchBackend):
         return super().draft_context(hidden, positions)
 
     def draft_block(self, root: int, start: int, *, rows: int):
-        cache, n = self.draft_cache, self.draft_cache.length
-        layers = range(cache.k.shape[0])  # the torch backend's DraftCache [layers, kv_heads, capacity, head_dim]
-        cache_k, cache_v = ([t[i, :, :n].transpose(0, 1) for i in layers] for t in (cache.k, cache.v))
+        layers = [self.draft_cache.layer(i) for i in range(self.drafter.cfg.num_layers)]  # [kv_heads, length, hd]
+        cache_k, cache_v = ([kv[j].transpose(0, 1) for kv in layers] for j in (0, 1))  # position-major, as LayerKV
         self.keep(f"{self.kind}.block", block_feeds(root, start, rows, cache_k, cache_v))
         # every row is kept for the stages that read them (the chain and the frontier take all k_draft)
         ph, logits = super().draft_block(root, start, rows=self.drafter.cfg.k_draft)

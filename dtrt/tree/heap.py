@@ -82,8 +82,8 @@ def _best_child(scorer, state: torch.Tensor, root: int, stop) -> Tree:
     tokens, logprobs = scorer.children(state, 0)
     cums = (logprobs[0, 0] + 0.0).tolist()  # float32 sums, as push makes them
     if not cums:
-        return Tree.from_parents([root], [-1], [0.0])
+        return Tree.chain([], root=root)
     j = cums.index(max(cums))
     if stop is not None and not stop.admit(0, cums[j]):
-        return Tree.from_parents([root], [-1], [0.0])
+        return Tree.chain([], root=root)
     return Tree.from_parents([root, int(tokens[0, 0, j])], [-1, 0], [0.0, cums[j]])

@@ -188,7 +188,9 @@ class ExportedBackend(Backend):
                 f"{self.export.path}: its {kind}.block stage computes every drafter row (an export of an older dtrt); "
                 f"this dtrt asks it for the rows a round can use: re-export with `{self.export.fix_hint()}`"
             )
-        if kind is not None and "cache_k0" not in runner.inputs(f"{kind}.block"):
+        if kind is not None and not set(block_cache_inputs(self.drafter.cfg.num_layers)) <= set(
+            runner.inputs(f"{kind}.block")
+        ):
             raise DtrtError(
                 f"{self.export.path}: its {kind}.block stage reads one draft cache stacked over layers (an export of "
                 f"an older dtrt); this dtrt hands it one per layer: re-export with `{self.export.fix_hint()}`"
