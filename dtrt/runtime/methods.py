@@ -23,7 +23,7 @@ import torch
 
 from dtrt.errors import DtrtError
 from dtrt.runtime.calibrate import cost_curve
-from dtrt.tree import CostAwareStop, Round, Tree, build_ddtree, build_heap
+from dtrt.tree import CostAwareStop, Round, Tree, best_marginal_child, build_ddtree, build_heap
 from dtrt.tree.adaptive import AcceptanceMap, AdaptiveStop, NodeCost, RoundClock, SpeculationGate
 from dtrt.tree.lookup_source import ChainOrDraft, LookupSource
 
@@ -277,11 +277,30 @@ class DominoTree(Method):
         c = self.cfg
         return backend.frontier(rnd, c.budget, c.arm, c.node_topk, c.topm, self.max_depth)
 
+    def one_marginal_child(self, backend) -> bool:
+        """Whether this round's tree is build_heap's budget-1 tree over the base marginal at depth 0: one node, the
+        heap builder, no lookup chain, and a depth 0 that reads no Domino state (the marg arm, or a drafter whose
+        prefix_len covers it). Such a round is built from the block's first row alone (best_marginal_child)."""
+        c = self.cfg
+        marginal = c.arm == "marg" or backend.drafter.cfg.pure_draft_prefix_len >= 1
+        return c.budget == 1 and c.builder == "heap" and self.lookup is None and self.max_depth >= 1 and marginal
+
     def draft(self, backend, root, start):
-        if self.graph is None:
+        if self.graph is not None:
+            tree = self.graph(root, start)  # one replay: the draft time includes the build
+            return tree, time.perf_counter()
+        if not self.one_marginal_child(backend):
             return super().draft(backend, root, start)
-        tree = self.graph(root, start)  # one replay: the draft time includes the build
-        return tree, time.perf_counter()
+        # a Round, a scorer and the heap cost a tenth of a target step here, for one top-k over one row
+        _, logits = backend.draft_block(root, start, rows=1)
+        drafted = time.perf_counter()
+        ids, vocab = backend.draft_columns()
+        columns = logits.shape[-1]
+        k = self.cfg.node_topk  # the scorers' top-k width at depth 0 (dtrt.scoring, dtrt.scoring.stages)
+        if self.cfg.arm != "marg":
+            full = vocab if ids is not None else columns
+            k = min(k, min(self.cfg.topm, full) or full)
+        return best_marginal_child(logits[0], root, k, ids, self.stop(backend)), drafted
 
     def observe(self, tree, accepted):
         if self.lookup is None:

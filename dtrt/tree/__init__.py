@@ -3,7 +3,7 @@
 from dtrt.tree.caddtree import CostAwareStop, CostCurve
 from dtrt.tree.ddtree import build_ddtree
 from dtrt.tree.frontier import FrontierTrees, build_frontier
-from dtrt.tree.heap import build_heap
+from dtrt.tree.heap import best_marginal_child, build_heap
 from dtrt.tree.scorer import MarginalScorer, Round, Scorer, TableScorer
 from dtrt.tree.tree import Tree, accept, pack_mask, unpack_mask
 
@@ -19,6 +19,7 @@ __all__ = [
     "accept",
     "build_ddtree",
     "build_frontier",
+    "best_marginal_child",
     "build_heap",
     "pack_mask",
     "unpack_mask",

@@ -87,3 +87,24 @@ def _best_child(scorer, state: torch.Tensor, root: int, stop) -> Tree:
     if stop is not None and not stop.admit(0, cums[j]):
         return Tree.chain([], root=root)
     return Tree.from_parents([root, int(tokens[0, 0, j])], [-1, 0], [0.0, cums[j]])
+
+
+@torch.no_grad()
+def best_marginal_child(logits: torch.Tensor, root: int, k: int, ids: torch.Tensor | None = None, stop=None) -> Tree:
+    """build_heap's tree of budget 1 where depth 0 takes the base marginal (Domino's depths below prefix_len, the marg
+    arm), from that depth's base logits [V'] alone: no Round, scorer or heap. The one pop is the first of the
+    marginal's top `k` (the scorer's width: on ties, top-k's order decides, as in the heap); `ids` maps a column to
+    its target id (a draft vocabulary); `stop` starts and admits it or leaves the root alone, as build_heap's."""
+    if stop is not None:
+        stop.start()
+    lp, col = torch.topk(torch.log_softmax(logits.float(), dim=-1), min(k, logits.shape[-1]))
+    score = float(lp[0])
+    if stop is not None and not stop.admit(0, score):
+        return Tree.chain([], root=root)
+    token = int(col[0]) if ids is None else int(ids[col[0]])
+    return Tree(torch.tensor([root, token]), _PAIR_PARENTS, _PAIR_DEPTHS, torch.tensor([0.0, score]), _PAIR_MASK)
+
+
+# a root and one child: every budget-1 tree shares these (no code writes into a tree's tensors)
+_PAIR_PARENTS, _PAIR_DEPTHS = torch.tensor([-1, 0]), torch.tensor([0, 1])
+_PAIR_MASK = torch.tensor([[True, False], [True, True]])
