@@ -200,7 +200,10 @@ def generate(
         t3 = time.perf_counter()
         backend.commit(accepted)
         if drafter is not None:
-            pending.append((hidden[torch.tensor(accepted)], start + torch.arange(len(accepted))))
+            a = len(accepted)
+            # a copy: the stage's outputs are valid until its next call, and a round that does not draft keeps these
+            rows = hidden[:a].clone() if accepted == list(range(a)) else hidden[torch.tensor(accepted)]
+            pending.append((rows, torch.arange(start, start + a)))
         t4 = time.perf_counter()
         stats = RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3, from_lookup)
         tokens, end = cut(tree.tokens[accepted[1:]].tolist() + [bonus])

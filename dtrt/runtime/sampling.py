@@ -62,5 +62,7 @@ def chooser(logits, cfg: SamplingConfig, generator: torch.Generator | None = Non
     same seed a speculative method commits AR's very tokens wherever its logits are AR's, and a big tree costs no
     more sampling than a chain."""
     if cfg.temperature == 0:
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:  # numpy's: the first of equals, as torch's
+            return logits.numpy().argmax(-1).tolist().__getitem__
         return logits.argmax(-1).tolist().__getitem__
     return lambda i: draw(logits[i], cfg.temperature, cfg.top_p, generator)

@@ -86,7 +86,7 @@ def _best_child(scorer, state: torch.Tensor, root: int, stop) -> Tree:
     j = cums.index(max(cums))
     if stop is not None and not stop.admit(0, cums[j]):
         return Tree.chain([], root=root)
-    return Tree.from_parents([root, int(tokens[0, 0, j])], [-1, 0], [0.0, cums[j]])
+    return Tree.one_child(root, int(tokens[0, 0, j]), cums[j])
 
 
 @torch.no_grad()
@@ -102,9 +102,4 @@ def best_marginal_child(logits: torch.Tensor, root: int, k: int, ids: torch.Tens
     if stop is not None and not stop.admit(0, score):
         return Tree.chain([], root=root)
     token = int(col[0]) if ids is None else int(ids[col[0]])
-    return Tree(torch.tensor([root, token]), _PAIR_PARENTS, _PAIR_DEPTHS, torch.tensor([0.0, score]), _PAIR_MASK)
-
-
-# a root and one child: every budget-1 tree shares these (no code writes into a tree's tensors)
-_PAIR_PARENTS, _PAIR_DEPTHS = torch.tensor([-1, 0]), torch.tensor([0, 1])
-_PAIR_MASK = torch.tensor([[True, False], [True, True]])
+    return Tree.one_child(root, token, score)

@@ -60,6 +60,17 @@ def pad_rows(ids, positions, mask, rows: int):
     """A target call of len(ids) rows as one of `rows`: the last row repeated, attending only to itself."""
     ids, positions, mask = (torch.as_tensor(x) for x in (ids, positions, mask))
     n, extra = len(ids), rows - len(ids)
+    if mask.device.type == "cpu":  # a decode step's: in numpy, a tenth of torch's per-op cost
+        ids, positions, mask = ids.numpy(), positions.numpy(), mask.numpy()
+        padded = np.zeros((rows, rows), dtype=bool)
+        padded[:n, :n] = mask
+        padded[range(n, rows), range(n, rows)] = True
+        tail = (ids[-1:].repeat(extra), positions[-1:].repeat(extra))
+        return (
+            torch.from_numpy(np.concatenate((ids, tail[0]))),
+            torch.from_numpy(np.concatenate((positions, tail[1]))),
+            torch.from_numpy(padded),
+        )
     ids = torch.cat((ids, ids[-1:].repeat(extra)))
     positions = torch.cat((positions, positions[-1:].repeat(extra)))
     padded = torch.zeros(rows, rows, dtype=torch.bool, device=mask.device)
@@ -268,13 +279,16 @@ class ExportedBackend(Backend):
         return out["logits"], out["hidden"]
 
     def commit(self, accepted):
-        idx = as_input(accepted, torch.long, self.device)
         new_k, new_v = self._new_kv
-        self.cache.append(new_k.index_select(2, idx), new_v.index_select(2, idx))
+        if list(accepted) == list(range(len(accepted))):  # a chain's path (AR's root, a budget-1 tree): a slice
+            self.cache.append(new_k[:, :, : len(accepted)], new_v[:, :, : len(accepted)])
+        else:
+            idx = as_input(accepted, torch.long, self.device)
+            self.cache.append(new_k.index_select(2, idx), new_v.index_select(2, idx))
         self._new_kv = None
         if self.recurrent:  # the last accepted node's state already holds the whole accepted path
             states, windows = self._new_states  # [layers, N, ...]: every layer at once, the node axis second
-            self.recurrent_state.take(slice(None), states, windows, int(idx[-1]))
+            self.recurrent_state.take(slice(None), states, windows, int(accepted[-1]))
             self._new_states = None
 
     def _draft_columns(self) -> tuple[torch.Tensor | None, int | None]:
