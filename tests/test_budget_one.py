@@ -12,6 +12,7 @@ from test_tree_builders import V, make_model, make_round, make_scorer
 
 from dtrt.runtime import methods
 from dtrt.tree import CostCurve, Round, best_marginal_child, build_heap
+from dtrt.tree.lookup_scorer import LookupScorer, Trie
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -80,6 +81,40 @@ def test_a_stop_starts_and_admits_the_one_node():
         assert len(fast) == (2 if admit else 1)
 
 
+@pytest.mark.parametrize("kind", ["marginal", "dominotree"])
+def test_lookups_next_tokens_join_the_first_row_as_in_the_lookup_scorer(kind):
+    """Lookup's next tokens: one of the drafter's children (its better score kept) or added after them; on ties
+    the drafter's child, pushed first, is popped."""
+    model = make_model(seed=4)
+    subset = torch.tensor(sorted(torch.randperm(V, generator=torch.Generator().manual_seed(2))[:40].tolist()))
+    seen = set()
+    for seed, ids in itertools.product(range(8), (None, subset)):
+        rnd = tied_round(seed, ids) if seed % 2 else make_round(1, 4, seed=seed)
+        if ids is not None and seed % 2 == 0:
+            rnd = Round(rnd.ph, rnd.logits[..., ids], rnd.root, ids, V)
+        inner = make_scorer(kind, rnd, model, 4, 8, prefix_len=1)
+        best = inner.children(torch.zeros(1, 1, 1), 0)
+        top, top_lp = best[0][0, 0].tolist(), best[1][0, 0].tolist()
+        outside = next(t for t in (ids.tolist() if ids is not None else range(V)) if t not in top)
+        for chain, log_accept in (
+            ((top[1],), top_lp[0] + 0.5),  # a drafter child, its score raised past the best
+            ((top[2],), top_lp[2] - 1.0),  # a drafter child, its own score kept
+            ((outside,), top_lp[0]),  # added after the children at the best's score: the drafter's child wins
+            ((outside,), top_lp[0] + 0.1),  # added, and best
+            ((outside, top[0]), -0.3),  # two chains
+        ):
+            trie = Trie()
+            for t in chain:
+                trie.children[0][t] = len(trie.children)
+                trie.children.append({})
+            scorer = LookupScorer(make_scorer(kind, rnd, model, 4, 8, prefix_len=1), trie, [log_accept] * 4)
+            heap = build_heap(scorer, 1, 4)
+            fast = best_marginal_child(rnd.logits[0, 0], int(rnd.root[0]), 4, ids, None, chain, log_accept)
+            same_tree(fast, heap)
+            seen.add(int(fast.tokens[1]) in chain)
+    assert seen == {True, False}
+
+
 def fake_clock():
     ticks = itertools.count()
     return SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3)
@@ -91,10 +126,13 @@ def rounds_of(pair, draft, backend, export, generic: bool, monkeypatch):
     monkeypatch.setattr(methods, "time", fake_clock())
     if generic:
         monkeypatch.setattr(methods.DominoTree, "one_marginal_child", lambda self, backend: False)
-    fast = []
-    monkeypatch.setattr(
-        methods, "best_marginal_child", lambda *a, **kw: fast.append(1) or best_marginal_child(*a, **kw)
-    )
+    fast = []  # per round built by best_marginal_child: whether lookup's next tokens joined it
+
+    def counted(logits, root, k, ids, stop, chain=(), log_accept=0.0):
+        fast.append(bool(chain))
+        return best_marginal_child(logits, root, k, ids, stop, chain, log_accept)
+
+    monkeypatch.setattr(methods, "best_marginal_child", counted)
     pipe = pipe_for(pair, draft, backend=backend, export=export, threads=1 if backend == "onnxruntime" else None)
     if draft.method.startswith("ca"):
         pipe.method.curve = CostCurve.fit({0: [(0, 1.0), (32, 2.0)]}, draft_cost=0.5)
@@ -107,14 +145,20 @@ def rounds_of(pair, draft, backend, export, generic: bool, monkeypatch):
 
     pipe.method.draft = draft_and_keep
     gens = generate_all(pipe)
-    return [g.tokens for g in gens], trees, [r.accepted for g in gens for r in g.rounds], len(fast)
+    return [g.tokens for g in gens], trees, [r.accepted for g in gens for r in g.rounds], fast
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime", "onnxruntime-int4"])
 @pytest.mark.parametrize(
     "draft",
-    [spec("dominotree", budget=1), spec("dominotree", budget=1, arm="marg"), spec("cadominotree", budget=1)],
-    ids=lambda d: f"{d.method}-{d.arm}",
+    [
+        spec("dominotree", budget=1),
+        spec("dominotree", budget=1, arm="marg"),
+        spec("cadominotree", budget=1),
+        spec("dominotree", budget=1, lookup=True),
+        spec("cadominotree", budget=1, lookup=True),
+    ],
+    ids=lambda d: f"{d.method}-{d.arm}" + ("-lookup" if d.lookup else ""),
 )
 def test_budget_one_rounds_are_those_of_the_scorer_and_heap(
     request, tiny, tiny_export, torch_tokens, draft, backend, monkeypatch
@@ -125,7 +169,9 @@ def test_budget_one_rounds_are_those_of_the_scorer_and_heap(
     generic_tokens, generic_trees, _, none = rounds_of(pair, draft, backend, export, True, monkeypatch)
     monkeypatch.undo()
     tokens, trees, accepted, fast = rounds_of(pair, draft, backend, export, False, monkeypatch)
-    assert none == 0 and fast == len(trees)  # every round took the one path, then the other
+    assert none == [] and len(fast) == len(trees)  # every drafted round took the one path, then the other
+    if draft.lookup:
+        assert any(fast)  # lookup's next tokens joined some rounds
     assert tokens == generic_tokens == torch_tokens
     assert len(trees) == len(generic_trees) > 0
     for a, b in zip(trees, generic_trees):

@@ -11,7 +11,7 @@ from dtrt.launch import resolve_spec
 from dtrt.runtime.methods import METHODS, method_class
 from dtrt.runtime.spec import METHODS as CHOICES
 from dtrt.runtime.spec import RunSpec
-from dtrt.zoo.registry import default_budget
+from dtrt.zoo.registry import default_budget, lookup_help
 
 # name: (uses_drafter, has_budget, cost_aware, builders, takes_lookup, cuda_graph)
 TRAITS = {
@@ -78,6 +78,13 @@ def test_the_traits_decide_the_spec_the_defaults_and_the_bench():
     # the cost-aware methods' budget is the cap; the others the model's
     assert default_budget("smollm2-135m", "int8", "cadominotree") == 16
     assert default_budget("smollm2-135m", "int8", "dominotree") == 1
+    # prompt lookup's chains: budget 4 on the fp32 target, 1 on the quantized ones, with them or without
+    for quant, budget in (("none", 4), ("int8", 1), ("int4", 1)):
+        spec = resolve_spec(model="smollm2-135m", backend="onnxruntime", quant=quant)
+        assert (spec.method, spec.lookup, spec.budget) == ("dominotree", True, budget), quant
+        assert default_budget("smollm2-135m", quant, "dominotree", lookup=True) == budget
+    assert resolve_spec(model="smollm2-135m", backend="onnxruntime", quant="int4", lookup=False).budget == 1
+    assert "(budgets fp32 4, int8 1, int4 1)" in lookup_help()
     # cuda devices pick the frontier for the methods that grow with it, the heap for the others
     assert resolve_spec(model="tiny", method="cadominotree", device="cpu").builder == "heap"
     # the bench sweeps budgets of the budget methods only, and names lookup rows from the takers

@@ -279,11 +279,11 @@ class DominoTree(Method):
 
     def one_marginal_child(self, backend) -> bool:
         """Whether this round's tree is build_heap's budget-1 tree over the base marginal at depth 0: one node, the
-        heap builder, no lookup chain, and a depth 0 that reads no Domino state (the marg arm, or a drafter whose
-        prefix_len covers it). Such a round is built from the block's first row alone (best_marginal_child)."""
+        heap builder, and a depth 0 that reads no Domino state (the marg arm, or a drafter whose prefix_len covers
+        it). Such a round is built from the block's first row (and lookup's next tokens) alone (best_marginal_child)."""
         c = self.cfg
         marginal = c.arm == "marg" or backend.drafter.cfg.pure_draft_prefix_len >= 1
-        return c.budget == 1 and c.builder == "heap" and self.lookup is None and self.max_depth >= 1 and marginal
+        return c.budget == 1 and c.builder == "heap" and self.max_depth >= 1 and marginal
 
     def draft(self, backend, root, start):
         if self.graph is not None:
@@ -300,7 +300,10 @@ class DominoTree(Method):
         if self.cfg.arm != "marg":
             full = vocab if ids is not None else columns
             k = min(k, min(self.cfg.topm, full) or full)
-        return best_marginal_child(logits[0], root, k, ids, self.stop(backend)), drafted
+        chain, log_accept = (), 0.0
+        if self.lookup is not None:  # the next tokens of this round's chains, at depth 0's running acceptance
+            chain, log_accept = tuple(self.lookup.trie.children[0]), self.lookup.log_accept(0)
+        return best_marginal_child(logits[0], root, k, ids, self.stop(backend), chain, log_accept), drafted
 
     def observe(self, tree, accepted):
         if self.lookup is None:

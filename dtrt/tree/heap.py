@@ -5,6 +5,7 @@ import itertools
 
 import torch
 
+from dtrt.tree.lookup_scorer import with_chain_children
 from dtrt.tree.tree import Tree
 
 
@@ -90,16 +91,32 @@ def _best_child(scorer, state: torch.Tensor, root: int, stop) -> Tree:
 
 
 @torch.no_grad()
-def best_marginal_child(logits: torch.Tensor, root: int, k: int, ids: torch.Tensor | None = None, stop=None) -> Tree:
+def best_marginal_child(
+    logits: torch.Tensor,
+    root: int,
+    k: int,
+    ids: torch.Tensor | None = None,
+    stop=None,
+    chain: tuple[int, ...] = (),
+    log_accept: float = 0.0,
+) -> Tree:
     """build_heap's tree of budget 1 where depth 0 takes the base marginal (Domino's depths below prefix_len, the marg
     arm), from that depth's base logits [V'] alone: no Round, scorer or heap. The one pop is the first of the
     marginal's top `k` (the scorer's width: on ties, top-k's order decides, as in the heap); `ids` maps a column to
-    its target id (a draft vocabulary); `stop` starts and admits it or leaves the root alone, as build_heap's."""
+    its target id (a draft vocabulary); `stop` starts and admits it or leaves the root alone, as build_heap's.
+    `chain`: prompt lookup's next tokens after the root, scored `log_accept`, as LookupScorer adds them."""
     if stop is not None:
         stop.start()
     lp, col = torch.topk(torch.log_softmax(logits.float(), dim=-1), min(k, logits.shape[-1]))
-    score = float(lp[0])
+    if chain:
+        tokens = (col if ids is None else ids[col]).tolist()
+        tokens, scores = with_chain_children(tokens, lp.tolist(), chain, log_accept)
+        scores = torch.tensor(scores, dtype=torch.float32).tolist()  # the heap's float32 scores
+        j = scores.index(max(scores))  # the first of equals, as the heap pops them
+        token, score = tokens[j], scores[j]
+    else:
+        score = float(lp[0])
+        token = int(col[0]) if ids is None else int(ids[col[0]])
     if stop is not None and not stop.admit(0, score):
         return Tree.chain([], root=root)
-    token = int(col[0]) if ids is None else int(ids[col[0]])
     return Tree.one_child(root, token, score)

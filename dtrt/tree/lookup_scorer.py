@@ -70,15 +70,9 @@ class LookupScorer:
             return tokens, logprobs
         if len(ats) != 1:
             raise ValueError(f"LookupScorer adds children one node at a time (the heap builder's); got {len(ats)}")
-        lp = self.log_accept[depth]
-        toks, lps = tokens[0, 0].tolist(), logprobs[0, 0].tolist()
-        for t in self.trie.children[ats[0]]:
-            if t in toks:
-                j = toks.index(t)
-                lps[j] = max(lps[j], lp)
-            else:
-                toks.append(t)
-                lps.append(lp)
+        toks, lps = with_chain_children(
+            tokens[0, 0].tolist(), logprobs[0, 0].tolist(), self.trie.children[ats[0]], self.log_accept[depth]
+        )
         return (
             torch.tensor(toks, dtype=tokens.dtype, device=tokens.device)[None, None],
             torch.tensor(lps, dtype=logprobs.dtype, device=logprobs.device)[None, None],
@@ -91,3 +85,17 @@ class LookupScorer:
             for a, t in zip(at.flatten().tolist(), tokens.flatten().tolist())
         ]
         return self._join(self.inner.advance(inner, tokens), nxt)
+
+
+def with_chain_children(tokens: list[int], logprobs: list[float], chain_tokens, log_accept: float):
+    """A node's drafter children (tokens, log-probs, best first) with the lookup chains' next tokens there added
+    after them at `log_accept`; a chain token that is a drafter child keeps the better of its two scores."""
+    tokens, logprobs = list(tokens), list(logprobs)
+    for t in chain_tokens:
+        if t in tokens:
+            j = tokens.index(t)
+            logprobs[j] = max(logprobs[j], log_accept)
+        else:
+            tokens.append(t)
+            logprobs.append(log_accept)
+    return tokens, logprobs

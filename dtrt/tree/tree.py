@@ -82,19 +82,25 @@ class Tree:
         """A chain root -> t0 -> t1 -> ... (the dflash and domino methods), scores 0."""
         tokens = [root, *[int(t) for t in tokens_after_root]]
         if len(tokens) == 1:  # every AR step's tree
-            return cls(torch.tensor(tokens), *_ALONE)
+            return cls(torch.tensor(tokens, dtype=torch.long), *_ALONE)
         return cls.from_parents(tokens, list(range(-1, len(tokens) - 1)))
 
     @classmethod
     def one_child(cls, root: int, token: int, score: float) -> "Tree":
         """The root and one draft of cumulative log-prob `score` (a budget-1 tree)."""
-        return cls(torch.tensor([root, token]), *_PAIR[:2], torch.tensor([0.0, score]), _PAIR[2])
+        scores = torch.tensor([0.0, score], dtype=torch.float32)
+        return cls(torch.tensor([root, token], dtype=torch.long), *_PAIR[:2], scores, _PAIR[2])
 
 
 # The structure every root-alone tree and every root-and-one-child tree shares, made once: a decode step builds one
 # such tree a round, after the target's step has evicted the host's caches, where each tensor made costs tens of
 # microseconds. Trees are never written into.
-_ALONE = (torch.tensor([-1]), torch.tensor([0]), torch.zeros(1), torch.ones(1, 1, dtype=torch.bool))
+_ALONE = (
+    torch.tensor([-1]),
+    torch.tensor([0]),
+    torch.zeros(1, dtype=torch.float32),
+    torch.ones(1, 1, dtype=torch.bool),
+)
 _PAIR = (torch.tensor([-1, 0]), torch.tensor([0, 1]), torch.tensor([[True, False], [True, True]]))
 
 

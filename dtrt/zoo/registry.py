@@ -41,6 +41,8 @@ class ModelEntry:
     lookup_budget: int | None = None
     """The tree budget where lookup's chains are taken (a chain-alone round verifies up to this many tokens): None,
     the budget without them."""
+    quant_lookup_budgets: tuple[tuple[str, int], ...] = ()
+    """(quantization, budget) where a quantized target takes lookup's chains at another budget than `lookup_budget`."""
     drafter_quant: str = "int8"
     """`--drafter-quant` of its first-use ONNX Runtime exports (dtrt.exporter.quantize)."""
     drafter_quants: tuple[tuple[str, str], ...] = ()
@@ -65,6 +67,8 @@ class ModelEntry:
             )
 
     def budget_for(self, quant: str | None, lookup: bool = False) -> int:
+        if lookup and (quant or "none") in dict(self.quant_lookup_budgets):
+            return dict(self.quant_lookup_budgets)[quant or "none"]
         if lookup and self.lookup_budget is not None:
             return self.lookup_budget
         return dict(self.quant_budgets).get(quant or "none", self.budget)
@@ -95,10 +99,12 @@ MODELS = {
         # tree (--lookup) were faster than DominoTree alone on every set the bench has, the model repeating its
         # prompt and itself (fp32, T=0, lookup first: MT-Bench 2.37x AR vs 1.57x, HumanEval 2.49x vs 1.55x, code
         # edits 2.41x vs 1.46x, Multi-LexSum 2K 2.24x vs 0.85x, essays 2K 1.55x vs 0.83x; docs/methods.md). On
-        # the quantized targets the chains carry T=0 (dominotree+lookup@4 1.64-1.80x its AR) but cost more than they
-        # return at T=1 (0.82-0.91x, where dominotree@1 alone gives 1.10x / 0.95x), so lookup stays off there by
-        # default; with --lookup they take lookup's budget, 4 (@1: 1.52x / 1.56x; docs/benchmarks.md, "Prompt lookup
-        # on the int8 and int4 targets"). Its first-use exports quantize the drafter: the context stage to int4 and
+        # the quantized targets the chains at budget 4 carry T=0 (dominotree+lookup@4 1.64-1.80x its AR) but cost
+        # more than they return at T=1 (0.82-0.91x); at budget 1 (a chain-alone round verifies the two rows the
+        # quantized target computes anyway) they gain at T=0 and cost nothing at T=1: int8 1.28x -> 1.40x its AR at
+        # T=0 and 1.10x either way at T=1, int4 1.21x -> 1.38x and 0.98x either way (docs/benchmarks.md, "Prompt
+        # lookup at budget 1 on the int8 and int4 targets"), so they take them at budget 1 by default.
+        # Its first-use exports quantize the drafter: the context stage to int4 and
         # the draft layers to int8 everywhere; the lm_head to int4 where the budget is 1 (int8 target, DominoTree@1:
         # tau -0.9%, drafting 2.98 -> 2.12 ms a round, 4.5% more tok/s) but not on the fp32 target's budget 4, where
         # an int4 lm_head cost 2.6% more tau than the int8 one for no speed (docs/quantization.md). The budget-1
@@ -111,8 +117,9 @@ MODELS = {
             quant_budgets=(("int8", 1), ("int4", 1)),
             drafter_quants=(("int8", "int4"), ("int4", "int4")),
             draft_vocabs=(("int8", "d2t-8k.safetensors"), ("int4", "d2t-8k.safetensors")),
-            lookup=("none",),
+            lookup=("none", "int8", "int4"),
             lookup_budget=4,
+            quant_lookup_budgets=(("int8", 1), ("int4", 1)),
             gate=GateRecord(
                 "none",
                 agreement=1.0,
@@ -169,12 +176,16 @@ def default_method(model: str | None, quant: str | None = None) -> str:
 
 def lookup_help() -> str:
     """`--lookup`'s default as the table has it, for help texts."""
-    on = [
-        f"{e.name} on its {', '.join('fp32' if q == 'none' else q for q in e.lookup)} targets"
-        + (f" (budget {e.lookup_budget})" if e.lookup_budget is not None else "")
-        for e in MODELS.values()
-        if e.lookup
-    ]
+    on = []
+    for e in (e for e in MODELS.values() if e.lookup):
+        names = ["fp32" if q == "none" else q for q in e.lookup]
+        budgets = [e.budget_for(q, lookup=True) for q in e.lookup]
+        at = (
+            f"budget {budgets[0]}"
+            if len(set(budgets)) == 1
+            else "budgets " + ", ".join(f"{n} {b}" for n, b in zip(names, budgets))
+        )
+        on.append(f"{e.name} on its {', '.join(names)} targets ({at})")
     return "off" + (f" (on for {', '.join(on)}, on a CPU with the heap builder)" if on else "")
 
 
