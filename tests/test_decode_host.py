@@ -9,7 +9,7 @@ from test_tree_builders import make_round, make_scorer
 from dtrt.runtime.backends.kv import TargetKV
 from dtrt.runtime.backends.stages import ExportedBackend, pad_rows
 from dtrt.runtime.sampling import SamplingConfig, chooser
-from dtrt.tree import Tree, build_heap
+from dtrt.tree import Tree, build_heap, first_nodes
 
 
 def torch_pad_rows(ids, positions, mask, rows):
@@ -72,3 +72,8 @@ def test_commit_keeps_the_accepted_positions(accepted):
     idx = torch.tensor(accepted)
     assert torch.equal(k, torch.cat((past_k, new_k[:, :, idx]), 2))
     assert torch.equal(v, torch.cat((past_v, new_v[:, :, idx]), 2))
+
+
+def test_first_nodes_are_a_chains_path():
+    assert first_nodes([0]) and first_nodes([0, 1, 2]) and first_nodes(torch.tensor([0, 1]))
+    assert not first_nodes([0, 2]) and not first_nodes([0, 1, 3])

@@ -14,7 +14,7 @@ from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.methods import Method
 from dtrt.runtime.sampling import SamplingConfig, chooser
 from dtrt.runtime.spec import RunSpec
-from dtrt.tree import accept
+from dtrt.tree import accept, first_nodes
 
 STAGES = ("draft", "build", "verify", "commit")
 
@@ -202,7 +202,7 @@ def generate(
         if drafter is not None:
             a = len(accepted)
             # a copy: the stage's outputs are valid until its next call, and a round that does not draft keeps these
-            rows = hidden[:a].clone() if accepted == list(range(a)) else hidden[torch.tensor(accepted)]
+            rows = hidden[:a].clone() if first_nodes(accepted) else hidden[torch.tensor(accepted)]
             pending.append((rows, torch.arange(start, start + a)))
         t4 = time.perf_counter()
         stats = RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3, from_lookup)

@@ -5,7 +5,7 @@ from dtrt.tree.ddtree import build_ddtree
 from dtrt.tree.frontier import FrontierTrees, build_frontier
 from dtrt.tree.heap import best_marginal_child, build_heap
 from dtrt.tree.scorer import MarginalScorer, Round, Scorer, TableScorer
-from dtrt.tree.tree import Tree, accept, pack_mask, unpack_mask
+from dtrt.tree.tree import Tree, accept, first_nodes, pack_mask, unpack_mask
 
 __all__ = [
     "CostAwareStop",
@@ -17,6 +17,7 @@ __all__ = [
     "TableScorer",
     "Tree",
     "accept",
+    "first_nodes",
     "build_ddtree",
     "build_frontier",
     "best_marginal_child",

@@ -122,6 +122,12 @@ def unpack_mask(packed: torch.Tensor, n: int) -> torch.Tensor:
     return bits.flatten(-2)[..., :n].bool()
 
 
+def first_nodes(accepted) -> bool:
+    """Whether accepted tree indices are the tree's first nodes, 0, 1, ..., n-1 (a chain's path: AR's root, a
+    budget-1 tree's): their entries are a slice of what the verify computed, no gather needed."""
+    return list(accepted) == list(range(len(accepted)))
+
+
 def accept(tree: Tree, target_tokens) -> tuple[list[int], int]:
     """Longest path whose tokens the target reproduces; returns (accepted tree indices from 0, bonus token).
 

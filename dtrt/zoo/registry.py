@@ -67,10 +67,9 @@ class ModelEntry:
             )
 
     def budget_for(self, quant: str | None, lookup: bool = False) -> int:
-        if lookup and (quant or "none") in dict(self.quant_lookup_budgets):
-            return dict(self.quant_lookup_budgets)[quant or "none"]
-        if lookup and self.lookup_budget is not None:
-            return self.lookup_budget
+        budget = dict(self.quant_lookup_budgets).get(quant or "none", self.lookup_budget) if lookup else None
+        if budget is not None:
+            return budget
         return dict(self.quant_budgets).get(quant or "none", self.budget)
 
     def method_for(self, quant: str | None) -> str:

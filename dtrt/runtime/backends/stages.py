@@ -20,7 +20,7 @@ from dtrt.runtime.backends.base import Backend, check_rows
 from dtrt.runtime.backends.kv import LayerKV, TargetKV
 from dtrt.scoring import greedy_chain_tables
 from dtrt.scoring.stages import StageDominoScorer
-from dtrt.tree import FrontierTrees, MarginalScorer, Round, TableScorer, build_frontier
+from dtrt.tree import FrontierTrees, MarginalScorer, Round, TableScorer, build_frontier, first_nodes
 
 SCORER_STAGES = ("domino.scorer_root", "domino.scorer_setup", "domino.scorer_children", "domino.scorer_advance")
 FRONTIER_STAGE = "domino.frontier"
@@ -280,7 +280,7 @@ class ExportedBackend(Backend):
 
     def commit(self, accepted):
         new_k, new_v = self._new_kv
-        if list(accepted) == list(range(len(accepted))):  # a chain's path (AR's root, a budget-1 tree): a slice
+        if first_nodes(accepted):  # a slice of the new K/V
             self.cache.append(new_k[:, :, : len(accepted)], new_v[:, :, : len(accepted)])
         else:
             idx = as_input(accepted, torch.long, self.device)
