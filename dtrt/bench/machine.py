@@ -1,7 +1,7 @@
 """Timing hygiene stated with every bench: the machine (CPU model, cores, the instruction sets that decide which
-kernels run; on ONNX Runtime's CPU provider, which attention a quantized target ran), the threads each process
-uses, and whether another process held a core (the load average before the run, and after it beyond the bench's
-own threads)."""
+kernels run; on ONNX Runtime's CPU provider, which attention a quantized target ran; at the end, how much of the
+process's memory lay in huge pages, dtrt.hugepages), the threads each process uses, and whether another process
+held a core (the load average before the run, and after it beyond the bench's own threads)."""
 
 import os
 import platform
@@ -68,4 +68,8 @@ def describe(h: dict) -> str:
         verdict = ""
     flags = f" ({' '.join(m['flags'])})" if m["flags"] else ""
     attention = f"; quantized targets' attention: {m['attention']}" if m.get("attention") else ""
-    return f"machine: {m['model']}, {m['cores']} cores{flags}{attention}; threads per process: {threads}{load}{verdict}"
+    memory = f"; host memory: {m['host_memory']}" if m.get("host_memory") else ""
+    return (
+        f"machine: {m['model']}, {m['cores']} cores{flags}{attention}{memory}; threads per process: {threads}{load}"
+        f"{verdict}"
+    )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from dtrt import __version__
+from dtrt import __version__, hugepages
 from dtrt.bench import contenders, datasets, longctx, machine, records, report, runner
 from dtrt.errors import DtrtError
 from dtrt.frontend.requests import FLAGS, check_thinking, make_request
@@ -235,6 +235,7 @@ SOURCE_KEYS = ("model", "target", "drafter", "export", "backend", "device", "dty
 
 def _write(out, got, failed, plan, title, o, h_machine, threads, load_before, t0, log, partial=False):
     """bench.json, bench.md and bench.png from the records (all of them, or those done when interrupted)."""
+    h_machine = {**h_machine, "host_memory": hugepages.describe()}  # after the runs: what the weights lay in
     hygiene = machine.hygiene(h_machine, threads, load_before, machine.load())
     log(machine.describe(hygiene))
     rows = report.summarize(got, o.seed, quants=plan["grid"]["quant"])
