@@ -11,14 +11,14 @@ from dtrt.errors import DtrtError
 from dtrt.runtime.methods import METHODS as REGISTRY
 from dtrt.runtime.methods import method_class
 
-Method = Literal[tuple(REGISTRY)]  # the registry's names: --method's choices
+MethodName = Literal[tuple(REGISTRY)]  # the registry's names: --method's choices
 Builder = Literal["heap", "frontier"]
 Arm = Literal["dominotree", "condstatic", "marg"]
 BackendName = Literal["torch", "onnxruntime", "tensorrt"]
 DType = Literal["fp32", "bf16", "fp16"]
 Quant = Literal["none", "int8", "int4"]
 
-METHODS: tuple[str, ...] = get_args(Method)
+METHODS: tuple[str, ...] = get_args(MethodName)
 BUILDERS: tuple[str, ...] = get_args(Builder)
 ARMS: tuple[str, ...] = get_args(Arm)
 BACKENDS: tuple[str, ...] = get_args(BackendName)
@@ -50,7 +50,7 @@ class RunSpec:
     which this must equal (None: the export's, or full precision)."""
     threads: int | None = None
     """Intra-op threads of torch and ONNX Runtime (None: theirs)."""
-    method: Method = "dominotree"
+    method: MethodName = "dominotree"
     """How a round's drafter output becomes a tree (docs/methods.md)."""
     budget: int = 16
     """Draft nodes per tree, the verify width minus one (caddtree, cadominotree: the cap; lookup: the chain's

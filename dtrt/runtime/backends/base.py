@@ -15,7 +15,7 @@ from dtrt.errors import DtrtError
 from dtrt.tree import FrontierTrees, Round
 
 
-class DrafterDims(Protocol):
+class DrafterShape(Protocol):
     """What the loop and the methods read of `backend.drafter.cfg`."""
 
     block_size: int  # the drafter's block, slot 0 the committed token
@@ -25,8 +25,10 @@ class DrafterDims(Protocol):
     target_layer_ids: tuple[int, ...] | list[int]
 
 
-class Drafter(Protocol):
-    cfg: DrafterDims
+class BackendDrafter(Protocol):
+    """What a backend's `drafter` is to the loop and the methods: its `cfg`."""
+
+    cfg: DrafterShape
 
 
 def check_rows(rows: int, k_draft: int) -> int:
@@ -41,7 +43,7 @@ class Backend(ABC):
     """`torch`, `onnxruntime` or `tensorrt`."""
     device: torch.device
     """Where logits, hidden states and drafter rows come back (and where sampling draws)."""
-    drafter: Drafter | None
+    drafter: BackendDrafter | None
     """The drafter this backend runs (its `cfg`), or None for a target alone (AR)."""
     max_context: int | None
     """Positions one generation may use (prompt + output + one tree), or None for no limit but memory."""
