@@ -1,7 +1,8 @@
 """What a reduced draft vocabulary saves: milliseconds of the drafter's block stage on ONNX Runtime (int8 weights, as
 the first-use export runs it, or fp32) for each vocabulary, at a few row counts, over a past of P positions. Each
-vocabulary's block is exported alone (dtrt.exporter.stages.DrafterBlockStage with dtrt.models.draft_vocab.DraftHead)
-and every repeat calls each (vocabulary, rows) in turn, the order rotating, so load drifts alike on all of them.
+vocabulary's block is exported alone (dtrt.exporter.stage_modules.DrafterBlockStage with
+dtrt.models.draft_vocab.DraftHead) and every repeat calls each (vocabulary, rows) in turn, the order rotating, so
+load drifts alike on all of them.
 
     python benchmarks/draft_vocab_cost.py --draft-vocab 32k=d2t-32768.safetensors --draft-vocab 8k=d2t-8192.safetensors
 """
@@ -19,13 +20,13 @@ import torch
 
 from dtrt.exporter.onnx_export import export_stage
 from dtrt.exporter.quantize import quantize_stage
-from dtrt.exporter.stages import drafter_stages
+from dtrt.exporter.stage_modules import drafter_stages
 from dtrt.launch import resolve_spec
 from dtrt.launch.sources import load_pair
 from dtrt.models.checkpoint import load_drafter, load_target
 from dtrt.models.draft_vocab import load_draft_vocab
+from dtrt.runtime.backends.exported import block_feeds
 from dtrt.runtime.backends.onnxruntime import cpu_session
-from dtrt.runtime.backends.stages import block_feeds
 
 
 def main():

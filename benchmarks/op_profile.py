@@ -22,8 +22,8 @@ import onnx
 import torch
 from verify_cost import add_export_args, chain_feeds, exports_from
 
+from dtrt.runtime.backends.exported import block_feeds
 from dtrt.runtime.backends.onnxruntime import make_session
-from dtrt.runtime.backends.stages import block_feeds
 
 
 def drafter_feeds(exp, stage: str, n: int, past: int, rng) -> dict:

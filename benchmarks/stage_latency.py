@@ -1,7 +1,7 @@
 """Per-stage latency on ONNX Runtime vs PyTorch on the CPU, and the share of a decode round spent in Python outside
 the stages, side by side in one process.
 
-Stages: each exported graph against its PyTorch wrapper (dtrt.exporter.stages), both through the runtime's stage
+Stages: each exported graph against its PyTorch wrapper (dtrt.exporter.stage_modules), both through the runtime's stage
 runners (ONNX Runtime's and dtrt.exporter.reference's PyTorch one) on the same random inputs, interleaved call by
 call (the order alternates), medians. Rounds: real generations on both backends, alternating
 prompt by prompt; a stage call is one of the backend's target_forward / commit / draft_context / draft_block or,
@@ -26,7 +26,7 @@ import torch
 from dtrt.artifacts.export import check_source, load_export
 from dtrt.errors import DtrtError
 from dtrt.exporter.reference import TorchStageRunner
-from dtrt.exporter.stages import drafter_stages, target_stage
+from dtrt.exporter.stage_modules import drafter_stages, target_stage
 from dtrt.launch import resolve_spec
 from dtrt.launch.sources import load_pair
 from dtrt.models.checkpoint import Pair, load_drafter, load_target, parse_dtype
@@ -245,8 +245,8 @@ def main():
             exp = load_export(args.export)
             pair, model = source_pair(args, exp)
         else:
-            from dtrt.exporter.config import ExportConfig
-            from dtrt.exporter.export import export_pair
+            from dtrt.exporter.export_config import ExportConfig
+            from dtrt.exporter.write import export_pair
 
             model = args.model or (None if args.target else "tiny")
             pair = load_pair(resolve_spec(**(sources(args) | {"model": model}), backend="torch"))

@@ -111,8 +111,8 @@ def tiny_export(tiny, tmp_path_factory):
     from filelock import FileLock
 
     from dtrt.artifacts.export import load_export
-    from dtrt.exporter.config import ExportConfig
-    from dtrt.exporter.export import export_pair
+    from dtrt.exporter.export_config import ExportConfig
+    from dtrt.exporter.write import export_pair
 
     if not _WORKERS:
         return export_pair(

@@ -537,8 +537,8 @@ def test_a_manifest_without_its_file_table_is_refused(tmp_path, cache, monkeypat
 def test_export_records_what_it_wrote(tiny, tmp_path, cache, hashes):
     """An export records its files as verified at their final path (as an engine build does, above): its first
     load hashes nothing, and the state is in the cache, not in the export."""
-    from dtrt.exporter.config import ExportConfig
-    from dtrt.exporter.export import export_pair
+    from dtrt.exporter.export_config import ExportConfig
+    from dtrt.exporter.write import export_pair
 
     exp = export_pair(tiny, tmp_path / "exp", ExportConfig(max_context=64, drafters=("dflash",)), model="tiny")
     assert hashes == []

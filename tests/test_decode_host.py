@@ -6,8 +6,8 @@ import pytest
 import torch
 from test_tree_builders import make_round, make_scorer
 
+from dtrt.runtime.backends.exported import ExportedBackend, pad_rows
 from dtrt.runtime.backends.kv import TargetKV
-from dtrt.runtime.backends.stages import ExportedBackend, pad_rows
 from dtrt.runtime.sampling import SamplingConfig, chooser
 from dtrt.tree import Tree, build_heap, first_nodes
 

@@ -14,8 +14,8 @@ from test_methods import LINEAR_COST
 from test_sampling import N, chi_square_pvalue, exact_triples, sample
 
 from dtrt.errors import DtrtError
-from dtrt.exporter.config import ExportConfig
-from dtrt.exporter.export import export_pair
+from dtrt.exporter.export_config import ExportConfig
+from dtrt.exporter.write import export_pair
 from dtrt.models.draft_vocab import FILE, DraftHead, DraftVocab, load_draft_vocab, resolve_draft_vocab
 from dtrt.train.datagen import DataGenConfig, drafter_data
 from dtrt.train.draft_vocab import choose

@@ -17,7 +17,7 @@ from dtrt.artifacts.machine import LABELS, Machine, engine_dir, tensorrt_status
 from dtrt.artifacts.profiles import select_profile
 from dtrt.engines import build
 from dtrt.engines.build import BuildConfig, build_engines, plan_stages
-from dtrt.engines.profiles import Limits, stage_profiles
+from dtrt.engines.profile_bounds import Limits, stage_profiles
 from dtrt.errors import DtrtError
 from dtrt.plugins import sources_sha256
 from dtrt.plugins.ptx import strip_hidden_params
@@ -161,7 +161,7 @@ def test_profiles_hold_the_chain_methods_trees():
 
 
 def test_select_profile(export_dir):
-    from dtrt.engines.profiles import Profile
+    from dtrt.engines.profile_bounds import Profile
 
     profiles = [Profile.from_json(p) for p in plan_stages(load_export(export_dir), BuildConfig())["target"]["profiles"]]
     cache = {"past_k": (4, 2, 400, 24), "past_v": (4, 2, 400, 24)}

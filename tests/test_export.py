@@ -9,9 +9,9 @@ from helpers import run_cli
 
 from dtrt.artifacts.export import MANIFEST, check_source, load_export
 from dtrt.errors import DtrtError
-from dtrt.exporter import export as export_mod
-from dtrt.exporter.config import ExportConfig
-from dtrt.exporter.export import export_pair
+from dtrt.exporter import write as export_mod
+from dtrt.exporter.export_config import ExportConfig
+from dtrt.exporter.write import export_pair
 from dtrt.models.checkpoint import Pair, load_target, save_checkpoint, target_state
 
 
@@ -186,7 +186,7 @@ def test_tree_attention_function_is_the_reference(heads, kv_heads, n, past):
     import torch
     from onnx import TensorProto, helper
 
-    from dtrt.exporter.stages import random_tree_mask
+    from dtrt.exporter.stage_modules import random_tree_mask
     from dtrt.ops import onnx_functions
     from dtrt.ops.tree_attention import tree_attention_ref
 

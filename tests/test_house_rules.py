@@ -75,7 +75,7 @@ def test_design_sections_cited_in_the_code_are_the_right_ones():
         "dtrt/plugins/__init__.py": "plugin boundary",
         "dtrt/artifacts/__init__.py": "Artifacts",
         "dtrt/engines/__init__.py": "Artifacts",
-        "dtrt/exporter/stages.py": "stages",
+        "dtrt/exporter/stage_modules.py": "stages",
         "dtrt/runtime/backends/torch.py": "stages",
     }
     for path, word in about.items():

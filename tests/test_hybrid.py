@@ -217,8 +217,8 @@ def pair():
 
 @pytest.fixture(scope="module")
 def export(pair, tmp_path_factory):
-    from dtrt.exporter.config import ExportConfig
-    from dtrt.exporter.export import export_pair
+    from dtrt.exporter.export_config import ExportConfig
+    from dtrt.exporter.write import export_pair
 
     return export_pair(
         pair, tmp_path_factory.mktemp("export") / "tiny-hybrid", ExportConfig(max_context=256), model="tiny-hybrid"

@@ -13,7 +13,7 @@ import pytest
 from dtrt.cli import cli
 from dtrt.cli.options import FILLED_IN, click_type, field_docs, option_from
 from dtrt.errors import DtrtError
-from dtrt.exporter.config import ExportConfig
+from dtrt.exporter.export_config import ExportConfig
 from dtrt.runtime.spec import RunSpec
 from dtrt.serve.worker import ServeConfig
 from dtrt.train.datagen import DataGenConfig

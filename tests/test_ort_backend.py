@@ -15,10 +15,10 @@ from dtrt import cli
 from dtrt.artifacts.export import load_export
 from dtrt.artifacts.files import write_manifest
 from dtrt.errors import DtrtError
-from dtrt.exporter.stages import random_tree_mask
+from dtrt.exporter.stage_modules import random_tree_mask
+from dtrt.runtime.backends.exported import SCORER_STAGES
 from dtrt.runtime.backends.kv import LayerKV, TargetKV
 from dtrt.runtime.backends.onnxruntime import OrtBackend
-from dtrt.runtime.backends.stages import SCORER_STAGES
 from dtrt.tree import CostCurve
 
 VARIANTS = [
@@ -487,7 +487,7 @@ def test_first_use_takes_the_registrys_subset_per_target(tiny, tiny_export_int8,
 def test_frontier_stage_builds_the_heaps_trees_in_one_call_per_round(tiny_export, torch_tokens, monkeypatch):
     """--builder frontier on ONNX Runtime: each round's tree comes from one call of the domino.frontier stage, and
     on the rounds of real generations it is the tree the host heap builds from the same drafter rows."""
-    from dtrt.runtime.backends.stages import FRONTIER_STAGE
+    from dtrt.runtime.backends.exported import FRONTIER_STAGE
     from dtrt.runtime.methods import DominoTree
     from dtrt.tree import build_heap
 

@@ -183,7 +183,7 @@ def test_the_torch_stage_runner_decodes_as_onnx_runtime_does(tiny_export):
     from dataclasses import replace
 
     from dtrt.exporter.reference import TorchStageRunner
-    from dtrt.runtime.backends.stages import ExportedBackend
+    from dtrt.runtime.backends.exported import ExportedBackend
     from dtrt.runtime.methods import make_method
     from dtrt.runtime.pipeline import Pipeline
     from tests.helpers import generate_all, pipe_for, spec

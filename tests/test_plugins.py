@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from dtrt.exporter.stages import random_tree_mask  # noqa: E402
+from dtrt.exporter.stage_modules import random_tree_mask  # noqa: E402
 from dtrt.ops.ledger_select import ledger_select_ref  # noqa: E402
 from dtrt.ops.topm_corrected_score import topm_corrected_score_ref  # noqa: E402
 from dtrt.ops.tree_attention import tree_attention_ref  # noqa: E402

@@ -12,9 +12,9 @@ from test_engines import fake_trt  # noqa: F401 (fixture)
 
 from dtrt.engines.build import build_engines
 from dtrt.errors import DtrtError
-from dtrt.exporter.config import ExportConfig
-from dtrt.exporter.export import export_pair
+from dtrt.exporter.export_config import ExportConfig
 from dtrt.exporter.precision import fp16_warning, stored_dtype
+from dtrt.exporter.write import export_pair
 from dtrt.models.checkpoint import Pair, load_target, save_checkpoint, target_state
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.parity import run_parity

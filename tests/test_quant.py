@@ -18,15 +18,15 @@ from dtrt.artifacts.export import load_export
 from dtrt.artifacts.files import MANIFEST, write_manifest
 from dtrt.artifacts.kernel_path import this_path
 from dtrt.errors import DtrtError
-from dtrt.exporter.config import ExportConfig
-from dtrt.exporter.export import export_pair
+from dtrt.exporter.export_config import ExportConfig
 from dtrt.exporter.reference import TorchStageRunner, reference_stages
 from dtrt.exporter.target_quant import DATA_SUFFIX, pack_int4, unpack_int4
+from dtrt.exporter.write import export_pair
 from dtrt.models.checkpoint import load_target
 from dtrt.models.quant import QuantSpec, dequantize, quant_spec, quantize
 from dtrt.parity import run_parity
 from dtrt.parity.quantized import order_check
-from dtrt.runtime.backends.stages import pad_rows, pairs_rows, target_rows
+from dtrt.runtime.backends.exported import pad_rows, pairs_rows, target_rows
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.tree.tree import Tree
 from dtrt.zoo.registry import tiny_hybrid_pair
@@ -322,7 +322,7 @@ def test_order_check_catches_plain_attention(int4_export, tmp_path, monkeypatch)
     monkeypatch.setenv("DTRT_ORT_OPS", "0")  # the function body runs (the kernel would replace it)
     from onnxscript import opset20 as op
 
-    from dtrt.ops.functions.registry import OPSET
+    from dtrt.ops.functions.opset import OPSET
 
     @onnxscript.script(OPSET, default_opset=op)
     def TreeAttentionPlanned(q, k_cache, k_new, v_cache, layer, v_new, scale, mask_g, qg_shape, out_shape, ones_tail,

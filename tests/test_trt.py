@@ -15,7 +15,7 @@ from dtrt.artifacts.engine import check_engine, read_engine
 from dtrt.artifacts.machine import probe_machine
 from dtrt.engines.build import build_engines
 from dtrt.errors import DtrtError
-from dtrt.exporter.stages import random_tree_mask
+from dtrt.exporter.stage_modules import random_tree_mask
 from dtrt.plugins import sources_sha256
 from dtrt.runtime.backends.onnxruntime import OrtRunner
 from dtrt.runtime.backends.tensorrt import TrtRunner

@@ -1,5 +1,5 @@
 """Optimization profiles as an engine manifest records them, and how a call's shapes pick one (the TensorRT
-backend reads them; dtrt.engines.profiles makes them)."""
+backend reads them; dtrt.engines.profile_bounds makes them)."""
 
 from dataclasses import dataclass, field
 

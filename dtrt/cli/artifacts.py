@@ -8,7 +8,7 @@ import click
 
 from dtrt.cli.base import MODEL_DIR_HELP, cli, log_line
 from dtrt.cli.options import option_from
-from dtrt.exporter.config import ExportConfig
+from dtrt.exporter.export_config import ExportConfig
 from dtrt.launch import resolve_spec
 from dtrt.launch.sources import load_pair
 from dtrt.zoo.registry import names
@@ -34,7 +34,7 @@ from dtrt.zoo.registry import names
 @option_from(ExportConfig, "force")
 def export(model, target, drafter, model_dir, out, **fields):
     """Export every stage to ONNX, with manifest.json, into OUT (complete or not at all)."""
-    from dtrt.exporter.export import export_pair
+    from dtrt.exporter.write import export_pair
 
     cfg = ExportConfig(**fields)
     spec = resolve_spec(model=model, target=target, drafter=drafter, model_dir=model_dir, backend="torch")

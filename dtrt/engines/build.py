@@ -1,7 +1,7 @@
 """`dtrt build-engine`: one TensorRT plan per stage of an export, for this machine's GPU and TensorRT.
 
 Strongly typed networks (the precision is the ONNX graph's), the dtrt plugins registered before parsing so the
-parser takes them for the `dtrt` nodes, the optimization profiles of dtrt.engines.profiles, and one timing
+parser takes them for the `dtrt` nodes, the optimization profiles of dtrt.engines.profile_bounds, and one timing
 cache shared by every stage (and kept, so a rebuild re-times nothing). The directory is written under a
 temporary name next to the output and renamed into place when complete.
 """
@@ -16,7 +16,7 @@ from dtrt.artifacts.export import Export, load_export
 from dtrt.artifacts.files import staging, write_manifest
 from dtrt.artifacts.machine import Machine, engine_dir, first_line, probe_machine
 from dtrt.artifacts.verify import record_verified
-from dtrt.engines.profiles import Limits, onnx_signature, stage_profiles
+from dtrt.engines.profile_bounds import Limits, onnx_signature, stage_profiles
 from dtrt.errors import DtrtError
 from dtrt.plugins import NAMESPACE, OPS, PLUGIN_VERSION, sources_sha256
 

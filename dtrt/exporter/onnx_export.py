@@ -11,7 +11,7 @@ import onnx
 import torch
 
 from dtrt.exporter.graph_passes import slice_past
-from dtrt.exporter.stages import Stage
+from dtrt.exporter.stage_modules import Stage
 from dtrt.ops import DOMAIN, onnx_functions
 
 OPSET = 20

@@ -1,6 +1,6 @@
 """The PyTorch truth of an export, as a stage runner: every stage of its manifest rebuilt from the checkpoints it
 was exported from, run through the same `runner(stage, **feeds)` contract as ONNX Runtime and TensorRT
-(dtrt.runtime.backends.stages.StageRunner), so that parity compares runner with runner."""
+(dtrt.runtime.backends.exported.StageRunner), so that parity compares runner with runner."""
 
 from pathlib import Path
 
@@ -9,11 +9,11 @@ import torch
 from dtrt.artifacts.export import Export, check_source
 from dtrt.artifacts.files import MANIFEST
 from dtrt.errors import DtrtError
-from dtrt.exporter.export import load_models, pair_stages
-from dtrt.exporter.stages import Stage
+from dtrt.exporter.stage_modules import Stage
+from dtrt.exporter.write import load_models, pair_stages
 from dtrt.models.checkpoint import parse_dtype
 from dtrt.models.quant import dequantized
-from dtrt.runtime.backends.stages import StageRunner
+from dtrt.runtime.backends.exported import StageRunner
 
 
 def reference_stages(exp: Export) -> dict[str, Stage]:

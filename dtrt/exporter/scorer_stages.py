@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtrt.exporter.stages import Stage
+from dtrt.exporter.stage_modules import Stage
 from dtrt.models.domino import DominoHead
 from dtrt.models.drafter import Drafter
 from dtrt.models.target import Target

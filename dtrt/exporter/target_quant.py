@@ -31,7 +31,7 @@ from dtrt.ops.tree_attention import ORDER_ALIGN, ORDER_ROWS
 QUANT_OPSET = ROTARY_OPSET  # int4 tensors and blocked DequantizeLinear (21), RotaryEmbedding (23)
 # what the runtime must do for a quantized target (manifest "ordered_attention"): pad every target call to at least
 # MIN_ROWS rows (one row takes other kernels than two or more; an even count at int4 blocks of 64 or more, which pair
-# rows: dtrt.runtime.backends.stages.target_rows) and keep a tree inside its past's ALIGN-aligned block
+# rows: dtrt.runtime.backends.exported.target_rows) and keep a tree inside its past's ALIGN-aligned block
 # (dtrt.ops.tree_attention: the ordered attention)
 MIN_ROWS = 2
 

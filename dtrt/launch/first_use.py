@@ -10,7 +10,7 @@ from dtrt import __version__
 from dtrt.artifacts.export import LAYOUT, Export, check_source, load_export
 from dtrt.artifacts.files import MANIFEST, cache_dir
 from dtrt.errors import DtrtError
-from dtrt.exporter.config import ExportConfig
+from dtrt.exporter.export_config import ExportConfig
 from dtrt.exporter.quantize import quantized_stages
 from dtrt.launch.memory import check_first_use
 from dtrt.models.checkpoint import Pair
@@ -20,7 +20,7 @@ from dtrt.zoo.registry import default_draft_vocab, default_drafter_quant, defaul
 
 def export_pair(*args, **kwargs) -> Export:
     """dtrt.exporter's export_pair, imported only to export (onnx and torch.onnx take seconds to import)."""
-    from dtrt.exporter.export import export_pair as export
+    from dtrt.exporter.write import export_pair as export
 
     return export(*args, **kwargs)
 

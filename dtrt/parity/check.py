@@ -33,13 +33,13 @@ from dtrt.artifacts.export import Export
 from dtrt.artifacts.files import MANIFEST
 from dtrt.errors import DtrtError
 from dtrt.exporter.reference import TorchStageRunner
-from dtrt.exporter.stages import Stage
+from dtrt.exporter.stage_modules import Stage
 from dtrt.models.hybrid import HybridCache, tree_parents
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.parity.quantized import order_check
+from dtrt.runtime.backends.exported import StageRunner, block_feeds
 from dtrt.runtime.backends.kv import past_feeds
 from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, OrtRunner
-from dtrt.runtime.backends.stages import StageRunner, block_feeds
 from dtrt.runtime.backends.torch import TorchBackend
 from dtrt.runtime.generate import collect, generate
 from dtrt.runtime.methods import make_method

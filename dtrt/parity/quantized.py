@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from dtrt.artifacts.export import Export
+from dtrt.runtime.backends.exported import first_rows, pad_rows, pairs_rows, target_rows
 from dtrt.runtime.backends.kv import past_feeds
 from dtrt.runtime.backends.onnxruntime import NUMPY_TYPES, OrtRunner
-from dtrt.runtime.backends.stages import first_rows, pad_rows, pairs_rows, target_rows
 
 ORDER_DEPTH = 6  # chain tokens per order case
 CACHE_SPARE = 5  # positions of the cache after the past (NaN: a stage that reads them fails the check)

@@ -33,8 +33,8 @@ from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import load_target
 from dtrt.models.hybrid import HybridTarget
 from dtrt.models.tokenizer import load_tokenizer
+from dtrt.train.conversations import prompt_text, read_conversations
 from dtrt.train.data import decode_pool, read_corpus, text_rows
-from dtrt.train.prompts import prompt_text, read_conversations
 
 FORMAT = "dtrt-drafter-data/1"
 PROGRESS = "progress.json"

@@ -11,8 +11,8 @@ import torch
 
 from dtrt.errors import DtrtError
 from dtrt.models.draft_vocab import DraftVocab
+from dtrt.train.conversations import render_chat
 from dtrt.train.datagen import load_rows
-from dtrt.train.prompts import render_chat
 
 MARK = "\u2063"  # a character no template writes: what the template adds around it is its markup
 

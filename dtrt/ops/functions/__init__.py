@@ -8,6 +8,6 @@ from dtrt.ops.functions import (  # noqa: F401 (each module registers its functi
     tree_causal_conv1d,
     tree_gated_delta_net,
 )
-from dtrt.ops.functions.registry import FUNCTIONS
+from dtrt.ops.functions.opset import FUNCTIONS
 
 __all__ = ["FUNCTIONS"]

@@ -4,7 +4,7 @@ import onnxscript
 from onnxscript import FLOAT
 from onnxscript import opset20 as op
 
-from dtrt.ops.functions.registry import OPSET, register_function
+from dtrt.ops.functions.opset import OPSET, register_function
 
 
 @register_function

@@ -17,7 +17,7 @@ import torch
 from dtrt.artifacts.export import Export
 from dtrt.errors import DtrtError
 from dtrt.runtime.backends import ort_ops
-from dtrt.runtime.backends.stages import ExportedBackend, StageRunner
+from dtrt.runtime.backends.exported import ExportedBackend, StageRunner
 
 ORT_TYPES = {
     "tensor(float)": torch.float32,

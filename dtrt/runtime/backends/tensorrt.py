@@ -18,7 +18,7 @@ from dtrt.artifacts.engine import Engine
 from dtrt.artifacts.export import Export
 from dtrt.artifacts.profiles import VALUE_DIMS, Profile, max_shape, select_profile
 from dtrt.errors import BackendFault, DtrtError
-from dtrt.runtime.backends.stages import ExportedBackend, StageRunner
+from dtrt.runtime.backends.exported import ExportedBackend, StageRunner
 
 TORCH_TYPES = {
     "FLOAT": torch.float32,

@@ -10,12 +10,12 @@ from dtrt.artifacts.export import FORMAT, LAYOUT, Export, load_export
 from dtrt.artifacts.files import checkpoint_hashes, sha256, staging, write_manifest
 from dtrt.artifacts.verify import record_verified
 from dtrt.errors import DtrtError
-from dtrt.exporter.config import ExportConfig
+from dtrt.exporter.export_config import ExportConfig
 from dtrt.exporter.onnx_export import OPSET, export_stage
 from dtrt.exporter.precision import fp16_warning, stored_dtype
 from dtrt.exporter.quantize import quantize_drafters
 from dtrt.exporter.scorer_stages import scorer_stages
-from dtrt.exporter.stages import drafter_stages, target_stage
+from dtrt.exporter.stage_modules import drafter_stages, target_stage
 from dtrt.exporter.target_quant import ordered_attention, quantize_target
 from dtrt.exporter.weights import WEIGHTS, share_weights
 from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
