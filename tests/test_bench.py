@@ -12,6 +12,7 @@ import pytest
 from helpers import run_cli
 
 from dtrt.bench import datasets, report
+from dtrt.bench.records import PACKED, RecordLog, read_report
 from dtrt.bench.stats import paired_bootstrap
 from dtrt.runtime.spec import METHODS
 
@@ -58,7 +59,7 @@ def test_quick_tiny(tiny, tmp_path, monkeypatch, capsys):
     assert (tmp_path / "bench.md").read_text() == out
     assert (tmp_path / "bench.png").is_file() == (importlib.util.find_spec("matplotlib") is not None)
     assert not list(tmp_path.glob(".*.tmp"))
-    report = json.loads((tmp_path / "bench.json").read_text())
+    report = read_report(tmp_path)
     records = report["records"]
     labels = {"ar", "lookup@16", "dflash", "domino", "ddtree@16", "caddtree@16", "dominotree@16", "cadominotree@16"}
     assert {r["method"] for r in records} == labels and len(labels) == len(METHODS)
@@ -195,9 +196,14 @@ def test_quick_code_edit_with_lookup(tiny, tmp_path, monkeypatch, capsys):
     flags = ("--quick", "--threads", "1", "--methods", "ar,lookup,dominotree", "--lookup", "--datasets", "code-edit")
     code, out, err = run_cli(monkeypatch, capsys, "bench", "--model", "tiny", *flags, "--out", str(tmp_path))
     assert code == 0, err
-    got = json.loads((tmp_path / "bench.json").read_text())
+    got = read_report(tmp_path)
     records = got["records"]
     assert {r["method"] for r in records} == {"ar", "lookup@16", "dominotree+lookup@16"} and len(records) == 6
+    # what the run keeps: the small files, the records packed, and the command that runs it again
+    assert {p.name for p in tmp_path.iterdir()} - {"bench.png"} == {"run.json", "bench.json", "bench.md", PACKED}
+    assert "records" not in json.loads((tmp_path / "bench.json").read_text())
+    command = f"dtrt bench --model tiny --threads 1 --methods ar,lookup,dominotree --datasets code-edit --quick --lookup --out {tmp_path}"  # noqa: E501
+    assert got["command"] == command and f"command: `{command}`" in out and got["machine"].startswith("machine: ")
     assert {r["prompt_id"] for r in records} == {p.id for p in datasets.load("code-edit", 2, seed=0)}
     for r in records:
         want = None if r["method"] == "ar" else report.lookup_share(r["accepted"], r["from_lookup"])
@@ -214,9 +220,8 @@ def test_quick_code_edit_with_lookup(tiny, tmp_path, monkeypatch, capsys):
         assert share is None or 0 <= share <= 1
     assert rows["lookup@16"]["lookup_share"] in (None, 1.0)
     # records kept by a dtrt without the share: --resume redoes nothing and shows `-`
-    log = tmp_path / "records.jsonl"
-    log.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "lookup_share"}) + "\n"
-                           for line in log.read_text().splitlines()))  # fmt: skip
+    old = [{k: v for k, v in r.items() if k != "lookup_share"} for r in RecordLog(tmp_path).load()]
+    RecordLog(tmp_path).path.write_text("".join(json.dumps(r) + "\n" for r in old))
     code, out, err = run_cli(monkeypatch, capsys, "bench", "--resume", str(tmp_path))
     assert code == 0 and "6 records done" in err, err
     assert all(row["lookup_share"] is None for row in json.loads((tmp_path / "bench.json").read_text())["summary"])
@@ -345,7 +350,7 @@ def test_llamacpp_row_and_no_matplotlib(tiny, tmp_path, monkeypatch, capsys, fak
     assert code == 0, err
     made = json.loads((fake_llama_cpp / "made.json").read_text())  # written in the peer's own process
     assert made["model_path"] == str(gguf) and made["n_threads"] == 1
-    records = json.loads((tmp_path / "o" / "bench.json").read_text())["records"]
+    records = read_report(tmp_path / "o")["records"]
     peer = [r for r in records if r["method"] == "llama.cpp"]
     assert len(peer) == 2 and all(r["tokens"] == list(range(5, 37)) for r in peer)
     assert "| llama.cpp | humaneval | 0 | 2 | 1.00 |" in out

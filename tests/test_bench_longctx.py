@@ -182,7 +182,7 @@ def test_bench_rows_per_bin_and_resume(tiny, tmp_path, monkeypatch, capsys):
     argv = (*QUICK, "--datasets", "lexsum,essays", "--context-bins", "512,256")
     code, stdout, err = run_cli(monkeypatch, capsys, *argv, "--out", str(tmp_path / "whole"))
     assert code == 0, err
-    report = json.loads((tmp_path / "whole" / "bench.json").read_text())
+    report = records.read_report(tmp_path / "whole")
     names = ["lexsum/256", "lexsum/512", "essays/256", "essays/512"]
     assert list(json.loads((tmp_path / "whole" / records.RUN).read_text())["grid"]["prompts"]) == names
     assert report["config"]["context_bins"] == [256, 512]
@@ -215,12 +215,12 @@ def test_bench_rows_per_bin_and_resume(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(records.RecordLog, "append", real)
     code, _, err = run_cli(monkeypatch, capsys, "bench", "--resume", str(out))
     assert code == 0 and f"resuming {out}: 5 records done" in err, err
-    got = json.loads((out / "bench.json").read_text())["records"]
+    got = records.read_report(out)["records"]
     key = records_key
     assert [(key(r), r["tokens"], r["prompt_tokens"]) for r in got] == [
         (key(r), r["tokens"], r["prompt_tokens"]) for r in whole
     ]
-    lines = [json.loads(line) for line in (out / records.RECORDS).read_text().splitlines()]
+    lines = records.RecordLog(out).load()
     assert len(lines) == len(whole) == len({key(r) for r in lines})
     code, _, err = run_cli(monkeypatch, capsys, "bench", "--resume", str(out), "--context-bins", "256")
     assert code == 2 and err.startswith(

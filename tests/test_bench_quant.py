@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from helpers import run_cli
 
-from dtrt.bench import contenders, report
+from dtrt.bench import contenders, records, report
 from dtrt.zoo import registry
 
 SWEEP = ("bench", "--model", "tiny", "--quick", "--threads", "1", "--methods", "ar,dominotree", "--datasets")
@@ -71,7 +71,7 @@ def test_quant_sweep_on_tiny(tiny, tmp_path, monkeypatch, capsys, int4_budget_8)
     code, stdout, err = run_cli(monkeypatch, capsys, *SWEEP, "humaneval", "--quant", "none,int4", "--out", str(out))
     assert code == 0, err
     labels = ["ar/none", "dominotree@16/none", "ar/int4", "dominotree@8/int4"]
-    got = json.loads((out / "bench.json").read_text())
+    got = records.read_report(out)
     assert got["config"]["quant"] == ["none", "int4"] and got["config"]["rows"] == labels
     recs = got["records"]
     assert sorted({r["method"] for r in recs}) == sorted(labels) and len(recs) == 2 * len(labels)
@@ -95,7 +95,7 @@ def test_quant_sweep_on_tiny(tiny, tmp_path, monkeypatch, capsys, int4_budget_8)
     # --resume: the same quantizations redo nothing; another list is refused in one line once the models are loaded
     code, _, err = run_cli(monkeypatch, capsys, "bench", "--resume", str(out))
     assert code == 0 and f"resuming {out}: 8 records done" in err, err
-    assert len((out / "records.jsonl").read_text().splitlines()) == 8
+    assert len(records.RecordLog(out).load()) == 8
     code, _, err = run_cli(monkeypatch, capsys, "bench", "--resume", str(out), "--quant", "int4,none")
     assert code == 2 and err.count("\n") == 1
     assert f"error: --resume {out}: the grid differs from the run there (quant: int4,none here, none,int4 there)" in err

@@ -48,7 +48,7 @@ def test_a_failing_peer_loses_its_row_and_no_other(tiny, tmp_path, monkeypatch, 
     status, stdout, err = run_cli(monkeypatch, capsys, *argv)
     assert status == 0, err
     assert f"llama.cpp row failed: {why}" in err
-    report_ = json.loads((out / "bench.json").read_text())
+    report_ = records.read_report(out)
     assert list(report_["failed"]) == ["llama.cpp"] and report_["failed"]["llama.cpp"].startswith(why)
     assert {r["method"] for r in report_["records"]} == {"ar", "dominotree@16"} and len(report_["records"]) == 4
     assert f"| llama.cpp | failed: {why}" in stdout and "| dominotree@16 | humaneval | 0 | 2 |" in stdout
@@ -73,7 +73,7 @@ def test_resume_after_an_interrupt_gives_the_uninterrupted_records(tiny, tmp_pat
     argv = (*QUICK, "--datasets", "mt-bench,humaneval")
     status, _, err = run_cli(monkeypatch, capsys, *argv, "--out", str(tmp_path / "whole"))
     assert status == 0, err
-    whole = json.loads((tmp_path / "whole" / "bench.json").read_text())["records"]
+    whole = records.read_report(tmp_path / "whole")["records"]
 
     out = tmp_path / "cut"
     real, kept = records.RecordLog.append, []
@@ -87,18 +87,18 @@ def test_resume_after_an_interrupt_gives_the_uninterrupted_records(tiny, tmp_pat
     monkeypatch.setattr(records.RecordLog, "append", append_then_stop)
     status, _, err = run_cli(monkeypatch, capsys, *argv, "--out", str(out))
     assert status == 130 and f"continue with `dtrt bench --resume {out}`" in err
-    partial = json.loads((out / "bench.json").read_text())
+    partial = records.read_report(out)
     assert partial["config"]["partial"] is True and len(partial["records"]) == 5
     monkeypatch.setattr(records.RecordLog, "append", real)
 
     status, _, err = run_cli(monkeypatch, capsys, "bench", "--resume", str(out))
     assert status == 0, err
     assert f"resuming {out}: 5 records done" in err
-    got = json.loads((out / "bench.json").read_text())
+    got = records.read_report(out)
     assert got["config"]["partial"] is False
     assert comparable(got["records"]) == comparable(whole)
-    lines = (out / records.RECORDS).read_text().splitlines()
-    assert len(lines) == len(whole) == len({records_key(json.loads(line)) for line in lines})  # nothing twice
+    lines = records.RecordLog(out).load()
+    assert len(lines) == len(whole) == len({records_key(r) for r in lines})  # nothing twice
 
     status, _, err = run_cli(monkeypatch, capsys, "bench", "--resume", str(out), "--seed", "5")
     assert status == 2 and err.count("\n") == 1

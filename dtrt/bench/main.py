@@ -1,7 +1,8 @@
-"""`dtrt bench` from parsed options to the three output files."""
+"""`dtrt bench` from parsed options to its outputs (dtrt.bench.records: the run's directory)."""
 
 import json
 import platform
+import shlex
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -58,6 +59,26 @@ class BenchOptions:
             "draft_vocab",
         )
         return {k: getattr(self, k) for k in keys}
+
+
+FLAG_NAMES = {"dataset_names": "--datasets"}
+NOT_FLAGS = ("out", "resume")
+
+
+def command_line(o: BenchOptions) -> str:
+    """The `dtrt bench` command that runs `o`'s grid again into its --out: every flag whose value is not the
+    default, in the order of BenchOptions."""
+    words = ["dtrt", "bench"]
+    for f in fields(BenchOptions):
+        value = getattr(o, f.name)
+        if f.name in NOT_FLAGS or value == f.default:
+            continue
+        flag = FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
+        if isinstance(value, bool):
+            words.append(flag if value else "--no-" + flag[2:])
+        else:
+            words += [flag, str(value)]
+    return shlex.join([*words, "--out", str(o.out)])
 
 
 def split_list(flag: str, text: str, convert, allowed=None) -> list:
@@ -234,10 +255,12 @@ SOURCE_KEYS = ("model", "target", "drafter", "export", "backend", "device", "dty
 
 
 def _write(out, got, failed, plan, title, o, h_machine, threads, load_before, t0, log, partial=False):
-    """bench.json, bench.md and bench.png from the records (all of them, or those done when interrupted)."""
+    """bench.json, bench.md and bench.png from the records (all of them, or those done when interrupted), and the
+    records packed (dtrt.bench.records)."""
     h_machine = {**h_machine, "host_memory": hugepages.describe()}  # after the runs: what the weights lay in
     hygiene = machine.hygiene(h_machine, threads, load_before, machine.load())
-    log(machine.describe(hygiene))
+    line = machine.describe(hygiene)
+    log(line)
     rows = report.summarize(got, o.seed, quants=plan["grid"]["quant"])
     config = {
         **plan["options"],
@@ -251,8 +274,11 @@ def _write(out, got, failed, plan, title, o, h_machine, threads, load_before, t0
         "wall_s": time.perf_counter() - t0,
         "partial": partial,
     }
-    report.write_json(out / "bench.json", {"config": config, "failed": failed, "summary": rows, "records": got})
-    note = machine.describe(hygiene) + ("\n\n(interrupted: partial results)" if partial else "")
+    command = command_line(replace(o, out=str(out), resume=None))
+    summary = {"command": command, "machine": line, "config": config, "failed": failed, "summary": rows}
+    report.write_json(out / records.REPORT, summary)
+    records.RecordLog(out).pack()
+    note = f"command: `{command}`\n\n{line}" + ("\n\n(interrupted: partial results)" if partial else "")
     report.write_markdown(out / "bench.md", report.markdown(rows, title, failed, note))
     if rows and not report.write_plot(out / "bench.png", rows, title):
         log('bench.png skipped: matplotlib is not installed (pip install -e ".[bench]")')

@@ -142,7 +142,8 @@ def quality(
     default="bench-results",
     show_default=True,
     type=click.Path(),
-    help="directory for bench.json, bench.md, bench.png",
+    help="directory for bench.json (the command and the summary), bench.md, bench.png and the records "
+    "(records.jsonl.xz)",
 )
 @click.option(
     "--cuda-graph",
@@ -190,5 +191,5 @@ def bench(**flags):
     click.echo((path / "bench.md").read_text(), nl=False)
     log_line(
         f"wrote {path / 'bench.json'}, {path / 'bench.md'}"
-        f"{', ' + str(path / 'bench.png') if (path / 'bench.png').is_file() else ''}"
+        f"{', ' + str(path / 'bench.png') if (path / 'bench.png').is_file() else ''}, {path / 'records.jsonl.xz'}"
     )
