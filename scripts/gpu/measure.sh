@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The loan's measurement call: the verify-cost curve and a DominoTree round's breakdown at Qwen3-4B shapes
+# An offline GPU job's measurement call: the verify-cost curve and a DominoTree round's breakdown at Qwen3-4B shapes
 # (benchmarks/gpu_shapes.py), then scripts/gpu_check.sh (the gpu/kernels tests on CUDA, the tree-build time heap
 # vs frontier, the CUDA-graph round), each under its share of the seconds given; everything it wrote comes back
 # as OUT/measure.tgz, the log as OUT/measure.log.
@@ -8,13 +8,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # dtrt is the checkout there, not an installed package
+work=$(mktemp -d)
 if ! command -v python >/dev/null 2>&1; then  # gpu_check.sh calls `python`; some images have only python3
-    mkdir -p /tmp/dtrt-bin && ln -sf "$(command -v python3)" /tmp/dtrt-bin/python && export PATH="/tmp/dtrt-bin:$PATH"
+    bin=$(mktemp -d) && ln -sf "$(command -v python3)" "$bin/python" && export PATH="$bin:$PATH"
 fi
 out="$1"
-seconds="${2:-190}"
+seconds="${2:?usage: measure.sh OUT SECONDS [--dry-run]}"
 dry="${3:-}"
-work=$(mktemp -d)
 mkdir -p "$out" "$work/gpu-check"
 log="$out/measure.log"
 start=$SECONDS
@@ -30,7 +30,7 @@ import torch
 print("gpu_check.sh: skipped in the dry run" if not torch.cuda.is_available() else "gpu_check.sh: CUDA is there")
 PY
 else
-    if [ -z "${MEASURE_SKIP_SHAPES:-}" ]; then  # set on a later call of a loan that has them already
+    if [ -z "${MEASURE_SKIP_SHAPES:-}" ]; then  # set on a later job's call that has them already
         timeout "$((shapes_s + 20))" python3 benchmarks/gpu_shapes.py --device cuda --budget-s "$shapes_s" \
             --json "$work/gpu_shapes.json" 2>&1 | tee -a "$log" || rc=1
     fi

@@ -9,6 +9,7 @@ import tarfile
 from pathlib import Path
 
 MANIFEST = "manifest.json"
+MANIFEST_ROOM = 4096  # of a part's bytes, kept for the manifest beside its piece
 
 
 class PartsError(Exception):
@@ -30,7 +31,7 @@ def split(folder: Path, out: Path, *, part_bytes: int, prefix: str = "part") -> 
                 t.add(path, arcname=str(path.relative_to(folder)), recursive=False)
     data = tar.read_bytes()
     tar.unlink()
-    room = part_bytes - 4096  # the manifest beside each piece
+    room = part_bytes - MANIFEST_ROOM
     n = -(-len(data) // room)
     size = -(-len(data) // n)  # as even as they come: each call's margin under the limit is the same
     pieces = [data[i : i + size] for i in range(0, len(data), size)]
@@ -55,7 +56,7 @@ def check(part_dir: Path) -> dict:
     """The manifest of one part's folder, once its own piece is there whole."""
     part_dir = Path(part_dir)
     if not (part_dir / MANIFEST).is_file():
-        raise PartsError(f"{part_dir}: no {MANIFEST}; stage the loan again (scripts/gpu/loan.py stage)")
+        raise PartsError(f"{part_dir}: no {MANIFEST}; stage the job again (scripts/gpu/job.py stage)")
     manifest = json.loads((part_dir / MANIFEST).read_text())
     mine = [p for p in manifest["parts"] if (part_dir / p["name"]).exists()]
     if len(mine) != 1:

@@ -1,5 +1,6 @@
-"""A checkpoint folder as files a call may bring back (each under the per-file limit): its config and weights'
-sha256 in `<prefix>.json`, the weights cut into `<prefix>-<i>.bin`; and the folder rebuilt from them, checked."""
+"""A checkpoint folder as files a call may bring back (each at most the largest file a call may bring back): its
+config and weights' sha256 in `<prefix>.json`, the weights cut into `<prefix>-<i>.bin`; and the folder rebuilt
+from them, checked."""
 
 import hashlib
 import json
@@ -15,10 +16,12 @@ def _write(path: Path, data: bytes):
     os.replace(tmp, path)
 
 
-def export(checkpoint: Path, out: Path, *, piece_bytes: int, prefix: str = "drafter", extra: dict | None = None):
-    """Write the pieces first and the record last, so a record always names pieces that are there whole."""
+def export(checkpoint: Path, out: Path, *, piece_bytes: int | None, prefix: str = "drafter", extra: dict | None = None):
+    """Write the pieces first and the record last, so a record always names pieces that are there whole.
+    `piece_bytes` None: the weights in one piece."""
     checkpoint, out = Path(checkpoint), Path(out)
     weights = (checkpoint / "model.safetensors").read_bytes()
+    piece_bytes = piece_bytes or max(1, len(weights))
     pieces = [weights[i : i + piece_bytes] for i in range(0, len(weights), piece_bytes)]
     names = []
     for i, piece in enumerate(pieces, 1):

@@ -1,4 +1,4 @@
-"""The loan's training call: from the shipped drafter, on every staged window and corpus row, featurized on the
+"""The job's training call: from the shipped drafter, on every staged window and corpus row, featurized on the
 GPU, as many steps as the call's time allows, with held-out tau and the best checkpoint written to the call's
 return folder after every evaluation (a call cut short still brings the best one back).
 
@@ -16,9 +16,7 @@ from pathlib import Path
 
 import returned
 import torch
-from limits import LIMITS
 
-PIECE_BYTES = LIMITS.return_file_bytes - (1 << 20)
 PROBE_ROWS = 512
 WARMUP, TIMED = 3, 8
 
@@ -66,7 +64,7 @@ def choose(timings: dict, base_batch: int) -> dict:
 
 
 # the run's steps against the probe's back-to-back ones: the run also draws its batches from all rows, logs and
-# syncs for the progress bar (on the H200: 0.0334 s a step in the run, 0.0269 s in the probe)
+# syncs for the progress bar (on an H200: 0.0334 s a step in the run, 0.0269 s in the probe)
 RUN_VS_PROBE = 0.8
 
 
@@ -141,14 +139,16 @@ def run(
     *,
     budget_s: float,
     device: str,
+    piece_bytes: int | None,
     eval_every_s: float,
     probe_batches: list[int] | None = None,
     probe_rows: int = PROBE_ROWS,
     min_train_s: float = 0.0,
     log=print,
 ) -> dict:
-    """The whole call; returns (and keeps writing) `out`/train.json. `min_train_s`: the training after the probe gets
-    at least this long, the budget growing past `budget_s` when the probe ran slow (`budget_grown_s` in the report)."""
+    """The whole call; returns (and keeps writing) `out`/train.json; the best checkpoint goes to `out` in files of at
+    most `piece_bytes` (None: one). `min_train_s`: the training after the probe gets at least this long and ten steps,
+    the budget growing past `budget_s` when the probe ran slow (`budget_grown_s` in the report)."""
     from dtrt.bench.datasets import held_out_set
     from dtrt.models.checkpoint import load_target
     from dtrt.models.tokenizer import load_tokenizer
@@ -199,9 +199,10 @@ def run(
     left = budget_s - (time.perf_counter() - began) - found["eval_s"] - 5  # the last evaluation and the export
     feat_s = rows[0].shape[0] / found["feat_rows_s"]
     train_s = left - build_s - feat_s
-    if train_s < min_train_s:
-        report["budget_grown_s"] = round(min_train_s - train_s, 1)
-        left, train_s = left + min_train_s - train_s, min_train_s
+    floor = max(min_train_s, 10 * step_s) if min_train_s else 0.0
+    if train_s < floor:
+        report["budget_grown_s"] = round(floor - train_s, 1)
+        left, train_s = left + floor - train_s, floor
     if train_s < 10 * step_s:
         raise SystemExit(f"train call: {left:.0f}s left after the probe: too little to train; give a larger --budget-s")
     steps = plan_steps(train_s, step_s=step_s, eval_s=found["eval_s"], eval_every_s=eval_every_s)
@@ -217,7 +218,7 @@ def run(
             report["returned"] = returned.export(
                 work / "run" / "domino",
                 out,
-                piece_bytes=PIECE_BYTES,
+                piece_bytes=piece_bytes,
                 extra={"step": record["step"], "tau": record["tau"]},
             )["step"]
         save()
