@@ -1,7 +1,6 @@
 """dtrt bench survives its peers and its own length: the llama.cpp row in a child process (a crash or a hang
 fails that row and no other), records appended as they come, --resume, timing hygiene, and a readable plot."""
 
-import json
 import signal
 import sys
 
