@@ -47,7 +47,8 @@ def _travels_whole(folder: Path) -> bool:
     folder = Path(folder).resolve()
     if not folder.is_relative_to(REPO):
         return False
-    return subprocess.run(["git", "check-ignore", "-q", str(folder)], cwd=REPO).returncode != 0
+    # a file inside it: a folder not made yet still matches a folder pattern (`/.gpu-job/`)
+    return subprocess.run(["git", "check-ignore", "-q", str(folder / "PLAN.md")], cwd=REPO).returncode != 0
 
 
 def cmd_stage(args):
