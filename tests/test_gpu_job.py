@@ -338,3 +338,13 @@ def test_the_documented_limits_file_is_one_the_job_reads(tmp_path):
     (tmp_path / "all.toml").write_text(re.sub(r"^# (\w+ = )", r"\1", block, flags=re.M))
     every = limits.load(tmp_path / "all.toml")
     assert every.part_bytes and every.command_chars and every.return_depth is not None and every.missing_packages
+
+
+def test_stage_refuses_a_job_folder_that_would_travel_with_every_call(tmp_path):
+    (tmp_path / "limits.toml").write_text(MACHINE)
+    given = ["stage", "--limits", str(tmp_path / "limits.toml"), "--data", str(tmp_path / "none")]
+    res = job(*given, "--out", str(REPO / "scripts" / "job-parts"))
+    assert res.returncode == 1 and "not ignored by git" in res.stderr and len(res.stderr.splitlines()) == 1
+    assert not (REPO / "scripts" / "job-parts").exists()
+    res = job(*given)  # the default folder, .gpu-job/, is ignored even before it is made: the next check speaks
+    assert res.returncode == 1 and "--data" in res.stderr and "not a folder" in res.stderr
