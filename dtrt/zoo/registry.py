@@ -92,17 +92,17 @@ MODELS = {
         # 1.19x AR, ddtree@4 1.21x, cadominotree 1.11x; docs/benchmarks.md). A quantized target verifies two rows for
         # the price of one and three for 1.1-1.2x (benchmarks/verify_cost.py), and since drafting costs 2.3-2.9 ms a
         # round (int4 drafter stages), DominoTree@1 is the fastest there at T=0 and T=1 alike: int8 1.25x / 1.08x its
-        # AR (@2 1.23x / 0.99x), int4 1.26x / 0.99x (@2 1.15x / 0.88x); docs/benchmarks.md, "int4 drafter stages on
-        # the int8 and int4 targets" (cadominotree@2 was 1.26x / 1.03x and 1.17x / 0.97x with the int8 drafter
-        # stages, "Drafting and attention at export layout 14"). Prompt lookup's chains in the
+        # AR (@2 1.23x / 0.99x), int4 1.26x / 0.99x (@2 1.15x / 0.88x); bench-results/draft-int4-t0/ and -t1/
+        # (cadominotree@2 was 1.26x / 1.03x and 1.17x / 0.97x with the int8 drafter stages,
+        # bench-results/draft-cost-2/ and -t1/). Prompt lookup's chains in the
         # tree (--lookup) were faster than DominoTree alone on every set the bench has, the model repeating its
         # prompt and itself (fp32, T=0, lookup first: MT-Bench 2.37x AR vs 1.57x, HumanEval 2.49x vs 1.55x, code
         # edits 2.41x vs 1.46x, Multi-LexSum 2K 2.24x vs 0.85x, essays 2K 1.55x vs 0.83x; docs/methods.md). On
         # the quantized targets the chains at budget 4 carry T=0 (dominotree+lookup@4 1.64-1.80x its AR) but cost
         # more than they return at T=1 (0.82-0.91x); at budget 1 (a chain-alone round verifies the two rows the
         # quantized target computes anyway) they gain at T=0 and cost nothing at T=1: int8 1.28x -> 1.40x its AR at
-        # T=0 and 1.10x either way at T=1, int4 1.21x -> 1.38x and 0.98x either way (docs/benchmarks.md, "Prompt
-        # lookup at budget 1 on the int8 and int4 targets"), so they take them at budget 1 by default.
+        # T=0 and 1.10x either way at T=1, int4 1.21x -> 1.38x and 0.98x either way (bench-results/quant-lookup-b1-heap/,
+        # docs/benchmarks.md), so they take them at budget 1 by default.
         # Its first-use exports quantize the drafter: the context stage to int4 and
         # the draft layers to int8 everywhere; the lm_head to int4 where the budget is 1 (int8 target, DominoTree@1:
         # tau -0.9%, drafting 2.98 -> 2.12 ms a round, 4.5% more tok/s) but not on the fp32 target's budget 4, where
