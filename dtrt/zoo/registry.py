@@ -101,8 +101,8 @@ MODELS = {
         # the quantized targets the chains at budget 4 carry T=0 (dominotree+lookup@4 1.64-1.80x its AR) but cost
         # more than they return at T=1 (0.82-0.91x); at budget 1 (a chain-alone round verifies the two rows the
         # quantized target computes anyway) they gain at T=0 and cost nothing at T=1: int8 1.28x -> 1.40x its AR at
-        # T=0 and 1.10x either way at T=1, int4 1.21x -> 1.38x and 0.98x either way (bench-results/quant-lookup-b1-heap/,
-        # docs/benchmarks.md), so they take them at budget 1 by default.
+        # T=0 and 1.10x either way at T=1, int4 1.21x -> 1.38x and 0.98x either way
+        # (bench-results/quant-lookup-b1-heap/, docs/benchmarks.md), so they take them at budget 1 by default.
         # Its first-use exports quantize the drafter: the context stage to int4 and
         # the draft layers to int8 everywhere; the lm_head to int4 where the budget is 1 (int8 target, DominoTree@1:
         # tau -0.9%, drafting 2.98 -> 2.12 ms a round, 4.5% more tok/s) but not on the fp32 target's budget 4, where
