@@ -30,13 +30,16 @@ def spec(method: str = "dominotree", **fields) -> RunSpec:
     return RunSpec(method=method, **fields)
 
 
-def pipe_for(pair, run: RunSpec, *, dtype=None, backend="torch", export=None, threads=None, model=None, device=None):
+def pipe_for(
+    pair, run: RunSpec, *, dtype=None, backend="torch", export=None, engines=None, threads=None, model=None, device=None
+):
     """The pipeline of `run` on `backend` over the checkpoints `pair` (or an export alone), through the same
     open_sources and open_pipeline as the front ends."""
     run = replace(
         run,
         backend=backend,
         export=Path(export) if export is not None else None,
+        engines=Path(engines) if engines is not None else None,
         threads=threads,
         dtype=dtype,
         model=model,

@@ -243,8 +243,8 @@ def test_build_engine_without_tensorrt(export_dir, tmp_path, monkeypatch, capsys
 def test_tensorrt_backend_without_tensorrt(tmp_path):
 
     with pytest.raises(DtrtError, match="^--backend tensorrt needs TensorRT and a CUDA GPU: TensorRT is not inst"):
-        pipe_for(None, spec(), backend="tensorrt", export=tmp_path)
-    with pytest.raises(DtrtError, match="--backend tensorrt needs --export DIR"):
+        pipe_for(None, spec(), backend="tensorrt", engines=tmp_path)
+    with pytest.raises(DtrtError, match="--backend tensorrt needs --engines DIR"):
         pipe_for(None, spec(), backend="tensorrt")
 
 
@@ -312,7 +312,7 @@ def test_resolve_engine_dir(export_dir, tmp_path, fake_trt):
     ):
         resolve_engine_dir(root, other)
     build_engines(write_export(tmp_path / "exports" / "other", model="other"), root)
-    with pytest.raises(DtrtError, match="holds engines for other, tiny; pass --export"):
+    with pytest.raises(DtrtError, match="holds engines for other, tiny; pass --engines"):
         resolve_engine_dir(root, H200)
     assert resolve_engine_dir(root, H200, "other") == root / H200.key / "other"
 

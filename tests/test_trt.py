@@ -86,7 +86,7 @@ def test_every_stage_matches_onnxruntime(engine, tiny_export):
 
 @pytest.mark.parametrize("draft", VARIANTS + DOMINO_VARIANTS, ids=ids)
 def test_tensorrt_gives_the_torch_tokens(engine, draft, torch_tokens):
-    pipe = pipe_for(None, draft, backend="tensorrt", export=engine.root)
+    pipe = pipe_for(None, draft, backend="tensorrt", engines=engine.root)
     check_speculative(pipe, draft, torch_tokens)
 
 
@@ -99,4 +99,4 @@ def test_engine_of_another_machine_is_refused(engine, tmp_path):
         (other / f.name).write_bytes(f.read_bytes())
     (other / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DtrtError, match="gpu_name 'NVIDIA GeForce RTX 5080' differs from this machine's"):
-        pipe_for(None, VARIANTS[0], backend="tensorrt", export=other)
+        pipe_for(None, VARIANTS[0], backend="tensorrt", engines=other)

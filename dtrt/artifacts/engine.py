@@ -113,7 +113,7 @@ def resolve_engine_dir(path, machine: Machine, model: str | None = None) -> Path
             f"{keyed}: holds no engine directory; build one with `dtrt build-engine EXPORT_DIR --out {path}`"
         )
     raise DtrtError(
-        f"{keyed}: holds engines for {', '.join(models)}; pass --export {keyed}/NAME"
+        f"{keyed}: holds engines for {', '.join(models)}; pass --engines {keyed}/NAME"
         + (f" (none is for {model!r})" if model else "")
     )
 

@@ -29,6 +29,7 @@ class BenchOptions:
     model_dir: str | None = None
     backend: str | None = None  # None: as `dtrt run` (dtrt.launch.resolve)
     export: str | None = None
+    engines: str | None = None
     dtype: str | None = None
     quant: str | None = None  # the target's quantization (as `dtrt run --quant`), or a sweep; None: the model's
     threads: int | None = None
@@ -56,7 +57,7 @@ class BenchOptions:
         """The flags resolve_spec takes."""
         keys = (
             *("model", "target", "drafter", "model_dir", "backend", "export", "dtype", "quant", "threads", "device"),
-            "draft_vocab",
+            *("engines", "draft_vocab"),
         )
         return {k: getattr(self, k) for k in keys}
 
@@ -202,7 +203,7 @@ def bench(o: BenchOptions, log) -> Path:
     )
     log(machine.describe(machine.hygiene(h_machine, threads, load_before, None)))
 
-    model = base.model or (base.target or base.export).name
+    model = base.model or (base.target or base.export or base.engines).name
     where = f" on {base.device}" if base.device != "cpu" else ""
     title = f"dtrt bench: {model}, {base.backend}{where}, {max_new} new tokens"
     log_ = records.RecordLog(out)

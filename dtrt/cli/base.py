@@ -48,7 +48,8 @@ def source_options(f, *, quant_sweep: bool = False):
     opts = [
         click.option(
             "--model",
-            help=f"registry name: {', '.join(names())} (default {DEFAULT_MODEL} when no --target or --export is given)",
+            help=f"registry name: {', '.join(names())} (default {DEFAULT_MODEL} when no --target, --export or "
+            "--engines is given)",
         ),
         click.option("--target", type=click.Path(), help="target checkpoint directory (Hugging Face layout)"),
         click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino layout)"),
@@ -59,12 +60,15 @@ def source_options(f, *, quant_sweep: bool = False):
             RunSpec,
             "backend",
             default=FILLED_IN,
-            help="Default: onnxruntime for the default model or an --export, torch for --model/--target.",
+            help="Default: onnxruntime for the default model or an --export, tensorrt for --engines, torch for "
+            "--model/--target.",
         ),
+        click.option("--export", type=click.Path(), help="export directory (dtrt export): what onnxruntime runs"),
         click.option(
-            "--export",
+            "--engines",
             type=click.Path(),
-            help="export directory (dtrt export) for onnxruntime; engine directory (dtrt build-engine) for tensorrt",
+            help="engine directory (dtrt build-engine) or the --out root it was given: what tensorrt runs (implies "
+            "--backend tensorrt)",
         ),
         option_from(RunSpec, "threads"),
         option_from(RunSpec, "device", default=FILLED_IN, help="Default cpu; on CUDA the ops run Triton kernels."),

@@ -28,7 +28,7 @@ from dtrt.serve.worker import ServeConfig
     "--name",
     "name",
     help="the model id clients send and /v1/models lists (default: the --model name, or the name of the checkpoint "
-    "directory the target, or the --export, comes from)",
+    "directory the target, or the --export or --engines, comes from)",
 )
 @option_from(ServeConfig, "queue_limit")
 @option_from(ServeConfig, "request_timeout")

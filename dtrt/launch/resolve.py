@@ -1,7 +1,9 @@
 """From front-end inputs to a RunSpec: the one place where defaults are applied.
 
-no --model, --target or --export     the embedded default model (zoo.registry.DEFAULT_MODEL) on ONNX Runtime
+no --model, --target, --export or --engines
+                                     the embedded default model (zoo.registry.DEFAULT_MODEL) on ONNX Runtime
 --export alone                       ONNX Runtime
+--engines                            TensorRT (the old spelling, --backend tensorrt --export DIR, means --engines DIR)
 --model / --target, or --device cuda the torch backend, unless --backend says otherwise
 --quant                              the model's entry in the registry table for its first-use ONNX Runtime export
                                      (none for the torch backend and for an --export, which carries its own)
@@ -21,7 +23,9 @@ from dtrt.runtime.spec import RunSpec, device_kind
 from dtrt.zoo.registry import DEFAULT_MODEL, default_budget, default_lookup, default_method, default_quant
 
 
-def default_backend(named: bool, export, device: str) -> str:
+def default_backend(named: bool, export, device: str, engines=None) -> str:
+    if engines is not None:
+        return "tensorrt"
     return "onnxruntime" if (export is not None or not named) and device_kind(device) != "cuda" else "torch"
 
 
@@ -53,6 +57,7 @@ def resolve_spec(
     drafter=None,
     model_dir=None,
     export=None,
+    engines=None,
     backend: str | None = None,
     device: str | None = None,
     dtype: str | None = None,
@@ -75,8 +80,10 @@ def resolve_spec(
     device_kind(device)
     named = model is not None or target is not None or drafter is not None
     if backend is None:
-        backend = default_backend(named, export, device)
-    if not named and export is None:
+        backend = default_backend(named, export, device, engines)
+    if backend == "tensorrt" and engines is None:  # --export DIR, as tensorrt's engines were once given
+        engines, export = export, None
+    if not named and export is None and engines is None:
         model = DEFAULT_MODEL
     if quant is None and backend == "onnxruntime" and export is None:
         quant = default_quant(model)
@@ -91,6 +98,7 @@ def resolve_spec(
         drafter=Path(drafter) if drafter is not None else None,
         model_dir=Path(model_dir) if model_dir is not None else None,
         export=Path(export) if export is not None else None,
+        engines=Path(engines) if engines is not None else None,
         backend=backend,
         device=device,
         dtype=dtype,

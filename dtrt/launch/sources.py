@@ -28,14 +28,14 @@ def open_sources(spec: RunSpec, log=None, pair: Pair | None = None) -> Sources:
     if spec.backend == "torch":
         return Sources(pair=pair)
     if spec.backend == "tensorrt":
-        if spec.export is None:
+        if spec.engines is None:
             raise DtrtError(
-                "--backend tensorrt needs --export DIR: an engine directory written by `dtrt build-engine` "
+                "--backend tensorrt needs --engines DIR: an engine directory written by `dtrt build-engine` "
                 "(or the --out root it was given)"
             )
         from dtrt.artifacts.engine import open_engine
 
-        engine, exp = open_engine(spec.export, spec.model)
+        engine, exp = open_engine(spec.engines, spec.model)
         if pair is not None:
             check_source(exp, pair.target, spec.model)
         return Sources(pair=pair, export=exp, engine=engine)
@@ -73,4 +73,4 @@ def served_model_name(spec: RunSpec, sources: Sources, override: str | None = No
         return src["model"]
     if src.get("target"):
         return Path(src["target"]).name
-    return Path(spec.export).resolve().name
+    return Path(spec.export or spec.engines).resolve().name

@@ -128,8 +128,8 @@ def open_pipeline(spec: RunSpec, sources: Sources) -> Pipeline:
         if spec.backend == "onnxruntime" and exp.dtype == "bf16" and spec.device == "cpu":
             raise DtrtError(
                 f"{exp.path} holds bf16 graphs, which ONNX Runtime's CPU provider cannot run (it has no bf16 kernels); "
-                f"build TensorRT engines from it (`dtrt build-engine {exp.path} --out ENGINES`, then --backend "
-                f"tensorrt --export ENGINES), or re-export for the CPU with `{exp.fix_hint(dtype='fp32')}`"
+                f"build TensorRT engines from it (`dtrt build-engine {exp.path} --out ENGINES`, then --engines "
+                f"ENGINES), or re-export for the CPU with `{exp.fix_hint(dtype='fp32')}`"
             )
         if spec.backend == "onnxruntime":
             from dtrt.runtime.backends.onnxruntime import OrtBackend

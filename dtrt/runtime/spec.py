@@ -37,7 +37,9 @@ class RunSpec:
     model_dir: Path | None = None
     """Where registry checkpoints are looked up before the Hugging Face cache (`--model-dir`)."""
     export: Path | None = None
-    """`dtrt export` directory (onnxruntime) or engine directory or root (tensorrt) (`--export`)."""
+    """`dtrt export` directory: what onnxruntime runs (`--export`)."""
+    engines: Path | None = None
+    """`dtrt build-engine` directory, or the `--out` root it was given: what tensorrt runs (`--engines`)."""
     backend: BackendName = "torch"
     """What runs the stages: the PyTorch reference, ONNX Runtime over an export, TensorRT over engines."""
     device: str = "cpu"
@@ -134,7 +136,11 @@ class RunSpec:
                 f"runs its engines on the GPU by itself)"
             )
         if self.export is not None and self.backend == "torch":
-            raise DtrtError("--export DIR is for --backend onnxruntime or tensorrt; the torch backend runs checkpoints")
+            raise DtrtError("--export DIR is for --backend onnxruntime; the torch backend runs checkpoints")
+        if self.export is not None and self.backend == "tensorrt":
+            raise DtrtError("--export DIR: --backend tensorrt runs engines; pass their directory as --engines DIR")
+        if self.engines is not None and self.backend != "tensorrt":
+            raise DtrtError(f"--engines DIR is for --backend tensorrt, not --backend {self.backend}")
         if self.model is not None and self.target is not None:
             raise DtrtError("--model and --target exclude each other: pass one")
         if self.drafter is not None and self.target is None:
