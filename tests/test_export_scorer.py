@@ -20,6 +20,7 @@ from dtrt.ops.topm_corrected_score import topm_corrected_score_ref
 from dtrt.scoring import DominoScorer
 from dtrt.scoring.stages import StageDominoScorer
 from dtrt.tree import Round, build_frontier, build_heap
+from dtrt.tree.topk import topk_lower_first
 
 V, H, G, E = 89, 12, 10, 24
 BUDGET, TOPM, K = 12, 16, 4
@@ -68,6 +69,20 @@ def test_topm_corrected_score_is_the_domino_scorer(dtype):
         tokens, logprobs = sc.children(states, d)
         assert torch.equal(logprobs, top)
         assert torch.equal(tokens, torch.gather(sc.cand[:, d, None].expand(bs, n, 8), -1, local))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_topk_lower_first_orders_equal_values_by_index(dtype):
+    """ONNX TopK's order, which the scorer_setup graph runs: higher values first, equal ones (-0.0 and 0.0 too) by
+    the lower index; torch.topk leaves equal values in whatever order its kernel ends with."""
+    x = torch.randint(-2, 3, (3, 5, 40), generator=torch.Generator().manual_seed(0)).to(dtype)
+    x[0, 0], x[1, 1, ::2], x[2, 2, 7:] = float("-inf"), -0.0, float("-inf")
+    for dim, k in ((-1, 1), (-1, 12), (-1, 40), (1, 3)):
+        values, index = topk_lower_first(x, k, dim)
+        rows = x.movedim(dim, -1).reshape(-1, x.shape[dim]).tolist()
+        want = [sorted(range(len(r)), key=lambda i: (-r[i], i))[:k] for r in rows]
+        assert index.movedim(dim, -1).reshape(-1, k).tolist() == want
+        assert torch.equal(values, x.gather(dim, index))
 
 
 def naive_select(scores, tokens, parents, root, budget, mask_token_id):

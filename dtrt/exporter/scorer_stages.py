@@ -31,6 +31,7 @@ from dtrt.ops.topm_corrected_score import topm_corrected_score
 from dtrt.scoring import DominoScorer, domino_chain
 from dtrt.tree.frontier import build_frontier
 from dtrt.tree.scorer import Round
+from dtrt.tree.topk import topk_lower_first
 
 
 class HeadStage(nn.Module):
@@ -57,7 +58,7 @@ class ScorerSetupStage(HeadStage):
     def forward(self, ph, base):
         w1 = self.head.embed_proj[0].weight
         zproj = F.linear(ph.to(self.dtype), w1[:, : self.head.hidden]).float()
-        cand = torch.topk(base, self.topm, dim=-1).indices
+        cand = topk_lower_first(base, self.topm)[1]  # base ties (a quantized lm_head, -inf outside a draft vocabulary)
         return cand, torch.gather(base, -1, cand).float(), zproj, self.head.w2[cand].float()
 
 
