@@ -3,7 +3,8 @@
     scorer_root      root [1] -> state [1, G]                                    GRU(e(root), 0)
     scorer_setup     ph [R, H], base [R, V] fp32                                 once per round
                      -> cand [R, M], basec [R, M] fp32, zproj [R, E] fp32, w2c [R, M, E] fp32
-                     (R: the rows the round's block computed, 1..D)
+                     (R: the rows the round's block computed, 1..D; cand: the top M of base, equal
+                     values in ascending token id, as ONNX TopK orders them: dtrt.tree.topk)
     scorer_children  zproj [E], states [n, G], basec [M], w2c [M, E]             one TopMCorrectedScore node
                      -> logprobs [n, M] fp32
     scorer_advance   tokens [n], states [n, G] -> next_states [n, G]             GRU(e(token), s)
