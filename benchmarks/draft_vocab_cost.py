@@ -22,7 +22,7 @@ from dtrt.exporter.onnx_export import export_stage
 from dtrt.exporter.quantize import quantize_stage
 from dtrt.exporter.stage_modules import drafter_stages
 from dtrt.launch import resolve_spec
-from dtrt.launch.sources import load_pair
+from dtrt.launch.start import load_pair
 from dtrt.models.checkpoint import load_drafter, load_target
 from dtrt.models.draft_vocab import load_draft_vocab
 from dtrt.runtime.backends.exported import block_feeds

@@ -14,7 +14,7 @@ import torch
 from dtrt.bench.contenders import render
 from dtrt.bench.datasets import load
 from dtrt.launch import resolve_spec
-from dtrt.launch.sources import pipeline
+from dtrt.launch.start import pipeline
 from dtrt.runtime.sampling import SamplingConfig
 
 

@@ -14,7 +14,7 @@ import torch
 
 from dtrt.bench.datasets import held_out_set
 from dtrt.launch import resolve_spec
-from dtrt.launch.sources import load_pair
+from dtrt.launch.start import load_pair
 from dtrt.models.checkpoint import load_drafter, load_target
 from dtrt.models.draft_vocab import load_draft_vocab
 from dtrt.models.tokenizer import load_tokenizer

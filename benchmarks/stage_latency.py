@@ -28,7 +28,7 @@ from dtrt.errors import DtrtError
 from dtrt.exporter.reference import TorchStageRunner
 from dtrt.exporter.stage_modules import drafter_stages, target_stage
 from dtrt.launch import resolve_spec
-from dtrt.launch.sources import load_pair
+from dtrt.launch.start import load_pair
 from dtrt.models.checkpoint import Pair, load_drafter, load_target, parse_dtype
 from dtrt.runtime.backends.onnxruntime import OrtRunner
 from dtrt.runtime.generate import Generation

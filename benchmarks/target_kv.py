@@ -18,7 +18,7 @@ import torch
 
 from dtrt.launch import resolve_spec
 from dtrt.launch.first_use import cached_export
-from dtrt.launch.sources import load_pair
+from dtrt.launch.start import load_pair
 from dtrt.models.kv_buffer import appended_end
 from dtrt.runtime.backends.kv import past_feeds
 from dtrt.runtime.backends.onnxruntime import OrtBackend

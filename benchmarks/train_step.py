@@ -14,7 +14,7 @@ import time
 import torch
 
 from dtrt.launch import resolve_spec
-from dtrt.launch.sources import load_pair
+from dtrt.launch.start import load_pair
 from dtrt.models.checkpoint import load_target
 from dtrt.train import store
 from dtrt.train.distill import block_loss, draw_candidates, needed_ids, sample_anchors

@@ -21,7 +21,7 @@ import torch
 from dtrt.artifacts.export import load_export
 from dtrt.launch import resolve_spec
 from dtrt.launch.first_use import cached_export
-from dtrt.launch.sources import load_pair
+from dtrt.launch.start import load_pair
 from dtrt.runtime.backends.exported import pad_rows
 from dtrt.runtime.backends.kv import past_feeds
 from dtrt.runtime.backends.onnxruntime import MATMUL_ACCURACY, OrtRunner

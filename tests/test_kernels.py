@@ -12,7 +12,7 @@ from helpers import pipe_for, run_cli, spec
 import dtrt.ops.kernels as kernels
 from dtrt.errors import DtrtError
 from dtrt.launch import resolve_spec
-from dtrt.launch.resolve import default_backend, default_builder
+from dtrt.launch.start import default_backend, default_builder
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import METHODS
 from dtrt.zoo.registry import tiny_hybrid_pair

@@ -27,7 +27,7 @@ class BenchOptions:
     target: str | None = None
     drafter: str | None = None
     model_dir: str | None = None
-    backend: str | None = None  # None: as `dtrt run` (dtrt.launch.resolve)
+    backend: str | None = None  # None: as `dtrt run` (dtrt.launch.start)
     export: str | None = None
     engines: str | None = None
     dtype: str | None = None

@@ -138,7 +138,7 @@ def _scorer(cand: Candidate, threads: int | None):
 
 def _pipeline(cand: Candidate, threads: int | None):
     from dtrt.launch import resolve_spec
-    from dtrt.launch.sources import pipeline
+    from dtrt.launch.start import pipeline
 
     if cand.export is None:
         return pipeline(resolve_spec(target=cand.target, backend="torch", method="ar", threads=threads))

@@ -10,7 +10,7 @@ from dtrt.cli.base import MODEL_DIR_HELP, cli, log_line
 from dtrt.cli.options import option_from
 from dtrt.exporter.export_config import ExportConfig
 from dtrt.launch import resolve_spec
-from dtrt.launch.sources import load_pair
+from dtrt.launch.start import load_pair
 from dtrt.zoo.registry import names
 
 

@@ -8,7 +8,7 @@ import click
 
 from dtrt.cli.base import DRAFT_VOCAB_HELP, cli, log_line, source_options, thinking_option
 from dtrt.launch import resolve_spec
-from dtrt.launch.sources import load_pair
+from dtrt.launch.start import load_pair
 from dtrt.models.quant import QUANTS
 from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, lookup_help, names
 

@@ -8,8 +8,7 @@ from dtrt.cli.base import MODEL_DIR_HELP, cli, log_line, progress_bar
 from dtrt.cli.options import option_from, options_from
 from dtrt.errors import DtrtError
 from dtrt.launch import resolve_spec
-from dtrt.launch.resolve import check_cuda
-from dtrt.launch.sources import load_pair
+from dtrt.launch.start import check_cuda, load_pair
 from dtrt.train.datagen import DataGenConfig
 from dtrt.train.trainer import TrainConfig
 from dtrt.zoo.registry import names

@@ -7,12 +7,16 @@ docs/DESIGN.md has this contract as a table.
 """
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from dtrt.errors import DtrtError
 from dtrt.tree import FrontierTrees, Round
+
+if TYPE_CHECKING:
+    from dtrt.runtime.pipeline import Sources
+    from dtrt.runtime.spec import RunSpec
 
 
 class DrafterShape(Protocol):
@@ -49,6 +53,12 @@ class Backend(ABC):
     """Positions one generation may use (prompt + output + one tree), or None for no limit but memory."""
     context_source: str = ""
     """Where max_context comes from, for error messages."""
+
+    @classmethod
+    def open(cls, spec: "RunSpec", sources: "Sources") -> "Backend":
+        """The backend `spec` describes over its opened sources, after the checks that only this backend makes (the
+        flags against what the sources hold); dtrt.runtime.pipeline.open_pipeline dispatches here by --backend."""
+        raise NotImplementedError(f"{cls.__name__} is not opened from a RunSpec")
 
     def context_fix(self, need: int) -> str | None:
         """The command that raises max_context to `need` positions, if there is one."""

@@ -14,6 +14,7 @@ from dtrt.artifacts.export import Export
 from dtrt.artifacts.files import MANIFEST
 from dtrt.artifacts.machine import first_line
 from dtrt.errors import BackendFault, DtrtError
+from dtrt.models.draft_vocab import load_draft_vocab
 from dtrt.models.drafter import block_cache_inputs
 from dtrt.models.hybrid import RecurrentState, recurrent_parents
 from dtrt.runtime.backends.base import Backend, check_rows
@@ -178,6 +179,42 @@ class ExportedBackend(Backend):
     Domino's scores from the scorer stages and the frontier tree from the frontier stage."""
 
     flatten_tree = False  # the negative control for hybrid targets (tests and benchmarks only): dtrt.models.hybrid
+
+    @classmethod
+    def open(cls, spec, sources):
+        """The backend over the spec's export (tensorrt: its engines), once `check` has passed."""
+        return cls.over(spec, sources, cls.check(spec, sources.export))
+
+    @classmethod
+    def over(cls, spec, sources, kind: str | None) -> "ExportedBackend":
+        """The backend over the sources, running the `kind` drafter (None: the target alone)."""
+        raise NotImplementedError
+
+    @classmethod
+    def check(cls, spec, exp: Export) -> str | None:
+        """The flags against what the export holds (--dtype, --quant, --budget within the ordered attention's
+        width, --method's drafter, --draft-vocab), each mismatch one line naming the flag and the fix; returns the
+        kind of the export's drafter the method runs (None: no drafter)."""
+        if spec.dtype is not None and spec.dtype != exp.dtype:
+            raise DtrtError(
+                f"--dtype {spec.dtype}: {exp.path} holds {exp.dtype} graphs; drop --dtype or re-export with "
+                f"`{exp.fix_hint(dtype=spec.dtype)}`"
+            )
+        if spec.quant is not None and spec.quant != exp.quant_name:
+            raise DtrtError(
+                f"--quant {spec.quant}: {exp.path} holds {exp.target_kind}; drop --quant or re-export with "
+                f"`{exp.fix_hint(quant=spec.quant)}`"
+            )
+        order = exp.manifest.get("ordered_attention")
+        if order and spec.method_class.has_budget and spec.budget + 1 > order["max_rows"]:
+            raise DtrtError(
+                f"--budget {spec.budget}: {exp.path} holds {exp.target_kind}, whose verify reproduces its AR "
+                f"tokens for trees of at most {order['max_rows']} nodes; use --budget {order['max_rows'] - 1} or less"
+            )
+        kind = drafter_kind(spec, exp)
+        if kind is not None:
+            check_draft_vocab(spec.draft_vocab, exp, kind)
+        return kind
 
     def __init__(self, runner: StageRunner, kind: str | None = None):
         self.runner, self.export, self.kind = runner, runner.export, kind
@@ -407,3 +444,43 @@ class ExportedBackend(Backend):
             torch.zeros(n, dtype=torch.long), torch.arange(past, past + n), torch.ones(n, n).tril().bool(), past
         )
         self.synchronize()
+
+
+def drafter_kind(spec, exp: Export) -> str | None:
+    """The export's drafter that serves the method: Domino's for the corrected scores, else DFlash's (or Domino's
+    body)."""
+    if not spec.uses_drafter:
+        return None
+    have = exp.drafters
+    if spec.needs_head:
+        kind = "domino" if "gru_dim" in have.get("domino", {}) else None
+    else:
+        kind = next((k for k in ("dflash", "domino") if k in have), None)
+    if kind is None:
+        need = "Domino" if spec.needs_head else "DFlash"
+        raise DtrtError(
+            f"--method {spec.method}: {exp.path} holds no {need} drafter; re-export with `{exp.fix_hint()}` from a "
+            "pair that has one"
+        )
+    return kind
+
+
+def check_draft_vocab(choice: str | None, exp: Export, kind: str):
+    """An export's block stage covers the draft vocabulary it was exported with: `--draft-vocab` may only name it."""
+    if choice in (None, "auto"):
+        return
+    have = exp.draft_vocab(kind)
+    if choice == "full":
+        if have is not None:
+            raise DtrtError(
+                f"--draft-vocab full: {exp.path} drafts from a {have.size}-token subset; drop --draft-vocab or "
+                f"re-export with `{exp.fix_hint(draft_vocab='full')}`"
+            )
+        return
+    want = load_draft_vocab(choice, exp.manifest["target"]["vocab_size"])
+    if have is None or have.sha256 != want.sha256:
+        what = "the whole vocabulary" if have is None else f"another subset ({have.size} tokens)"
+        raise DtrtError(
+            f"--draft-vocab {choice}: {exp.path} drafts from {what}; drop --draft-vocab or re-export with "
+            f"`{exp.fix_hint(draft_vocab=choice)}`"
+        )

@@ -223,5 +223,21 @@ class OrtRunner(StageRunner):
 
 
 class OrtBackend(ExportedBackend):
+    @classmethod
+    def check(cls, spec, exp: Export) -> str | None:
+        """The export checks, then ONNX Runtime's own: its CPU provider has no bf16 kernels."""
+        kind = super().check(spec, exp)
+        if exp.dtype == "bf16" and spec.device == "cpu":
+            raise DtrtError(
+                f"{exp.path} holds bf16 graphs, which ONNX Runtime's CPU provider cannot run (it has no bf16 kernels); "
+                f"build TensorRT engines from it (`dtrt build-engine {exp.path} --out ENGINES`, then --engines "
+                f"ENGINES), or re-export for the CPU with `{exp.fix_hint(dtype='fp32')}`"
+            )
+        return kind
+
+    @classmethod
+    def over(cls, spec, sources, kind):
+        return cls(sources.export, kind, spec.threads, spec.device)
+
     def __init__(self, export: Export, kind: str | None = None, threads: int | None = None, device="cpu", binding=None):
         super().__init__(OrtRunner(export, threads, device, binding), kind)

@@ -187,5 +187,9 @@ class TrtRunner(StageRunner):
 
 
 class TrtBackend(ExportedBackend):
+    @classmethod
+    def over(cls, spec, sources, kind):
+        return cls(sources.engine, sources.export, kind)
+
     def __init__(self, engine: Engine, export: Export, kind: str | None = None):
         super().__init__(TrtRunner(engine, export), kind)

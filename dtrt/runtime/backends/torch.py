@@ -2,10 +2,17 @@
 device. On CUDA the dtrt ops run their Triton kernels (dtrt.ops.kernels); the decode loop hands in host tensors
 and gets logits and drafter rows back on the device."""
 
+from pathlib import Path
+
 import torch
 
-from dtrt.models.draft_vocab import DraftHead, DraftVocab
+from dtrt.artifacts.files import sha256
+from dtrt.errors import DtrtError
+from dtrt.models.checkpoint import check_pair, load_drafter, load_target, parse_dtype
+from dtrt.models.config import read_json
+from dtrt.models.draft_vocab import DraftHead, DraftVocab, check_vocab_size, resolve_draft_vocab
 from dtrt.models.drafter import DraftCache, Drafter
+from dtrt.models.quant import dequantized, quant_spec
 from dtrt.models.target import KVCache, Target
 from dtrt.runtime.backends.base import Backend, check_rows
 from dtrt.scoring import CondStaticScorer, DominoScorer, domino_chain
@@ -35,6 +42,43 @@ class TorchBackend(Backend):
         self.max_context, self.context_source = max_context, context_source
         self.cache: KVCache | None = None
         self.draft_cache: DraftCache | None = None
+
+    @classmethod
+    def open(cls, spec, sources):
+        """The spec's checkpoints loaded at --dtype, the target's weights dequantized as --quant says, the drafter the
+        method needs checked against the target, and its draft vocabulary resolved."""
+        pair = sources.pair
+        dtype = parse_dtype(spec.dtype or "fp32")
+        target = dequantized(load_target(pair.target, dtype), quant_spec(spec.quant or "none"))
+        drafter = None
+        if spec.uses_drafter:
+            path = pair.drafter_for(spec.needs_head)
+            if path is None:
+                kind = "Domino" if spec.needs_head else "DFlash"
+                raise DtrtError(
+                    f"--method {spec.method}: no {kind} drafter found for {pair.target}; pass --drafter DIR"
+                )
+            drafter = load_drafter(path, dtype)
+            check_pair(target, drafter, path)
+            if spec.needs_head and drafter.head is None:
+                raise DtrtError(
+                    f"{path}: a DFlash checkpoint with no Domino head (prefix_gru.*, embed_proj.*); "
+                    f"--method {spec.method} needs a Domino drafter (or use dflash, ddtree, caddtree)"
+                )
+        config = Path(pair.target) / "config.json"
+        limit = read_json(config).get("max_position_embeddings")
+        vocab = None
+        if drafter is not None:
+            tokenizer_json = Path(pair.target) / "tokenizer.json"
+            vocab = resolve_draft_vocab(
+                spec.draft_vocab,
+                path,
+                target.cfg.vocab_size,
+                target.cfg.eos_token_id,
+                sha256(tokenizer_json) if tokenizer_json.is_file() else None,
+            )
+        check_vocab_size(vocab, spec.topm, spec.node_topk)
+        return cls(target, drafter, spec.device, limit, f"max_position_embeddings in {config}", vocab)
 
     @property
     def past(self) -> int:
