@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import pipe_for, run_cli, spec
 
-from dtrt.frontend import terminal
+from dtrt.cli import run as run_command
 from dtrt.frontend.requests import encode, has_thinking_switch, make_request, render_chat
 from dtrt.models.checkpoint import Pair, save_checkpoint, target_state
 from dtrt.models.config import TargetConfig
@@ -163,7 +163,7 @@ def test_run_serve_and_bench_encode_the_same_prompt(qwen3, prompts, tmp_path, mo
                 raise EOFError from None
 
         defaults = make_request(max_new_tokens=2, thinking=thinking)
-        terminal.repl(pipe, defaults, True, False, read_line, lambda s: None, lambda s: None)
+        run_command.repl(pipe, defaults, True, False, read_line, lambda s: None, lambda s: None)
         assert last(1) == [want[thinking]], thinking
 
     # dtrt serve: the server's default, and chat_template_kwargs per request

@@ -12,7 +12,7 @@ import sys
 import pytest
 from helpers import pipe_for, run_cli, spec
 
-from dtrt.frontend import terminal
+from dtrt.cli import run as run_command
 from dtrt.frontend.requests import Request, encode
 from dtrt.frontend.text import TextStream, complete
 from dtrt.models.checkpoint import Pair
@@ -196,7 +196,7 @@ def test_truncate_keeps_the_prompt_tail(tiny, tmp_path, monkeypatch, capsys):
 
 def interrupt_at_first_text(monkeypatch):
     """Ctrl-C (a real SIGINT to this process) as soon as the first text of a generation is shown."""
-    real = terminal.complete
+    real = run_command.complete
 
     def complete_interrupted(pipe, ids, max_new, sampling, stop, on_text, cancelled):
         sent = []
@@ -209,7 +209,7 @@ def interrupt_at_first_text(monkeypatch):
 
         return real(pipe, ids, max_new, sampling, stop, on_text_then_sigint, cancelled)
 
-    monkeypatch.setattr(terminal, "complete", complete_interrupted)
+    monkeypatch.setattr(run_command, "complete", complete_interrupted)
 
 
 def test_ctrl_c_ends_the_generation_and_exits_130(tiny, monkeypatch, capsys):
@@ -239,7 +239,7 @@ def test_interactive_loop(tiny, monkeypatch):
 
         return read_line
 
-    terminal.repl(
+    run_command.repl(
         pipe,
         defaults,
         False,
@@ -253,7 +253,7 @@ def test_interactive_loop(tiny, monkeypatch):
     # Ctrl-C during the first generation stops it and the loop goes on; Ctrl-C at the prompt ends it
     shown.clear(), logged.clear()
     interrupt_at_first_text(monkeypatch)
-    terminal.repl(
+    run_command.repl(
         pipe,
         Request(max_new_tokens=2000),
         False,
@@ -277,9 +277,9 @@ def test_interactive_loop_is_one_conversation_through_the_chat_template(tiny, mo
         raising=False,
     )
     prompts, shown, logged = [], [], []
-    real = terminal.prompt_ids
+    real = run_command.prompt_ids
     monkeypatch.setattr(
-        terminal,
+        run_command,
         "prompt_ids",
         lambda p, req, chat, truncate: prompts.append(req.messages) or real(p, req, chat, truncate),
     )
@@ -291,7 +291,7 @@ def test_interactive_loop_is_one_conversation_through_the_chat_template(tiny, mo
             raise item
         return item
 
-    terminal.repl(pipe, Request(max_new_tokens=8), True, False, read_line, shown.append, logged.append)
+    run_command.repl(pipe, Request(max_new_tokens=8), True, False, read_line, shown.append, logged.append)
     first_reply = "".join(shown).split("\n")[0].removeprefix("> ")
     assert prompts[0] == [{"role": "user", "content": "Some old man "}]
     assert prompts[1] == [
@@ -306,7 +306,7 @@ def test_interactive_loop_is_one_conversation_through_the_chat_template(tiny, mo
     monkeypatch.setattr(pipe, "prompt_room", lambda n: 60)
     prompts.clear(), logged.clear()
     lines = iter(["a " * 20, "b " * 20, "c " * 20, EOFError()])
-    terminal.repl(pipe, Request(max_new_tokens=8), True, False, read_line, shown.append, logged.append)
+    run_command.repl(pipe, Request(max_new_tokens=8), True, False, read_line, shown.append, logged.append)
     assert room > 60 and [m["content"] for m in prompts[-1] if m["role"] == "user"][0] != "a " * 20
     assert any("oldest exchanges no longer fit" in m for m in logged)
 

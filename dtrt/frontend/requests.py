@@ -274,3 +274,8 @@ def fit_prompt(
     except DtrtError as e:
         raise RequestError(str(e), "prompt" if room > 0 else flag) from None
     return ids
+
+
+def prompt_ids(pipe, req: Request, chat: bool, truncate: bool) -> list[int]:
+    """The request's prompt rendered, encoded and fitted to the context (or an error naming the numbers)."""
+    return fit_prompt(pipe, encode(pipe.tokenizer, req, chat), req.max_new_tokens, truncate)
