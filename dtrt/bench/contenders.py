@@ -126,4 +126,4 @@ def llamacpp_contender(
     # the context holds the longest prompt plus, on MT-Bench's second turn, the first answer; a long-context bin's
     # prompt gets a margin for llama.cpp's own encoding of the text
     command = llamacpp_command(gguf, threads, max(4096, longest + 64) + 2 * max_new_tokens)
-    return PeerContender("llama.cpp", command, tokenizer, timeout, out / "llama.cpp.log")
+    return PeerContender("llama.cpp", command, tokenizer, timeout, out / "llama.cpp.log", say=log)

@@ -69,7 +69,8 @@ def describe(h: dict) -> str:
     flags = f" ({' '.join(m['flags'])})" if m["flags"] else ""
     attention = f"; quantized targets' attention: {m['attention']}" if m.get("attention") else ""
     memory = f"; host memory: {m['host_memory']}" if m.get("host_memory") else ""
+    peer = f"; llama.cpp: {m['peer']}" if m.get("peer") else ""
     return (
         f"machine: {m['model']}, {m['cores']} cores{flags}{attention}{memory}; threads per process: {threads}{load}"
-        f"{verdict}"
+        f"{verdict}{peer}"
     )

@@ -2,8 +2,9 @@
 native library, a hang) costs its row and nothing else.
 
 The child reads one JSON request per line and writes one JSON record per line (dtrt/bench/peer_llamacpp.py); it
-first writes {"ready": true} once its model is loaded. A child that dies or stops answering within the timeout is a
-PeerFailed with the signal or the timeout and the hint that fixes it; its standard error goes to a log file."""
+first writes {"ready": true} once its model is loaded. A child that dies of SIGILL with llama.cpp's weight repacking
+on is started again once with it off (dtrt.bench.repack). A child that dies or stops answering within the timeout
+is a PeerFailed with the signal or the timeout and the hint that fixes it; its standard error goes to a log file."""
 
 import json
 import selectors
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from dtrt.bench.repack import NO_REPACK, REPACK_OFF, retry_command, retry_line
 from dtrt.runtime.sampling import SamplingConfig
 
 REBUILD = 'CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install --force-reinstall --no-cache-dir llama-cpp-python'
@@ -47,10 +49,13 @@ class PeerContender:
 
     method, budget, quant = "llama.cpp", None, None  # quant: not one of dtrt's target quantizations
 
-    def __init__(self, label: str, command: list[str], tokenizer, timeout: float, log: Path | None = None):
+    def __init__(self, label: str, command: list[str], tokenizer, timeout: float, log: Path | None = None, say=None):
         self.label, self.command, self.tokenizer, self.timeout, self.log = label, command, tokenizer, timeout, log
+        self.say = say  # the bench's log line
         self.proc: subprocess.Popen | None = None
+        self.returncode: int | None = None  # the child's, once it died (None: stopped after the timeout)
         self.failed: str | None = None  # why, once the peer failed: its row is left out from then on
+        self.note: str | None = None  # how it runs where not as asked (REPACK_OFF), for the machine line
 
     def _start(self):
         err = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115 (the child keeps it)
@@ -82,16 +87,29 @@ class PeerContender:
         if self.proc.poll() is None:
             self.proc.kill()
         returncode = self.proc.wait()
-        self.failed = describe(self.label, None if timeout else returncode, timeout, self.log)
+        self.returncode = None if timeout else returncode
+        self.failed = describe(self.label, self.returncode, timeout, self.log)
         raise PeerFailed(self.failed)
 
     def generate(self, text: str, max_new_tokens: int, sampling: SamplingConfig) -> dict:
         if self.failed:
             raise PeerFailed(self.failed)
-        if self.proc is None:
-            self._start()
         req = {"text": text, "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
                "top_p": sampling.top_p, "seed": sampling.seed}  # fmt: skip
+        try:
+            return self._ask(req)
+        except PeerFailed:
+            again = retry_command(self.command, self.returncode)
+            if again is None:
+                raise
+            if self.say:
+                self.say(retry_line(self.label))
+            self.command, self.proc, self.failed, self.note = again, None, None, REPACK_OFF
+            return self._ask(req)
+
+    def _ask(self, req: dict) -> dict:
+        if self.proc is None:
+            self._start()
         try:
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
@@ -109,5 +127,6 @@ class PeerContender:
                 self.proc.wait()
 
 
-def llamacpp_command(gguf: Path, threads: int | None, n_ctx: int) -> list[str]:
-    return [sys.executable, "-m", "dtrt.bench.peer_llamacpp", str(gguf), str(threads or 0), str(n_ctx)]
+def llamacpp_command(gguf: Path, threads: int | None, n_ctx: int, *, repack: bool = True) -> list[str]:
+    command = [sys.executable, "-m", "dtrt.bench.peer_llamacpp", str(gguf), str(threads or 0), str(n_ctx)]
+    return command if repack else [*command, NO_REPACK]

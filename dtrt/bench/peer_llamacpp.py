@@ -1,4 +1,5 @@
-"""The llama.cpp peer as a child process of `dtrt bench` (python -m dtrt.bench.peer_llamacpp GGUF THREADS N_CTX):
+"""The llama.cpp peer as a child process of `dtrt bench` (python -m dtrt.bench.peer_llamacpp GGUF THREADS N_CTX
+[--no-repack]: llama.cpp's weight repacking off, dtrt.bench.repack):
 plain decoding in llama.cpp (llama-cpp-python) of the rendered prompt texts it reads, one JSON request per line on
 standard input, one JSON record per line on standard output. In its own process, a crash inside llama.cpp's CPU
 library (an illegal instruction on a machine its build does not fit) cannot take the bench down with it."""
@@ -46,8 +47,10 @@ def generate(llm, text: str, max_new_tokens: int, temperature: float, top_p: flo
 def main(argv: list[str]):
     from llama_cpp import Llama
 
+    from dtrt.bench.repack import NO_REPACK, open_llama
+
     gguf, threads, n_ctx = argv[0], int(argv[1]) or None, int(argv[2])
-    llm = Llama(model_path=gguf, n_threads=threads, n_ctx=n_ctx, verbose=False)
+    llm = open_llama(Llama, gguf, repack=NO_REPACK not in argv, n_threads=threads, n_ctx=n_ctx, verbose=False)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
