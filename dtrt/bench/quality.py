@@ -17,6 +17,8 @@ A configuration is `none` (the fp32 export), `int8`, `int4` (their int8-activati
 them), or `int8-fp32act`/`int4-fp32act` (the same weights with fp32 activations: MatMulNBits accuracy level 1;
 teacher-forced only, since the runtime does not run them). `kernel_path` other than `native` measures the
 configurations in a child process on that CPU kernel path (dtrt.artifacts.kernel_path); the reference stays here.
+A peer, llama.cpp on a GGUF of the same target (dtrt.bench.quality_llamacpp), is measured on the same token ids and
+compared by the same functions; its rows are shown beside the others, not gated.
 """
 
 import gzip
@@ -245,10 +247,13 @@ def quality(
     max_new_tokens: int,
     threads: int | None,
     kernel_paths: tuple[str, ...] = ("native",),
+    peer=None,
     log=None,
 ) -> list[dict]:
     """Rows per (configuration, kernel path, dataset) against the reference, which is measured natively.
-    `prompts`: (dataset, rendered prompt text), each cut to its last `max_tokens` tokens."""
+    `prompts`: (dataset, rendered prompt text), each cut to its last `max_tokens` tokens. `peer`: (seqs, prompt ids,
+    max_new_tokens) -> measure()'s dict of another implementation (dtrt.bench.quality_llamacpp) or None; its rows
+    come last, shown but not gated (`gated` false)."""
     seqs = [tokenizer.encode(t.text, add_special_tokens=False)[:max_tokens] for t in texts]
     keep = [i for i, ids in enumerate(seqs) if len(ids) >= 2]
     seqs, datasets = [seqs[i] for i in keep], [texts[i].dataset for i in keep]
@@ -269,6 +274,9 @@ def quality(
                 got = measure_on_path(path, cand, seqs, prompt_ids if cand.free else [], log=log, **args)
             label = this_path() if path == "native" else f"{path} (emulated)"
             rows += compare(ref, got, datasets, prompt_sets, label)
+    got = peer(seqs, prompt_ids, max_new_tokens) if peer else None
+    if got is not None:
+        rows += [r | {"gated": False} for r in compare(ref, got, datasets, prompt_sets, this_path())]
     return rows
 
 
@@ -286,6 +294,8 @@ def table(rows: list[dict], reference: str) -> str:
             else "- | - | - | -"
         )
         verdict = "pass" if not r["gate"] else "fail: " + "; ".join(r["gate"])
+        if not r.get("gated", True):
+            verdict = f"not gated ({'would ' + verdict if r['gate'] else 'would pass'})"
         lines.append(
             f"| {r['quant']} | {r['kernel_path']} | {r['dataset']} | {r['texts']} | {r['tokens']} | "
             f"{r['agreement']:.4f} | {r['nll']:.4f} | {r['nll_delta']:+.4f} | {free} | {verdict} |"

@@ -52,20 +52,41 @@ from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, lookup_help, names
     help="comma list of CPU kernel paths to measure the configurations on: native (this CPU's), avx2 (emulated "
     "under qemu-x86_64 -cpu Haswell, about 150x slower); the reference always runs natively",
 )
-@click.option("--threads", type=click.IntRange(min=1), help="intra-op threads (default: ONNX Runtime's)")
+@click.option(
+    "--threads", type=click.IntRange(min=1), help="intra-op threads (default: ONNX Runtime's; llama.cpp's row: 1)"
+)
+@click.option(
+    "--gguf",
+    type=click.Path(),
+    help="GGUF of the same target for a llama.cpp row, shown beside the others and not gated (needs "
+    "llama-cpp-python, the dtrt[llamacpp] extra; smollm2-135m finds its own)",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="which texts and prompts")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the table")
 def quality(
-    model, quant, exports, datasets, texts, max_tokens, prompts, max_new_tokens, kernel_paths, threads, seed, as_json
-):  # noqa: E501
+    model,
+    quant,
+    exports,
+    datasets,
+    texts,
+    max_tokens,
+    prompts,
+    max_new_tokens,
+    kernel_paths,
+    threads,
+    gguf,
+    seed,
+    as_json,
+):
     """What a target configuration costs: teacher-forced agreement and NLL, free-running answers against the
     reference, and the quality gate's verdict (dtrt.zoo.gate)."""
     from dtrt.artifacts.export import load_export
     from dtrt.artifacts.kernel_path import EMULATED
-    from dtrt.bench.contenders import render
+    from dtrt.bench.contenders import find_gguf, render
     from dtrt.bench.datasets import load
     from dtrt.bench.main import split_list
     from dtrt.bench.quality import Candidate, config_candidate, held_out, parse_config, quality, table
+    from dtrt.bench.quality_llamacpp import llamacpp_peer
     from dtrt.models.tokenizer import load_tokenizer
 
     paths = tuple(split_list("--kernel-path", kernel_paths, str, ("native", *EMULATED)))
@@ -92,6 +113,10 @@ def quality(
     items = [t for name in names for t in held_out(name, texts, seed)]
     asked = [(name, p.turns[0]) for name in names for p in (load(name, prompts, seed) if prompts else [])]
     rendered = [(name, render(tokenizer, [], turn)) for name, turn in asked]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    peer = llamacpp_peer(
+        find_gguf(gguf, None if exports else model or DEFAULT_MODEL), threads=threads, eos=eos, log=log_line
+    )
     rows = quality(
         reference,
         cands,
@@ -102,6 +127,7 @@ def quality(
         max_new_tokens=max_new_tokens,
         threads=threads,
         kernel_paths=paths,
+        peer=peer,
         log=log_line,
     )
     click.echo(json.dumps({"reference": reference.name, "rows": rows}) if as_json else table(rows, reference.name))
