@@ -155,7 +155,7 @@ def tiny_export_int4(tiny_export, tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need a CUDA GPU, `trt` ones TensorRT as well; elsewhere they skip with the reason."""
-    from dtrt.artifacts.machine import cuda_status, tensorrt_status
+    from dtrt.artifacts.gpu import cuda_status, tensorrt_status
 
     gpu_why = None if torch.cuda.is_available() else cuda_status()[1]
     trt_why = gpu_why

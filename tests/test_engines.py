@@ -13,7 +13,7 @@ from dtrt import __version__
 from dtrt.artifacts.engine import check_engine, read_engine, resolve_engine_dir
 from dtrt.artifacts.export import FORMAT, load_export
 from dtrt.artifacts.files import MANIFEST, sha256
-from dtrt.artifacts.machine import LABELS, Machine, engine_dir, tensorrt_status
+from dtrt.artifacts.gpu import LABELS, Machine, engine_dir, tensorrt_status
 from dtrt.artifacts.profiles import select_profile
 from dtrt.engines import build
 from dtrt.engines.build import BuildConfig, build_engines, plan_stages

@@ -12,7 +12,7 @@ from helpers import pipe_for, run_cli
 from test_ort_backend import DOMINO_VARIANTS, VARIANTS, check_speculative, ids
 
 from dtrt.artifacts.engine import check_engine, read_engine
-from dtrt.artifacts.machine import probe_machine
+from dtrt.artifacts.gpu import probe_machine
 from dtrt.engines.build import build_engines
 from dtrt.errors import DtrtError
 from dtrt.exporter.stage_modules import random_tree_mask

@@ -7,7 +7,7 @@ from pathlib import Path
 from dtrt import __version__
 from dtrt.artifacts.export import Export, load_export, read_manifest
 from dtrt.artifacts.files import MANIFEST, sha256
-from dtrt.artifacts.machine import LABELS, Machine
+from dtrt.artifacts.gpu import LABELS, Machine
 from dtrt.artifacts.verify import check_files
 from dtrt.errors import DtrtError
 
@@ -121,7 +121,7 @@ def resolve_engine_dir(path, machine: Machine, model: str | None = None) -> Path
 def open_engine(path, model: str | None = None) -> tuple[Engine, Export]:
     """The engine directory at `path` (or this machine's under the root `path`), checked against this machine,
     this dtrt's plugin kernels and its export; returns it with the export."""
-    from dtrt.artifacts.machine import probe_machine
+    from dtrt.artifacts.gpu import probe_machine
     from dtrt.plugins import sources_sha256
 
     machine = probe_machine("--backend tensorrt")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from dtrt import __version__, hugepages
-from dtrt.bench import contenders, datasets, longctx, machine, records, report, runner
+from dtrt.bench import contenders, datasets, longctx, loop, machine, records, report
 from dtrt.errors import DtrtError
 from dtrt.frontend.requests import FLAGS, check_thinking, make_request
 from dtrt.launch import open_sources
@@ -211,9 +211,9 @@ def bench(o: BenchOptions, log) -> Path:
     t0 = time.perf_counter()
     got: list[dict] = []
     try:
-        runner.warm_up(lineup, log, o.thinking, failed)
-        got = runner.run(lineup, prompts, requests, log, keep=log_.append,
-                         done={runner.record_key(r): r for r in done}, failed=failed)  # fmt: skip
+        loop.warm_up(lineup, log, o.thinking, failed)
+        got = loop.run(lineup, prompts, requests, log, keep=log_.append,
+                         done={loop.record_key(r): r for r in done}, failed=failed)  # fmt: skip
     except KeyboardInterrupt:
         got = log_.load()
         _write(out, got, failed, plan, title, o, h_machine, threads, load_before, t0, log, partial=True)

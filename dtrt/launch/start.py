@@ -47,7 +47,7 @@ def check_cuda(device: str):
     """A CUDA --device must name a device torch can see."""
     if device_kind(device) != "cuda":
         return
-    from dtrt.artifacts.machine import cuda_status
+    from dtrt.artifacts.gpu import cuda_status
 
     devices, why = cuda_status()
     if why:
