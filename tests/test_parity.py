@@ -200,33 +200,33 @@ def test_the_torch_stage_runner_decodes_as_onnx_runtime_does(tiny_export):
     assert sum(r.accepted - 1 for g in gens for r in g.rounds) > 0
 
 
-def test_scorer_setup_breaks_base_ties_by_the_lower_token_id(tiny_export):
-    """Exactly tied base logits (a quantized lm_head's; the -inf outside a draft vocabulary): ONNX Runtime's TopK and
-    the PyTorch reference both take the higher value first and, among equal values, the lower token id, so the
-    candidates, and the rows read at them, are equal and strict parity passes whatever order a CPU's top-k kernel
-    would leave ties in."""
+def tied_base(shape) -> torch.Tensor:
+    """Base logits of `shape` [..., V] whose rows tie: every id (rows 0, 3, ...), ids over 4 values (rows 1, 4, ...:
+    ties across the M candidates), 10 finite ids and -inf after them (rows 2, 5, ...: fewer than M, as outside a
+    draft vocabulary)."""
+    vocab = shape[-1]
+    base = torch.zeros(shape).reshape(-1, vocab)
+    base[1::3] = torch.randint(0, 4, base[1::3].shape, generator=torch.Generator().manual_seed(0)).float()
+    base[2::3, 10:] = float("-inf")
+    base[2::3, :10] = torch.arange(10.0).flip(0)
+    return base.reshape(shape)
+
+
+@pytest.mark.parametrize("stage", ["domino.scorer_setup", "domino.chain", "domino.frontier"])
+def test_stages_on_tied_base_logits_break_ties_by_the_lower_token_id(tiny_export, stage):
+    """Exactly tied base logits (a quantized lm_head's): the graph's TopK and the PyTorch reference both take the
+    higher value first and, among equal values, the lower token id, so the candidates, the drafts and the trees are
+    equal and strict parity passes, whatever order a CPU's top-k kernel would leave ties in."""
     from dtrt.exporter.reference import TorchStageRunner
     from dtrt.parity.check import compare_stage, random_cases
     from dtrt.runtime.backends.onnxruntime import OrtRunner
 
-    reference = TorchStageRunner(tiny_export)
-    _, feed = random_cases(reference.stage("domino.scorer_setup"), True)[0]
-    rows, vocab = feed["base"].shape
-    assert rows >= 3
-    base = torch.zeros(rows, vocab)  # row 0: every id tied
-    base[1] = torch.randint(0, 4, (vocab,), generator=torch.Generator().manual_seed(0)).float()  # ties across M
-    base[2, 10:] = float("-inf")  # fewer finite logits than candidates
-    base[2, :10] = torch.arange(10.0).flip(0)
-    feed = dict(feed, base=base)
-    ort = OrtRunner(tiny_export)
-    ort.open("domino.scorer_setup")
-    reference.open("domino.scorer_setup")
-    got = {name: ort("domino.scorer_setup", **feed)[name].clone() for name in ("cand", "basec")}
-    want = reference("domino.scorer_setup", **feed)
-    m = got["cand"].shape[-1]
-    for r in range(rows):
-        ids = sorted(range(vocab), key=lambda i: (-float(base[r, i]), i))[:m]
-        assert got["cand"][r].tolist() == ids == want["cand"][r].tolist(), r
-    assert torch.equal(got["basec"], want["basec"])
-    checked = compare_stage("domino.scorer_setup", ort, reference, [("tied", feed)], TOLERANCES["fp32"])
-    assert all(r.ok and not r.tied for r in checked), checked
+    reference, ort = TorchStageRunner(tiny_export), OrtRunner(tiny_export)
+    _, feed = random_cases(reference.stage(stage), True)[0]
+    feed = dict(feed, base=tied_base(feed["base"].shape))
+    checked = compare_stage(stage, ort, reference, [("tied", feed)], TOLERANCES["fp32"])
+    assert checked and all(r.ok and not r.tied for r in checked), checked
+    if stage == "domino.scorer_setup":
+        cand = ort(stage, **feed)["cand"]
+        for row, ids in zip(feed["base"].tolist(), cand.tolist()):
+            assert ids == sorted(range(len(row)), key=lambda i: (-row[i], i))[: len(ids)]

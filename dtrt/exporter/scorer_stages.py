@@ -35,6 +35,14 @@ from dtrt.tree.scorer import Round
 from dtrt.tree.topk import topk_lower_first
 
 
+class OrderedDominoScorer(DominoScorer):
+    """DominoScorer whose top-ks order equal values as the exported graphs' TopK does (the lower index first): the
+    chain and frontier stages' reference, where a tied base row (a quantized lm_head's) must draft what the graph
+    drafts. The torch backend keeps torch.topk, several times cheaper over a large vocabulary."""
+
+    topk = staticmethod(topk_lower_first)
+
+
 class HeadStage(nn.Module):
     def __init__(self, head: DominoHead, embed: nn.Embedding):
         super().__init__()
@@ -86,7 +94,8 @@ class ChainStage(HeadStage):
         self.prefix_len, self.depth = prefix_len, depth
 
     def forward(self, ph, base, root):
-        return domino_chain(Round(ph[None], base[None], root), self.head, self.embed, self.prefix_len)[0]
+        rnd = Round(ph[None], base[None], root)
+        return domino_chain(rnd, self.head, self.embed, self.prefix_len, OrderedDominoScorer)[0]
 
 
 class FrontierStage(HeadStage):
@@ -98,7 +107,8 @@ class FrontierStage(HeadStage):
         self.depth, self.mask_token_id = depth, mask_token_id
 
     def forward(self, ph, base, root):
-        scorer = DominoScorer(Round(ph, base, root), self.head, self.embed, self.node_topk, self.topm, self.prefix_len)
+        rnd = Round(ph, base, root)
+        scorer = OrderedDominoScorer(rnd, self.head, self.embed, self.node_topk, self.topm, self.prefix_len)
         ft = build_frontier(scorer, self.budget, self.depth, self.mask_token_id)
         return ft.tokens, ft.parents, ft.depths, ft.scores, ft.mask
 

@@ -14,7 +14,11 @@ class DominoScorer:
     Depths below prefix_len use the base marginal over the full vocabulary. Deeper, the corrected logits
     base + W2 . SiLU(W1 [ph_d; s]) are renormalised over the top-`topm` base candidates of that depth
     (topm = 0: the full vocabulary), so those log-probs are not comparable with a full-vocab softmax.
+    Its top-ks are torch.topk's, which leave equal values in any order; the exported stages' references take
+    OrderedDominoScorer (dtrt.exporter.scorer_stages), whose order among equal values is their graphs'.
     """
+
+    topk = staticmethod(torch.topk)
 
     @torch.no_grad()
     def __init__(self, round: Round, head, embed: torch.nn.Embedding, k: int, topm: int, prefix_len: int = 1):
@@ -30,9 +34,9 @@ class DominoScorer:
         # W1 [ph; s] = W_z ph + W_s s: the W_z half is per round, so a node only pays for W_s s
         self.w1s = w1[:, head.hidden :].contiguous()
         self.zp = F.linear(round.ph.to(self.dtype), w1[:, : head.hidden]).float()  # [bs, D, E]
-        self.prefix_tokens, self.prefix_logprobs = round.marginal_topk(self.k, min(prefix_len, self.depth))
+        self.prefix_tokens, self.prefix_logprobs = round.marginal_topk(self.k, min(prefix_len, self.depth), self.topk)
         if self.topm:
-            self.cand = torch.topk(round.base, self.topm, dim=-1).indices  # [bs, D, M]
+            self.cand = self.topk(round.base, self.topm, dim=-1)[1]  # [bs, D, M]
             self.basec = torch.gather(round.base, -1, self.cand).float()
             self.w2c = head.w2[self.cand].float()  # [bs, D, M, E]
 
@@ -62,11 +66,11 @@ class DominoScorer:
             logprobs = topm_corrected_score(
                 self.zp[:, depth], states, self.w1s, self.basec[:, depth], self.w2c[:, depth]
             )  # [bs, n, M]
-            lp, local = torch.topk(logprobs, self.k, dim=-1)
+            lp, local = self.topk(logprobs, self.k, dim=-1)
             return torch.gather(self.cand[:, depth, None].expand(bs, n, self.topm), -1, local), lp
         h = self.bottleneck(states, depth)
         corrected = self.round.base[:, depth, None].float() + F.linear(h.to(self.dtype), self.head.w2).float()
-        lp, tok = torch.topk(torch.log_softmax(corrected, dim=-1), self.k, dim=-1)
+        lp, tok = self.topk(torch.log_softmax(corrected, dim=-1), self.k, dim=-1)
         return tok, lp
 
     @torch.no_grad()
@@ -89,10 +93,10 @@ def greedy_chain_tables(domino):
 
 
 @torch.no_grad()
-def domino_chain(rnd: Round, head, embed, prefix_len: int) -> torch.Tensor:
+def domino_chain(rnd: Round, head, embed, prefix_len: int, scorer=DominoScorer) -> torch.Tensor:
     """Long[bs, D]: Domino's own draft, the corrected argmax at every depth over the full vocabulary (the depths
     below prefix_len take the base marginal's), each advancing the GRU (Domino's chain verification)."""
-    return greedy_chain_tables(DominoScorer(rnd, head, embed, 1, 0, prefix_len))[0][..., 0]
+    return greedy_chain_tables(scorer(rnd, head, embed, 1, 0, prefix_len))[0][..., 0]
 
 
 class CondStaticScorer(TableScorer):

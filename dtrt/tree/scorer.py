@@ -72,12 +72,12 @@ class Round:
         full = self.logits.new_full((*self.logits.shape[:2], self.vocab_size), float("-inf"))
         return full.index_copy_(2, self.ids, self.logits)
 
-    def marginal_topk(self, k: int, depths: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def marginal_topk(self, k: int, depths: int | None = None, topk=torch.topk) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-`k` tokens (target ids) and log-probs of the base marginal at the first `depths` depths (all by
         default), [bs, depths, k] each: a top-k over the draft vocabulary's columns, whose order is the ids' order,
-        so the tokens are those of the full row's top-k."""
+        so the tokens are those of the full row's top-k (`topk`: torch.topk's signature, see dtrt.tree.topk)."""
         logits = self.logits if depths is None else self.logits[:, :depths]
-        tok, lp = marginal_topk(logits, min(k, logits.shape[-1]))
+        tok, lp = marginal_topk(logits, min(k, logits.shape[-1]), topk)
         return (tok if self.ids is None else self.ids[tok]), lp
 
     def prefix(self, depths: int) -> "Round":
@@ -112,8 +112,8 @@ class TableScorer:
         return states
 
 
-def marginal_topk(base: torch.Tensor, k: int):
-    lp, tok = torch.topk(torch.log_softmax(base.float(), dim=-1), k, dim=-1)
+def marginal_topk(base: torch.Tensor, k: int, topk=torch.topk):
+    lp, tok = topk(torch.log_softmax(base.float(), dim=-1), k, dim=-1)
     return tok, lp
 
 
