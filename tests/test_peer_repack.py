@@ -1,5 +1,6 @@
-"""The llama.cpp peer on a machine whose CPUID reports AMX that it does not run: a peer that dies of SIGILL with
-llama.cpp's weight repacking on runs again with it off, says so in a log line and in the bench's machine line."""
+"""The llama.cpp peer on a machine whose CPUID reports AMX that it does not run: a peer that dies of SIGILL (or of
+SIGSEGV under AMX) with llama.cpp's weight repacking on runs again with it off, says so in a log line and in the
+bench's machine line."""
 
 import ctypes
 import signal
@@ -26,14 +27,19 @@ def test_cpuid_amx_reads_the_flags():
     assert cpuid_amx("flags\t\t: fpu sse avx2\n") == [] and cpuid_amx("") == []
 
 
-def test_only_a_sigill_with_repacking_on_is_retried():
+def test_a_sigill_or_a_sigsegv_under_amx_with_repacking_on_is_retried():
     command = ["python", "-m", "dtrt.bench.peer_llamacpp", "m.gguf", "1", "4096"]
-    assert retry_command(command, -signal.SIGILL) == [*command, NO_REPACK]
+    plain = "flags\t\t: fpu sse avx2\n"
+    assert retry_command(command, -signal.SIGILL, cpuinfo=plain) == [*command, NO_REPACK]
+    assert retry_command(command, -signal.SIGSEGV, cpuinfo=CPUINFO) == [*command, NO_REPACK]
+    assert retry_command(command, -signal.SIGSEGV, cpuinfo=plain) is None  # no AMX: not repacking's doing
     assert retry_command([*command, NO_REPACK], -signal.SIGILL) is None  # off already: the rebuild hint stands
-    assert retry_command(command, -signal.SIGSEGV) is None and retry_command(command, 1) is None
-    assert retry_command(command, None) is None  # stopped after --peer-timeout
-    assert "CPUID reports AMX (amx_tile amx_int8 amx_bf16), which this machine does not run" in retry_line(
-        "llama.cpp", CPUINFO
+    assert retry_command(command, -signal.SIGKILL, cpuinfo=CPUINFO) is None and retry_command(command, 1) is None
+    assert retry_command(command, None, cpuinfo=CPUINFO) is None  # stopped after --peer-timeout
+    assert retry_line("llama.cpp", -signal.SIGSEGV, CPUINFO) == (
+        "llama.cpp died of a segmentation fault (SIGSEGV) with its weight repacking on (CPUID reports AMX (amx_tile "
+        "amx_int8 amx_bf16), which this machine does not run); starting it again with repacking off (llama.cpp's "
+        "--no-repack)"
     )
 
 
@@ -50,7 +56,7 @@ def test_a_peer_that_dies_of_sigill_once_runs_again_without_repacking(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("llama.cpp died of an illegal instruction (SIGILL) with its weight")
     m = {"model": "cpu", "cores": 2, "flags": [], "peer": peer.note}
     line = machine.describe(machine.hygiene(m, {"llama.cpp": 1}, None, None))
-    assert line.endswith("; llama.cpp: weight repacking off (it died of SIGILL with repacking on)")
+    assert line.endswith("; llama.cpp: weight repacking off (it died with repacking on)")
 
 
 class _Params(ctypes.Structure):

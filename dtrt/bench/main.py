@@ -216,14 +216,19 @@ def bench(o: BenchOptions, log) -> Path:
                          done={loop.record_key(r): r for r in done}, failed=failed)  # fmt: skip
     except KeyboardInterrupt:
         got = log_.load()
-        _write(out, got, failed, plan, title, o, h_machine, threads, load_before, t0, log, partial=True)
+        _write(out, got, failed, plan, title, o, _noted(h_machine, peer), threads, load_before, t0, log, partial=True)
         log(f"interrupted: {len(got)} records written to {out}; continue with `dtrt bench --resume {out}`")
         raise
     finally:
         if peer is not None:
             peer.close()
-    _write(out, got, failed, plan, title, o, h_machine, threads, load_before, t0, log)
+    _write(out, got, failed, plan, title, o, _noted(h_machine, peer), threads, load_before, t0, log)
     return out
+
+
+def _noted(h_machine: dict, peer) -> dict:
+    """The machine as the report describes it, with how the peer ran where not as asked (repacking off)."""
+    return {**h_machine, "peer": peer.note} if peer is not None and peer.note else h_machine
 
 
 def _sources(grid: list, log) -> dict:

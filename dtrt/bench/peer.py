@@ -2,9 +2,10 @@
 native library, a hang) costs its row and nothing else.
 
 The child reads one JSON request per line and writes one JSON record per line (dtrt/bench/peer_llamacpp.py); it
-first writes {"ready": true} once its model is loaded. A child that dies of SIGILL with llama.cpp's weight repacking
-on is started again once with it off (dtrt.bench.repack). A child that dies or stops answering within the timeout
-is a PeerFailed with the signal or the timeout and the hint that fixes it; its standard error goes to a log file."""
+first writes {"ready": true} once its model is loaded. A child that dies of SIGILL (or of SIGSEGV where CPUID reports
+AMX) with llama.cpp's weight repacking on is started again once with it off (dtrt.bench.repack). A child that dies
+or stops answering within the timeout is a PeerFailed with the signal or the timeout and the hint that fixes it; its
+standard error goes to a log file."""
 
 import json
 import selectors
@@ -103,7 +104,7 @@ class PeerContender:
             if again is None:
                 raise
             if self.say:
-                self.say(retry_line(self.label))
+                self.say(retry_line(self.label, self.returncode))
             self.command, self.proc, self.failed, self.note = again, None, None, REPACK_OFF
             return self._ask(req)
 

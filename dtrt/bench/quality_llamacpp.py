@@ -3,8 +3,8 @@ unless --threads says otherwise) on exactly the token ids of the other rows' tex
 measure()'s dict so that quality.compare scores it as it scores them. The row is shown beside the others, not gated.
 
 It runs in a child process (python -m dtrt.bench.quality_llamacpp REQUEST RESULT [--no-repack]), so that a crash
-inside llama.cpp costs its row and nothing else; a child that dies of SIGILL with llama.cpp's weight repacking on
-is run again with it off (dtrt.bench.repack)."""
+inside llama.cpp costs its row and nothing else; a child that dies of SIGILL (or of SIGSEGV where CPUID reports AMX)
+with llama.cpp's weight repacking on is run again with it off (dtrt.bench.repack)."""
 
 import importlib.util
 import json
@@ -98,7 +98,7 @@ def measure_llamacpp(
                 last = (done.stderr.strip().splitlines() or [""])[-1][:200]
                 log(f"{LABEL} row failed: {why}" + (f" ({last})" if last and done.returncode > 0 else ""))
                 return None
-            log(retry_line(LABEL))
+            log(retry_line(LABEL, done.returncode))
             argv = again
 
 

@@ -1,9 +1,10 @@
 """llama.cpp's weight repacking (its "extra buffer types"), and when the peer runs without it.
 
 llama.cpp places Q4_0/Q4_1/Q8_0 weights in AMX buffers when CPUID reports AMX. Some virtual machines report AMX
-and do not run it: the first product there is an illegal instruction (SIGILL). A peer process that dies of SIGILL
-with repacking on is started again with repacking off (llama.cpp's `--no-repack`); the peer's weights then stay in
-the GGUF's own layout, which every x86-64 CPU llama.cpp was built for runs."""
+and do not run it: the first product there dies of an illegal instruction (SIGILL), or of a segmentation fault
+(SIGSEGV, llama-cpp-python 0.3.36 on a 2-core Xeon VM). A peer process that dies so with repacking on (of SIGILL on
+any CPU, of SIGSEGV where CPUID reports AMX) is started again with repacking off (llama.cpp's `--no-repack`); the
+peer's weights then stay in the GGUF's own layout, which every x86-64 CPU llama.cpp was built for runs."""
 
 import importlib
 import inspect
@@ -27,24 +28,30 @@ def cpuid_amx(cpuinfo: str | None = None) -> list[str]:
     return [f for f in AMX_FLAGS if f in flags]
 
 
-def retry_command(command: list[str], returncode: int | None) -> list[str] | None:
-    """The peer's command again with repacking off, where it died of SIGILL with repacking on; else None."""
-    if returncode == -signal.SIGILL and NO_REPACK not in command:
+DEATHS = {signal.SIGILL: "an illegal instruction (SIGILL)", signal.SIGSEGV: "a segmentation fault (SIGSEGV)"}
+
+
+def retry_command(command: list[str], returncode: int | None, *, cpuinfo: str | None = None) -> list[str] | None:
+    """The peer's command again with repacking off, where it died with repacking on of SIGILL, or of SIGSEGV on a CPU
+    whose CPUID reports AMX (/proc/cpuinfo's flags, or `cpuinfo`'s); else None."""
+    if NO_REPACK in command or returncode is None:
+        return None
+    if returncode == -signal.SIGILL or (returncode == -signal.SIGSEGV and cpuid_amx(cpuinfo)):
         return [*command, NO_REPACK]
     return None
 
 
-def retry_line(label: str, cpuinfo: str | None = None) -> str:
+def retry_line(label: str, returncode: int, cpuinfo: str | None = None) -> str:
     """The log line of a retry with repacking off."""
     amx = cpuid_amx(cpuinfo)
     why = f"CPUID reports AMX ({' '.join(amx)}), which this machine does not run" if amx else "no AMX in CPUID"
     return (
-        f"{label} died of an illegal instruction (SIGILL) with its weight repacking on ({why}); "
+        f"{label} died of {DEATHS[signal.Signals(-returncode)]} with its weight repacking on ({why}); "
         f"starting it again with repacking off (llama.cpp's --no-repack)"
     )
 
 
-REPACK_OFF = "weight repacking off (it died of SIGILL with repacking on)"
+REPACK_OFF = "weight repacking off (it died with repacking on)"
 """What the bench's machine line and dtrt quality's row say of a peer that runs with repacking off."""
 
 
