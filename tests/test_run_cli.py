@@ -198,7 +198,7 @@ def interrupt_at_first_text(monkeypatch):
     """Ctrl-C (a real SIGINT to this process) as soon as the first text of a generation is shown."""
     real = run_command.complete
 
-    def complete_interrupted(pipe, ids, max_new, sampling, stop, on_text, cancelled):
+    def complete_interrupted(pipe, ids, max_new, sampling, stop, on_text, cancelled, **kw):
         sent = []
 
         def on_text_then_sigint(text):
@@ -207,7 +207,7 @@ def interrupt_at_first_text(monkeypatch):
                 sent.append(1)
                 os.kill(os.getpid(), signal.SIGINT)
 
-        return real(pipe, ids, max_new, sampling, stop, on_text_then_sigint, cancelled)
+        return real(pipe, ids, max_new, sampling, stop, on_text_then_sigint, cancelled, **kw)
 
     monkeypatch.setattr(run_command, "complete", complete_interrupted)
 

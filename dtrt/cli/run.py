@@ -24,6 +24,7 @@ from dtrt.frontend.requests import (
 )
 from dtrt.frontend.text import Completion, complete
 from dtrt.launch import pipeline, resolve_spec
+from dtrt.runtime.grammar import ResponseFormat, compile_format
 
 
 @cli.command()
@@ -43,8 +44,15 @@ from dtrt.launch import pipeline, resolve_spec
     help="JSONL file of requests ('-' = standard input), one JSON result per line",
 )
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the text")
+@click.option(
+    "--json-schema",
+    type=click.Path(dir_okay=False),
+    help="structured output: the output is JSON valid under this JSON schema file (needs the structured extra)",
+)
+@click.option("--json-object", is_flag=True, help="structured output: the output is one JSON object")
 def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, thinking, truncate, input_file, as_json, **flags):
     """Generate a continuation of PROMPT (or of standard input; an interactive prompt at a terminal)."""
+    fmt, flag = read_format(flags.pop("json_schema"), flags.pop("json_object"))
     defaults = make_request(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -54,6 +62,8 @@ def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, thinking, 
         thinking=thinking,
         names=FLAGS,
     )
+    if fmt is not None:
+        defaults = replace(defaults, response_format=fmt)
     spec = resolve_spec(**flags)
     if prompt is not None and input_file is not None:
         raise DtrtError("PROMPT and --input exclude each other: pass one")
@@ -62,6 +72,8 @@ def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, thinking, 
     if prompt is None and requests is None and not interactive:
         prompt = sys.stdin.read()
     pipe = pipeline(spec, log_line)
+    if fmt is not None:
+        compile_format(fmt, pipe.tokenizer, flag)  # a bad schema: one line naming the flag, before generating
     chat = use_chat(pipe, chat)
     check_thinking(pipe.tokenizer, thinking)
     if interactive:
@@ -141,7 +153,33 @@ def stats_line(c: Completion, method: str) -> str:
 def generate_one(pipe, req: Request, ids: list[int], write=None) -> Completion:
     """One generation with `write(text)` streaming it; Ctrl-C ends it with stop_reason "cancelled"."""
     with Interrupt() as interrupted:
-        return complete(pipe, ids, req.max_new_tokens, req.sampling, req.stop, write, interrupted)
+        grammar = None if req.response_format is None else compile_format(req.response_format, pipe.tokenizer)
+        return complete(pipe, ids, req.max_new_tokens, req.sampling, req.stop, write, interrupted, grammar=grammar)
+
+
+def read_format(json_schema: str | None, json_object: bool) -> tuple[ResponseFormat | None, str]:
+    """--json-schema FILE (a JSON schema, or OpenAI's {"name", "schema", "strict"} around one) or --json-object, and
+    the flag that gave it."""
+    if json_schema is not None and json_object:
+        raise DtrtError("--json-schema and --json-object exclude each other: pass one")
+    if json_object:
+        return ResponseFormat("json_object"), "--json-object"
+    if json_schema is None:
+        return None, "--json-schema"
+    try:
+        with open(json_schema) as f:
+            schema = json.load(f)
+    except OSError as e:
+        raise DtrtError(f"--json-schema {json_schema}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise DtrtError(
+            f"--json-schema {json_schema}: not JSON ({e.msg} at line {e.lineno}); give a JSON schema"
+        ) from None
+    if not isinstance(schema, dict):
+        raise DtrtError(f"--json-schema {json_schema}: a JSON schema is an object, not {type(schema).__name__}")
+    if isinstance(schema.get("schema"), dict) and "name" in schema:  # OpenAI's json_schema object
+        return ResponseFormat("json_schema", schema["schema"], schema["name"], schema.get("strict")), "--json-schema"
+    return ResponseFormat("json_schema", schema), "--json-schema"
 
 
 def repl(pipe, defaults: Request, chat: bool, truncate: bool, read_line, write, log):

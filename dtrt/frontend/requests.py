@@ -4,10 +4,11 @@ arguments are decided) and fitted to the backend's context."""
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dtrt.errors import DtrtError
+from dtrt.runtime.grammar import ResponseFormat, parse_response_format
 from dtrt.runtime.sampling import SamplingConfig
 
 MAX_STOPS = 16
@@ -30,6 +31,7 @@ class Request:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
     thinking: bool = False  # the chat template's thinking switch (Qwen3's enable_thinking); off: the empty think block
+    response_format: ResponseFormat | None = None  # structured output (--json-schema, response_format); None: text
 
 
 # what each field is called where it comes from: the command line's flags, or OpenAI's JSON keys
@@ -144,13 +146,14 @@ def _thinking(body: dict, default: bool) -> bool:
 
 def parse_request(body, defaults: Request, known=()) -> Request:
     """A request from a JSON object with OpenAI field names: `prompt` or `messages`, `max_tokens` (or
-    `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop`, and `chat_template_kwargs`
-    (`{"enable_thinking": bool}`, as vLLM and SGLang take it); missing fields take `defaults`.
+    `max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop`, `chat_template_kwargs`
+    (`{"enable_thinking": bool}`, as vLLM and SGLang take it) and `response_format` (structured output: OpenAI's
+    json_schema and json_object); missing fields take `defaults`.
     Keys outside these and `known` are an error (a silently ignored parameter would change the output)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request must be a JSON object, not {type(body).__name__}")
     fields = {"prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop"}
-    fields |= {"chat_template_kwargs"}
+    fields |= {"chat_template_kwargs", "response_format"}
     unknown = sorted(set(body) - fields - set(known))
     if unknown:
         raise RequestError(
@@ -165,7 +168,11 @@ def parse_request(body, defaults: Request, known=()) -> Request:
         messages = parse_messages(messages)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     s = defaults.sampling
-    return make_request(
+    try:
+        fmt = parse_response_format(body["response_format"]) if "response_format" in body else defaults.response_format
+    except DtrtError as e:
+        raise RequestError(str(e), "response_format") from None
+    req = make_request(
         prompt=prompt,
         messages=messages,
         max_new_tokens=_number(body, key, defaults.max_new_tokens, int),
@@ -176,6 +183,7 @@ def parse_request(body, defaults: Request, known=()) -> Request:
         thinking=_thinking(body, defaults.thinking),
         names=KEYS | {"max_new_tokens": key},
     )
+    return replace(req, response_format=fmt)
 
 
 def read_requests(path: str, defaults: Request) -> list[tuple[int, object, Request]]:

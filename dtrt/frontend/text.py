@@ -166,14 +166,16 @@ def complete(
     cancelled=None,
     logprobs: int | None = None,
     into: Generation | None = None,
+    grammar=None,
 ) -> Completion:
     """Generate after `ids`: `on_text(str)` receives the text as it becomes final, the output ends before the first
     stop string (stop_reason "stop"), and `cancelled()` turning true ends it after the round in flight
     ("cancelled"). `logprobs` k: the tokens' log-probabilities with k alternatives (Generation.logprobs). `into`:
-    the Generation to fill, which `on_text` may read (the tokens so far, a stop string's already cut)."""
+    the Generation to fill, which `on_text` may read (the tokens so far, a stop string's already cut); `grammar`:
+    the output follows it (dtrt.runtime.grammar.compile_format)."""
     stream = TextStream(pipe.tokenizer, stop)
     gen = into if into is not None else Generation()
-    rounds = pipe.stream(ids, max_new_tokens, sampling, logprobs)
+    rounds = pipe.stream(ids, max_new_tokens, sampling, logprobs, grammar)
     try:
         for step in rounds:
             gen.add(step)

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 import torch
 
 from dtrt.runtime.backends.base import Backend
+from dtrt.runtime.grammar import Grammar, GrammarState
 from dtrt.runtime.methods import Method
-from dtrt.runtime.sampling import SamplingConfig, chooser
+from dtrt.runtime.sampling import SamplingConfig, chooser, draw
 from dtrt.runtime.spec import RunSpec
 from dtrt.tree import accept, first_nodes
+from dtrt.tree.grammar import fit_tree, paths
 
 STAGES = ("draft", "build", "verify", "commit")
 
@@ -122,6 +124,15 @@ class Generation:
         return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
 
 
+def choose(logits, sampling: SamplingConfig, gen, state, node_paths):
+    """The target's choice at each node (`chooser`), under the grammar's mask at the node's path where there is one."""
+    if state is None:
+        return chooser(logits, sampling, gen)
+    if sampling.temperature == 0:
+        return lambda i: int(state.masked(logits[i], node_paths[i]).argmax())
+    return lambda i: draw(state.masked(logits[i], node_paths[i]), sampling.temperature, sampling.top_p, gen)
+
+
 def capacity_for(prompt_len: int, max_new_tokens: int, budget: int, block_size: int) -> int:
     return prompt_len + max_new_tokens + max(budget, block_size) + 2
 
@@ -144,9 +155,12 @@ def generate(
     eos: tuple[int, ...] = (),
     budget: int = RunSpec.budget,
     logprobs: int | None = None,
+    grammar: Grammar | None = None,
 ) -> Iterator[Step]:
     """Up to `max_new_tokens` tokens after `prompt`, one Step per round; with `logprobs` k (0..MAX_TOP_LOGPROBS)
-    each Step carries its tokens' TokenLogprobs with the top k alternatives (None: none, nothing computed)."""
+    each Step carries its tokens' TokenLogprobs with the top k alternatives (None: none, nothing computed).
+    With a `grammar` (structured output) every choice is the target's under the grammar's mask at its path: trees
+    hold only allowed and forced tokens (dtrt.tree.grammar), so the output is AR's under the same grammar."""
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"logprobs {logprobs}: must be in [0, {MAX_TOP_LOGPROBS}]")
     drafter = backend.drafter if method.uses_drafter else None
@@ -167,7 +181,10 @@ def generate(
     n = len(prompt)
     logits, hidden = backend.target_forward(torch.tensor(prompt), torch.arange(n), torch.ones(n, n).tril().bool())
     backend.commit(torch.arange(n))
-    root = chooser(logits[-1:], sampling, gen)(0)
+    state = method.grammar = None if grammar is None else GrammarState(grammar, logits.shape[-1])
+    root = choose(logits[-1:], sampling, gen, state, [()])(0)
+    if state is not None and root not in eos:
+        state.commit([root])
     method.begin(prompt)
     if drafter is not None:
         backend.draft_context(hidden, torch.arange(n))
@@ -193,9 +210,11 @@ def generate(
             tree = method.undrafted(root)  # lookup's chain, proposed in drafts(), or the root alone
         if (limit := backend.max_depth(start)) is not None:
             tree = tree.within(limit)
+        if state is not None:
+            tree = fit_tree(tree, state, room=max(budget, len(tree) - 1), max_depth=limit)
         t2 = time.perf_counter()
         logits, hidden = backend.target_forward(tree.tokens, tree.positions(start), tree.mask)
-        accepted, bonus = accept(tree, chooser(logits, sampling, gen))
+        accepted, bonus = accept(tree, choose(logits, sampling, gen, state, paths(tree) if state else None))
         from_lookup = method.observe(tree, accepted) or 0
         t3 = time.perf_counter()
         backend.commit(accepted)
@@ -207,6 +226,8 @@ def generate(
         t4 = time.perf_counter()
         stats = RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3, from_lookup)
         tokens, end = cut(tree.tokens[accepted[1:]].tolist() + [bonus])
+        if state is not None and end is None:
+            state.commit(tokens)
         produced += len(tokens)
         lps = None
         if logprobs is not None:  # each committed token is chosen at its parent: the accepted nodes' rows, in order

@@ -25,6 +25,7 @@ from dtrt.errors import DtrtError
 from dtrt.runtime.calibrate import cost_curve
 from dtrt.tree import CostAwareStop, Round, Tree, best_marginal_child, build_ddtree, build_heap
 from dtrt.tree.adaptive import AcceptanceMap, AdaptiveStop, NodeCost, RoundClock, SpeculationGate
+from dtrt.tree.grammar import GrammarScorer
 from dtrt.tree.lookup_source import ChainOrDraft, LookupSource
 
 if TYPE_CHECKING:
@@ -58,8 +59,16 @@ class Method:
         (Domino's per-path scorer), `chain` (Domino's full-vocabulary chain), `frontier` (the frontier builder)."""
         return ("scorer",) if cls.needs_head(spec) else ()
 
+    grammar = None
+    """This generation's dtrt.runtime.grammar.GrammarState (structured output; None: free text): the loop sets it
+    before `begin`, and the tree builders take only the tokens it allows at each path."""
+
     def __init__(self, cfg: RunSpec):
         self.cfg = cfg
+
+    def masked(self, scorer):
+        """`scorer` with the grammar's masks (dtrt.tree.grammar.GrammarScorer), or `scorer` itself without one."""
+        return scorer if self.grammar is None else GrammarScorer(scorer, self.grammar)
 
     def calibrate(self, backend):
         """Called once per generation before the backend's caches are reset for it: a method that measures the
@@ -143,7 +152,8 @@ class DFlashChain(Method):
         return min(self.max_depth, backend.drafter.cfg.k_draft)
 
     def build(self, backend, rnd):
-        return build_heap(backend.scorer("marg", rnd, 1, self.cfg.topm), self.max_depth, self.max_depth)
+        scorer = self.masked(backend.scorer("marg", rnd, 1, self.cfg.topm))
+        return build_heap(scorer, self.max_depth, self.max_depth)
 
 
 class DominoChain(Method):
@@ -177,7 +187,8 @@ class DDTree(Method):
 
     def build(self, backend, rnd):
         logprobs = torch.log_softmax(rnd.logits[0], dim=-1)
-        return build_ddtree(logprobs, self.cfg.budget, self.stop(backend), root=int(rnd.root[0]), ids=rnd.ids)
+        root = int(rnd.root[0])
+        return build_ddtree(logprobs, self.cfg.budget, self.stop(backend), root=root, ids=rnd.ids, masks=self.grammar)
 
 
 class CostAware:
@@ -270,7 +281,7 @@ class DominoTree(Method):
         scorer = backend.scorer(c.arm, rnd, c.node_topk, c.topm)
         if self.lookup is not None:
             scorer = self.lookup.scorer(scorer)
-        return build_heap(scorer, c.budget, self.max_depth, self.stop(backend))
+        return build_heap(self.masked(scorer), c.budget, self.max_depth, self.stop(backend))
 
     def trees(self, backend, rnd):
         """The frontier's FrontierTrees, still on the round's device (on an export backend: one stage call)."""
@@ -283,7 +294,8 @@ class DominoTree(Method):
         it). Such a round is built from the block's first row (and lookup's next tokens) alone (best_marginal_child)."""
         c = self.cfg
         marginal = c.arm == "marg" or backend.drafter.cfg.pure_draft_prefix_len >= 1
-        return c.budget == 1 and c.builder == "heap" and self.max_depth >= 1 and marginal
+        plain = self.grammar is None  # a grammar's masks need the scorer's paths
+        return c.budget == 1 and c.builder == "heap" and self.max_depth >= 1 and marginal and plain
 
     def draft(self, backend, root, start):
         if self.graph is not None:

@@ -13,6 +13,7 @@ from dtrt.models.config import generation_eos
 from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.generate import Generation, Step, capacity_for, collect, generate
+from dtrt.runtime.grammar import Grammar
 from dtrt.runtime.methods import Method, make_method
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import RunSpec
@@ -67,15 +68,29 @@ class Pipeline:
         )
 
     def stream(
-        self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig, logprobs: int | None = None
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> Iterator[Step]:
         """The generation as a stream of rounds (dtrt.runtime.generate); `logprobs` k: each round's tokens carry
-        the target's log-probabilities and top k alternatives."""
+        the target's log-probabilities and top k alternatives; `grammar`: the output follows it (structured
+        output, dtrt.runtime.grammar)."""
         if not prompt_ids:
             raise DtrtError("the prompt is empty: give some text")
         self.check_context(len(prompt_ids), max_new_tokens)
         return generate(
-            self.backend, self.method, prompt_ids, max_new_tokens, sampling, self.eos, self.spec.budget, logprobs
+            self.backend,
+            self.method,
+            prompt_ids,
+            max_new_tokens,
+            sampling,
+            self.eos,
+            self.spec.budget,
+            logprobs,
+            grammar,
         )
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig) -> Generation:

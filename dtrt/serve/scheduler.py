@@ -33,6 +33,7 @@ class Job:
     stream: bool
     loop: asyncio.AbstractEventLoop
     logprobs: int | None = None  # the top alternatives per token's logprob; None: no logprobs
+    grammar: object = None  # the request's response_format compiled (dtrt.runtime.grammar.Grammar); None: text
     # ("text", (str, [(token, TokenLogprob)] since the last text or None)) ... then ("done", Completion),
     # or ("error", exception)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -139,6 +140,7 @@ class Scheduler:
                 job.cancel.is_set,
                 job.logprobs,
                 gen,
+                job.grammar,
             )
         except DtrtError as e:  # the request's own fault (400)
             self.metrics.finished("error")

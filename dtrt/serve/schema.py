@@ -20,7 +20,6 @@ NEUTRAL = {
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",),
-    "response_format": ({"type": "text"},),
     "parallel_tool_calls": (True, False),
 }
 IGNORED = ("user", "metadata", "store", "service_tier")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from dtrt.errors import BackendFault, DtrtError
 from dtrt.frontend.requests import Request, RequestError, encode, fit_prompt, has_chat_template
 from dtrt.frontend.text import TokenPieces
+from dtrt.runtime.grammar import compile_format
 from dtrt.serve.metrics import Metrics
 from dtrt.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown
 from dtrt.serve.schema import Choice, OpenAIRequest, error_body
@@ -151,8 +152,14 @@ class Worker:
             )
         except RequestError as e:
             raise ServeError(400, str(e), param=e.param) from None
+        grammar = None
+        if req.response_format is not None:
+            try:
+                grammar = compile_format(req.response_format, self.pipe.tokenizer)
+            except DtrtError as e:  # the schema, or llguidance missing
+                raise ServeError(400, str(e), param="response_format") from None
         sampling = replace(req.sampling, seed=(req.sampling.seed + index) % 2**63)  # choice i: seed + i
-        return Job(ids, req.max_new_tokens, sampling, req.stop, o.stream, loop, o.logprobs)
+        return Job(ids, req.max_new_tokens, sampling, req.stop, o.stream, loop, o.logprobs, grammar)
 
     async def stream(self, o: OpenAIRequest, chat: bool, index: int = 0, timeout: float | None = None):
         """Choice `index` of request `o` as events: ("text", (delta, logprobs entries or None)) while streaming,

@@ -9,7 +9,7 @@ from dtrt.tree.tree import Tree
 
 @torch.no_grad()
 def build_ddtree(
-    logprobs: torch.Tensor, budget: int, stop=None, root: int = 0, ids: torch.Tensor | None = None
+    logprobs: torch.Tensor, budget: int, stop=None, root: int = 0, ids: torch.Tensor | None = None, masks=None
 ) -> Tree:
     """logprobs [D, V]: per-depth log-probabilities (rows of a log_softmax), depth 0 first; `ids`: the token of each
     column where the rows cover a draft vocabulary (None: column = token).
@@ -19,6 +19,8 @@ def build_ddtree(
     prefixes, in non-increasing order. Ties go to the lexicographically smaller rank tuple.
     `stop` (optional): start() once, then admit(n_nodes_so_far, logw) for each popped candidate;
     building ends at the first False (CaDDTree's cost-aware budget).
+    `masks` (optional, dtrt.tree.grammar's): a candidate the grammar forbids at its parent's path is skipped (its
+    next sibling still pushed), so the budget goes to tokens that can be accepted.
     """
     tokens, parents, scores = [int(root)], [-1], [0.0]
     D = logprobs.shape[0]
@@ -34,17 +36,24 @@ def build_ddtree(
 
     # (-logw, ranks, parent, depth (1-based), rank, logw, parent logw)
     heap = [(-top_lp[0][0], (0,), 0, 1, 0, top_lp[0][0], 0.0)]
+    paths: list[tuple] = [()]
     while heap and len(tokens) <= budget:
         _, ranks, parent, depth, rank, logw, parent_logw = heapq.heappop(heap)
-        if stop is not None and not stop.admit(len(tokens) - 1, logw):
+        tok = top_tok[depth - 1][rank]
+        allowed = masks is None or masks.allows(paths[parent], tok)
+        if allowed and stop is not None and not stop.admit(len(tokens) - 1, logw):
             break
-        tokens.append(top_tok[depth - 1][rank])
-        parents.append(parent)
-        scores.append(logw)
-        index = len(tokens) - 1
         if rank + 1 < K:
             sibling = parent_logw + top_lp[depth - 1][rank + 1]
             heapq.heappush(heap, (-sibling, ranks[:-1] + (rank + 1,), parent, depth, rank + 1, sibling, parent_logw))
+        if not allowed:
+            continue
+        tokens.append(tok)
+        parents.append(parent)
+        scores.append(logw)
+        index = len(tokens) - 1
+        if masks is not None:
+            paths.append(paths[parent] + (tok,))
         if depth < D:
             child = logw + top_lp[depth][0]
             heapq.heappush(heap, (-child, ranks + (0,), index, depth + 1, 0, child, logw))
