@@ -5,33 +5,19 @@ repository root. Fails unless the line exits 0 and its answer is the one the REA
 Standard library only: it runs before anything is installed."""
 
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from readme import setup_lines
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def first_command(readme: str) -> tuple[str, str]:
-    """(the set-up line that runs the embedded default, the answer the README says it prints)."""
-    section = readme.split("## Set up", 1)
-    if len(section) != 2:
-        sys.exit("README.md: no '## Set up' section")
-    body = section[1].split("\n## ", 1)[0]
-    lines = [ln for ln in re.findall(r"```bash\n(.*?)```", body, re.S)[0].splitlines() if ln.strip()]
-    if len(lines) != 1 or "dtrt run " not in lines[0]:
-        sys.exit("README.md: the first block under 'Set up' must be the one line that installs and runs dtrt run")
-    answer = re.search(r"prints the answer, `([^`]+)`", body)
-    if answer is None:
-        sys.exit("README.md: the 'Set up' section must say what the first command prints (prints the answer, `...`)")
-    return lines[0], answer.group(1)
-
-
 def main() -> int:
-    line, expected = first_command((REPO / "README.md").read_text())
+    line, expected, _ = setup_lines((REPO / "README.md").read_text())
     with tempfile.TemporaryDirectory(prefix="dtrt-newcomer-") as tmp:
         home, venv = Path(tmp) / "home", Path(tmp) / "venv"
         home.mkdir()
