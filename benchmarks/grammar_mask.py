@@ -182,7 +182,7 @@ def main():
 
     torch.set_num_threads(1)
     hf = AutoTokenizer.from_pretrained(args.tokenizer or smollm2_tokenizer_dir(), local_files_only=True)
-    report = {"tokenizer": hf.name_or_path, "vocab": len(hf)}
+    report = {"tokenizer": args.tokenizer or "smollm2-135m", "vocab": len(hf)}
     for name in args.engines.split(","):
         engine = {"llguidance": Llguidance, "xgrammar": Xgrammar}[name](hf)
         report[name] = measure(engine, hf, args.repeats)

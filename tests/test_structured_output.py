@@ -60,8 +60,14 @@ SCHEMAS = {
     },
 }
 PROMPTS = ["The cat sees ", "A quick fox "]
-# a prompt whose answer copies it: lookup's chains match
-COPY = 'The cat: {"name": "every so tod", "size": "large"} The fox: {"name": "every so tod", "size": "large"} '
+# prompts whose answers copy them: lookup's chains match
+COPY = ["man still sad city wind, man still sad city wind, man still sad ", 'man still sad city wind, {"text": "man ']
+TEXT = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "maxLength": 40}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
 PAIR = {
     "type": "object",
     "properties": {"name": NAME, "size": {"enum": ["small", "large"]}},
@@ -107,7 +113,7 @@ def equal_to_ar(pipe, ar_pipe, cases, sampling=T0):
 
 
 CASES = [(p, s) for p in PROMPTS for s in (SCHEMAS["nested"], SCHEMAS["numbers"], PAIR)]
-LOOKUP_CASES = [(COPY, PAIR)]
+LOOKUP_CASES = [(p, TEXT) for p in COPY]
 METHODS = {"dominotree": CASES, "ddtree": CASES, "dflash": CASES, "lookup": LOOKUP_CASES}
 
 

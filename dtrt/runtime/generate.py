@@ -15,7 +15,7 @@ from dtrt.runtime.grammar import Grammar, GrammarState
 from dtrt.runtime.methods import Method
 from dtrt.runtime.sampling import SamplingConfig, chooser, draw
 from dtrt.runtime.spec import RunSpec
-from dtrt.tree import accept, first_nodes
+from dtrt.tree import Tree, accept, first_nodes
 from dtrt.tree.grammar import fit_tree, paths
 
 STAGES = ("draft", "build", "verify", "commit")
@@ -199,7 +199,13 @@ def generate(
     while end is None:
         t0 = time.perf_counter()
         start = backend.past
-        if method.drafts(start, root):
+        # where the grammar forces the root's next token, the tree is its forced tokens (fit_tree): no drafting
+        # (a cost-aware method times every round it is asked about, so it is always asked)
+        forced = state is not None and not method.cost_aware and state.forced(()) is not None
+        if forced:
+            t1 = time.perf_counter()
+            tree = Tree.chain([], root=root)
+        elif method.drafts(start, root):
             if pending:
                 hidden_rows, positions = (torch.cat(x) for x in zip(*pending)) if len(pending) > 1 else pending[0]
                 backend.draft_context(hidden_rows, positions)
