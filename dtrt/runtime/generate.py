@@ -129,8 +129,15 @@ def choose(logits, sampling: SamplingConfig, gen, state, node_paths):
     if state is None:
         return chooser(logits, sampling, gen)
     if sampling.temperature == 0:
-        return lambda i: int(state.masked(logits[i], node_paths[i]).argmax())
-    return lambda i: draw(state.masked(logits[i], node_paths[i]), sampling.temperature, sampling.top_p, gen)
+        return lambda i: state.greedy(logits[i], node_paths[i])
+
+    def sample(i):  # a forced token takes no draw (under AR as under any method, so a seed still gives AR's tokens)
+        forced = state.forced(node_paths[i])
+        if forced is not None:
+            return forced
+        return draw(state.masked(logits[i], node_paths[i]), sampling.temperature, sampling.top_p, gen)
+
+    return sample
 
 
 def capacity_for(prompt_len: int, max_new_tokens: int, budget: int, block_size: int) -> int:

@@ -123,7 +123,7 @@ class GrammarState:
         self._bits = self._lt.allocate_token_bitmask(1, self.n)
         self._masks: dict[tuple, tuple[np.ndarray, int | None]] = {}
 
-    def _mask(self, path: tuple) -> tuple[np.ndarray, int | None]:
+    def _mask(self, path: tuple) -> tuple[np.ndarray, int | None, np.ndarray]:
         got = self._masks.get(path)
         if got is not None:
             return got
@@ -138,7 +138,7 @@ class GrammarState:
             self.matcher.rollback(consumed)
         ones = np.flatnonzero(allowed)
         forced = int(ones[0]) if len(ones) == 1 else None
-        got = self._masks[path] = (allowed, forced)
+        got = self._masks[path] = (allowed, forced, ones)
         return got
 
     def allowed(self, path: tuple = ()) -> np.ndarray:
@@ -154,6 +154,16 @@ class GrammarState:
         if tokens and not self.matcher.consume_tokens(list(tokens)):
             raise RuntimeError(f"the grammar refused committed tokens {tokens}: {self.matcher.get_error()}")
         self._masks.clear()
+
+    def greedy(self, row: torch.Tensor, path: tuple) -> int:
+        """The argmax of logits [V] among the tokens allowed after `path` (the first of equals, as argmax's); a forced
+        token without reading the row."""
+        _, forced, ids = self._mask(path)
+        if forced is not None:
+            return forced
+        if len(ids) and row.device.type == "cpu" and row.dtype == torch.float32:  # a gather of the allowed ids
+            return int(ids[row.numpy()[ids].argmax()])
+        return int(self.masked(row, path).argmax())
 
     def masked(self, row: torch.Tensor, path: tuple) -> torch.Tensor:
         """Logits [V] with the tokens the grammar forbids after `path` at -inf (an empty mask: the row as it is)."""
