@@ -130,3 +130,17 @@ def test_run_bad_json_schema(tmp_path, monkeypatch, capsys, content, args, fragm
     path.write_text(content)
     code, out, err = run_cli(monkeypatch, capsys, "run", "--model", "tiny", "--json-schema", str(path), *args, "x")
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_run_jsonl_line_with_a_bad_schema_stops_before_any_output(tmp_path, monkeypatch, capsys):
+    good = {"prompt": "The cat sees ", "max_tokens": 128, "response_format": SCHEMA_FORMAT}
+    unsupported = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"not": {}}}}
+    bad = {"prompt": "x", "response_format": unsupported}
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    code, out, err = run_cli(monkeypatch, capsys, "run", "--model", "tiny", "--input", str(path))
+    assert code == 2 and out == "" and f"{path}:2: response_format: the schema uses a feature" in err, err
+    path.write_text(json.dumps(good) + "\n")
+    code, out, err = run_cli(monkeypatch, capsys, "run", "--model", "tiny", "--input", str(path))
+    assert code == 0, err
+    jsonschema.validate(json.loads(json.loads(out)["text"]), PAIR)

@@ -100,6 +100,8 @@ def _run_jsonl(pipe, requests, chat, truncate, source):
     for line, rid, req in requests:
         try:
             prepared.append((rid, req, prompt_ids(pipe, req, chat, truncate)))
+            if req.response_format is not None:  # a bad schema stops the run before any output too
+                compile_format(req.response_format, pipe.tokenizer)
         except DtrtError as e:
             raise DtrtError(f"{source}:{line}: {e}") from None
     for rid, req, ids in prepared:
