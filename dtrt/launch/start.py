@@ -77,6 +77,7 @@ def resolve_spec(
     topm: int = RunSpec.topm,
     node_topk: int = RunSpec.node_topk,
     cuda_graph: bool = False,
+    static_shapes: bool = False,
     lookup: bool | None = None,
     draft_vocab: str | None = None,
     **unused,
@@ -118,6 +119,7 @@ def resolve_spec(
         topm=topm,
         node_topk=node_topk,
         cuda_graph=cuda_graph,
+        static_shapes=static_shapes,
         lookup=lookup,
         draft_vocab=draft_vocab,
     )

@@ -226,11 +226,16 @@ def generate(
         if state is not None:
             tree = fit_tree(tree, state, room=max(budget, len(tree) - 1), max_depth=limit)
         t2 = time.perf_counter()
-        logits, hidden = backend.target_forward(tree.tokens, tree.positions(start), tree.mask)
-        accepted, bonus = accept(tree, choose(logits, sampling, gen, state, paths(tree) if state else None))
+        fused = backend.fused_round(tree) if state is None and sampling.temperature == 0 else None
+        if fused is not None:  # verify, accept walk and commit as one device step (--static-shapes)
+            logits, hidden, accepted, bonus = fused
+        else:
+            logits, hidden = backend.verify(tree, start)
+            accepted, bonus = accept(tree, choose(logits, sampling, gen, state, paths(tree) if state else None))
         from_lookup = method.observe(tree, accepted) or 0
         t3 = time.perf_counter()
-        backend.commit(accepted)
+        if fused is None:
+            backend.commit(accepted)
         if drafter is not None:
             a = len(accepted)
             # a copy: the stage's outputs are valid until its next call, and a round that does not draft keeps these

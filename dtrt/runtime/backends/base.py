@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from dtrt.errors import DtrtError
-from dtrt.tree import FrontierTrees, Round
+from dtrt.tree import FrontierTrees, Round, Tree
 
 if TYPE_CHECKING:
     from dtrt.runtime.pipeline import Sources
@@ -87,6 +87,17 @@ class Backend(ABC):
     @abstractmethod
     def commit(self, accepted) -> None:
         """Keep the accepted entries of the last target_forward (indices into its N, ascending, root first)."""
+
+    def verify(self, tree: Tree, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A round's target call over `tree` rooted at position `start`: its rows' logits and hidden states (the
+        torch backend under --static-shapes: a call at the next fixed width, the tree padded with dead leaves)."""
+        return self.target_forward(tree.tokens, tree.positions(start), tree.mask)
+
+    def fused_round(self, tree: Tree) -> tuple | None:
+        """A T=0 round's verify, accept walk and commit on the device in one step, where the backend has one (the
+        torch backend under --static-shapes): (logits, hidden of the tree's rows, the accepted indices, the bonus
+        token); None: the loop walks and commits itself."""
+        return None
 
     @abstractmethod
     def draft_context(self, hidden: torch.Tensor, positions: torch.Tensor) -> None:

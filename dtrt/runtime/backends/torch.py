@@ -13,8 +13,11 @@ from dtrt.models.config import read_json
 from dtrt.models.draft_vocab import DraftHead, DraftVocab, check_vocab_size, resolve_draft_vocab
 from dtrt.models.drafter import DraftCache, Drafter
 from dtrt.models.quant import dequantized, quant_spec
+from dtrt.models.static_kv import StaticKVCache
 from dtrt.models.target import KVCache, Target
 from dtrt.runtime.backends.base import Backend, check_rows
+from dtrt.runtime.static_round import WIDTHS, width_for
+from dtrt.runtime.verify_graph import StaticRound
 from dtrt.scoring import CondStaticScorer, DominoScorer, domino_chain
 from dtrt.tree import FrontierTrees, MarginalScorer, Round, build_frontier
 
@@ -42,6 +45,18 @@ class TorchBackend(Backend):
         self.max_context, self.context_source = max_context, context_source
         self.cache: KVCache | None = None
         self.draft_cache: DraftCache | None = None
+        self.static: StaticRound | None = None  # --static-shapes: verify at fixed widths over a static cache
+        self._verified = 0  # the width of the last static verify, which commit reads from
+
+    def prepare(self, spec):
+        """--static-shapes: the target's K/V in one buffer for the context limit, verify at fixed widths."""
+        if spec.static_shapes and self.static is None:
+            if type(self.target) is not Target:
+                raise DtrtError(
+                    "--static-shapes: a dense target's verify at fixed widths; this target's recurrent layers "
+                    "have no static verify yet (drop --static-shapes)"
+                )
+            self.static = StaticRound(target=self.target, taps=self.taps, device=self.device)
 
     @classmethod
     def open(cls, spec, sources):
@@ -90,7 +105,12 @@ class TorchBackend(Backend):
 
     def reset(self, capacity: int):
         if self.cache is None or self.cache.capacity < capacity:
-            self.cache = self.target.new_cache(capacity)
+            if self.static is not None:  # allocated once for the context limit (or a longer generation's need)
+                size = max(capacity, self.max_context or 0)
+                target = self.target
+                self.cache = StaticKVCache(target.cfg, size, WIDTHS[-1], target.dtype, self.device)
+            else:
+                self.cache = self.target.new_cache(capacity)
             if self.drafter is not None:
                 self.draft_cache = DraftCache(self.drafter.cfg, capacity, self.drafter.dtype, self.device)
         self.cache.reset()
@@ -104,7 +124,24 @@ class TorchBackend(Backend):
         return self.target(ids.to(dev), positions.to(dev), mask.to(dev), self.cache, taps=self.taps)
 
     def commit(self, accepted):
-        self.cache.commit(accepted)
+        if self._verified:
+            self.static.commit(self.cache, list(accepted), self._verified)
+            self._verified = 0
+        else:
+            self.cache.commit(accepted)
+
+    @torch.no_grad()
+    def verify(self, tree, start: int):
+        if self.static is None or len(tree) > WIDTHS[-1]:
+            return super().verify(tree, start)
+        self._verified = width_for(len(tree))
+        return self.static.verify(self.cache, tree, start)
+
+    @torch.no_grad()
+    def fused_round(self, tree):
+        if self.static is None or len(tree) > WIDTHS[-1]:
+            return None
+        return self.static.round(self.cache, tree)
 
     # drafter stages
     @torch.no_grad()

@@ -1,0 +1,85 @@
+"""A verify round at a fixed width, on the device: the tree padded to the next of WIDTHS with dead leaves, the
+tree's mask and positions made from its parents, the target's call over the static cache, the T=0 accept walk and
+the commit, all as tensor operations with no host value and no host sync inside (`device_round`), so that
+torch.compile(fullgraph=True) takes it whole and a CUDA graph can capture it. `StaticRound` runs it: one CUDA graph
+per width, captured at its first use and replayed (on a CPU it runs eagerly).
+
+A dead leaf (a padding slot) has no parent: it sees only itself (a row that sees nothing would be NaN, and NaN
+values would reach the live rows through their zero weights), no node sees it, and it is never accepted nor
+committed, whatever its token.
+"""
+
+import torch
+
+from dtrt.tree import Tree
+
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def width_for(n: int) -> int:
+    """The smallest of WIDTHS that holds `n` nodes."""
+    for w in WIDTHS:
+        if n <= w:
+            return w
+    raise ValueError(f"a tree of {n} nodes is wider than the widest static verify ({WIDTHS[-1]})")
+
+
+def padded(tree: Tree, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [width], parents [width]) of `tree` with dead leaves after its nodes: token 0, parent -1."""
+    n = len(tree)
+    tokens = torch.zeros(width, dtype=torch.long)
+    parents = torch.full((width,), -1, dtype=torch.long)
+    tokens[:n], parents[:n] = tree.tokens, tree.parents
+    return tokens, parents
+
+
+def ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """Bool [W, W]: row i holds i and its ancestors (the tree's mask). Parent links are closed by repeated squaring,
+    ceil(log2 W) products, so no host loop runs over nodes."""
+    w = parents.shape[0]
+    index = torch.arange(w, device=parents.device)
+    reach = ((parents[:, None] == index[None, :]) | (index[:, None] == index[None, :])).float()
+    for _ in range(max(w - 1, 1).bit_length()):
+        reach = ((reach @ reach) > 0).float()
+    return reach > 0
+
+
+def walk(tokens, parents, mask, choice):
+    """The accept walk as tensors: node i (i > 0) matches where it has a parent (a dead leaf has none) and its token
+    is the target's choice at its parent, an earlier sibling of the same token winning (as dtrt.tree.accept); a node
+    is accepted where it and all its ancestors match. Returns (accepted bool [W], order [W]: the accepted nodes
+    first, ascending, count, bonus: the choice at the deepest accepted node)."""
+    w = tokens.shape[0]
+    index = torch.arange(w, device=tokens.device)
+    matches = (tokens == choice[parents.clamp(min=0)]) & (parents >= 0)
+    same = (parents[:, None] == parents[None, :]) & (tokens[:, None] == tokens[None, :])
+    same &= index[None, :] < index[:, None]
+    earlier = (same & matches[None, :]).any(-1)
+    matches = (matches & ~earlier) | (index == 0)
+    accepted = ~(mask & ~matches[None, :]).any(-1)
+    count = accepted.sum()
+    depth = mask.sum(-1)
+    deepest = torch.argmax(torch.where(accepted, depth, 0))
+    order = torch.argsort((~accepted).to(torch.int8) * w + index)  # accepted first, then the rest, each ascending
+    return accepted, order, count, choice.gather(0, deepest.view(1))[0]
+
+
+def verify_at_width(target, cache, taps, tokens, parents):
+    """The padded tree's verify over the static cache: (logits [W, V], hidden [W, taps*H], mask [W, W])."""
+    mask = ancestors(parents)
+    positions = cache.length + mask.sum(-1) - 1
+    cache.static = True
+    try:
+        logits, hidden = target(tokens, positions, mask, cache, taps=taps)
+    finally:
+        cache.static = False
+    return logits, hidden, mask
+
+
+def device_round(target, cache, taps, tokens, parents):
+    """One T=0 round at the width of `tokens`: verify, accept walk, commit into the static cache. Returns (logits,
+    hidden, order, count, bonus), all on the device; cache.length has advanced by count."""
+    logits, hidden, mask = verify_at_width(target, cache, taps, tokens, parents)
+    _, order, count, bonus = walk(tokens, parents, mask, logits.argmax(-1))
+    cache.commit_order(order, count)
+    return logits, hidden, order, count, bonus

@@ -1,0 +1,211 @@
+"""--static-shapes on the torch backend (CPU): every verify at a fixed width over a static cache, the tree padded with
+dead leaves, mask, positions, accept walk and commit as device tensors (dtrt.runtime.static_round). The rounds give
+AR's tokens with drafts accepted, dead leaves are never accepted, the static cache holds what the growing one holds,
+and the round's device part compiles whole (torch.compile fullgraph=True). The CUDA graphs are the `gpu` test's."""
+
+import pytest
+import torch
+from helpers import PROMPTS, pipe_for, spec
+
+from dtrt.errors import DtrtError
+from dtrt.models.static_kv import StaticKVCache
+from dtrt.runtime.sampling import SamplingConfig
+from dtrt.runtime.static_round import WIDTHS, ancestors, device_round, padded, walk, width_for
+from dtrt.tree import Tree, accept
+
+CONTEXT = 256  # the static cache's context limit in these tests (the tiny target's 4,096 makes every call longer)
+MAX_NEW = 32
+
+
+def pipe(pair, method, **fields):
+    p = pipe_for(pair, spec(method, **fields))
+    p.backend.max_context = CONTEXT
+    return p
+
+
+def tokens_of(p, sampling=None):
+    sampling = sampling or SamplingConfig()
+    gens = [p.generate(p.tokenizer.encode(t, add_special_tokens=False), MAX_NEW, sampling) for t in PROMPTS[:3]]
+    return [g.tokens for g in gens], [g.tau for g in gens]
+
+
+@pytest.fixture(scope="module")
+def ar_tokens(tiny):
+    return tokens_of(pipe(tiny, "ar"))[0]
+
+
+@pytest.mark.parametrize("method", ["dominotree", "ddtree", "dflash", "lookup"])
+def test_padded_fixed_width_verify_gives_ar_tokens_with_drafts_accepted(tiny, ar_tokens, method):
+    p = pipe(tiny, method, static_shapes=True)
+    tokens, taus = tokens_of(p)
+    assert tokens == ar_tokens
+    assert sum(taus) / len(taus) > 1
+    assert isinstance(p.backend.cache, StaticKVCache) and p.backend.cache.capacity == CONTEXT
+
+
+def test_widths_and_padding():
+    assert [width_for(n) for n in (1, 2, 3, 5, 16, 17, 64)] == [1, 2, 4, 8, 16, 32, 64]
+    with pytest.raises(ValueError):
+        width_for(WIDTHS[-1] + 1)
+    tree = Tree.from_parents(torch.tensor([9, 4, 5, 6, 7]), [-1, 0, 0, 1, 3])
+    tokens, parents = padded(tree, 8)
+    assert parents[5:].tolist() == [-1] * 3
+    mask = ancestors(parents)
+    assert torch.equal(mask[:5, :5], tree.mask)
+    assert torch.equal(mask[5:], torch.eye(8, dtype=torch.bool)[5:])  # a dead leaf sees only itself
+    assert not mask[:5, 5:].any()  # and no node sees it
+
+
+def test_device_walk_is_the_host_walk():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        n = int(torch.randint(1, 16, (1,), generator=g))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        tree = Tree.from_parents(torch.randint(0, 4, (n,), generator=g), parents)
+        tokens, parents = padded(tree, width_for(n))
+        choice = torch.randint(0, 4, (len(tokens),), generator=g)
+        accepted, bonus = accept(tree, choice[:n])
+        got, order, count, dbonus = walk(tokens, parents, ancestors(parents), choice)
+        assert got.nonzero()[:, 0].tolist() == accepted and order[:count].tolist() == accepted
+        assert int(dbonus) == bonus
+
+
+def test_dead_leaves_are_never_accepted():
+    """A dead leaf carrying the very token the target chooses at the root: the root's own child is not it."""
+    tokens = torch.tensor([3, 8, 5, 5])  # root, a live child (8), two dead leaves carrying 5
+    parents = torch.tensor([-1, 0, -1, -1])
+    choice = torch.tensor([5, 1, 5, 5])  # the target chooses 5 at the root, and at the dead leaves
+    accepted, order, count, bonus = walk(tokens, parents, ancestors(parents), choice)
+    assert accepted.tolist() == [True, False, False, False] and int(count) == 1 and int(bonus) == 5
+
+
+def test_dead_leaf_with_the_targets_token_in_a_real_round(tiny):
+    p = pipe(tiny, "ar")
+    backend = p.backend
+    prompt = p.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    ar = p.generate(prompt, 2, SamplingConfig()).tokens
+    cache = StaticKVCache(backend.target.cfg, CONTEXT, WIDTHS[-1], backend.target.dtype)
+    n = len(prompt)
+    backend.target(torch.tensor(prompt), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache)
+    cache.commit(list(range(n)))
+    tokens = torch.tensor([ar[0], ar[1], ar[1], ar[1]])  # root, then three dead leaves holding AR's next token
+    parents = torch.tensor([-1, -1, -1, -1])
+    _, _, order, count, bonus = device_round(backend.target, cache, (), tokens, parents)
+    assert int(count) == 1 and order[0] == 0 and int(bonus) == ar[1] and int(cache.length) == n + 1
+
+
+def _prefilled(target, cache, prompt):
+    n = len(prompt)
+    target(torch.tensor(prompt), torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache)
+    cache.commit(list(range(n)))
+
+
+def test_static_cache_equals_the_growing_one(tiny):
+    """The same trees verified through both caches: the prefill's K/V bit for bit (the same call), then the same
+    accepted paths, bonus tokens and committed positions. After a verify the entries agree to 1e-4, not bit for bit:
+    SDPA over the whole buffer, the tree in the tail, rounds differently from SDPA over the past and the tree alone
+    (on the CPU neither layout of a masked buffer is bit for bit the short call). The commit itself moves entries
+    exactly (next test)."""
+    target = pipe(tiny, "ar").backend.target
+    prompt = list(range(5, 25))
+    grow, static = target.new_cache(CONTEXT), StaticKVCache(target.cfg, CONTEXT, WIDTHS[-1], target.dtype)
+    _prefilled(target, grow, prompt)
+    _prefilled(target, static, prompt)
+    n = len(prompt)
+    assert torch.equal(grow.k[:, :, :n], static.k[:, :, :n]) and torch.equal(grow.v[:, :, :n], static.v[:, :, :n])
+    root = 7
+    for _ in range(6):
+        tree = Tree.from_parents(torch.tensor([root, 11, 12, 13, 14]), [-1, 0, 0, 1, 2])
+        start = grow.past
+        logits, _ = target(tree.tokens, tree.positions(start), tree.mask, grow)
+        accepted, bonus = accept(tree, logits.argmax(-1))
+        grow.commit(accepted)
+        tokens, parents = padded(tree, width_for(len(tree)))
+        slogits, _, order, count, sbonus = device_round(target, static, (), tokens, parents)
+        static.past += int(count)
+        assert order[:count].tolist() == accepted and int(sbonus) == bonus
+        torch.testing.assert_close(slogits[: len(tree)], logits, rtol=0, atol=1e-4)
+        root = bonus
+    past = grow.past
+    assert int(static.length) == past
+    torch.testing.assert_close(static.k[:, :, :past], grow.k[:, :, :past], rtol=0, atol=1e-4)
+    torch.testing.assert_close(static.v[:, :, :past], grow.v[:, :, :past], rtol=0, atol=1e-4)
+
+
+def test_commit_moves_the_same_entries_bit_for_bit(tiny):
+    """The static commit (a gather from the tail) against KVCache's (a gather after the past), on the same K/V."""
+    target = pipe(tiny, "ar").backend.target
+    grow, static = target.new_cache(CONTEXT), StaticKVCache(target.cfg, CONTEXT, 8, target.dtype)
+    for cache in (grow, static):
+        _prefilled(target, cache, list(range(5, 15)))
+    new_k, new_v = torch.randn(2, *grow.k.shape[:2], 8, grow.k.shape[-1])
+    grow.k[:, :, 10:18], grow.v[:, :, 10:18] = new_k, new_v
+    static.k[:, :, CONTEXT:], static.v[:, :, CONTEXT:] = new_k, new_v
+    accepted = [0, 2, 5]
+    grow.commit(accepted)
+    static.commit_order(torch.tensor(accepted + [1, 3, 4, 6, 7]), torch.tensor(3))
+    assert int(static.length) == grow.past == 13
+    assert torch.equal(static.k[:, :, :13], grow.k[:, :, :13]) and torch.equal(static.v[:, :, :13], grow.v[:, :, :13])
+
+
+def test_sampling_consumes_randomness_as_the_plain_path(tiny):
+    """At T>0 the loop draws on the host walk (only the nodes it reaches), over the padded call's rows: the same
+    seed gives the non-static path's tokens."""
+    sampling = SamplingConfig(temperature=1.0, seed=3)
+    plain = tokens_of(pipe(tiny, "dominotree"), sampling)[0]
+    assert tokens_of(pipe(tiny, "dominotree", static_shapes=True), sampling)[0] == plain
+
+
+def _round_inputs(tiny):
+    target = pipe(tiny, "ar").backend.target
+    caches = []
+    for _ in range(2):
+        cache = StaticKVCache(target.cfg, 32, 8, target.dtype)
+        _prefilled(target, cache, list(range(5, 11)))
+        caches.append(cache)
+    tokens = torch.tensor([5, 7, 9, 7, 11, 0, 0, 0])
+    parents = torch.tensor([-1, 0, 0, 1, 3, -1, -1, -1])
+    return target, caches, tokens, parents
+
+
+def _compiled_equals_eager(tiny, backend, exact):
+    target, (eager, compiled), tokens, parents = _round_inputs(tiny)
+    fn = torch.compile(device_round, fullgraph=True, backend=backend)  # a graph break or a host sync raises
+    with torch.no_grad():
+        got = fn(target, compiled, (0, 1), tokens, parents)
+        want = device_round(target, eager, (0, 1), tokens, parents)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w) if exact or g.dtype == torch.long else torch.allclose(g, w, rtol=0, atol=1e-5)
+    assert torch.equal(compiled.length, eager.length)
+    torch.testing.assert_close(compiled.k, eager.k, rtol=0, atol=0 if exact else 1e-5)
+
+
+def test_round_compiles_whole(tiny):
+    """torch.compile(fullgraph=True) traces the round whole (Dynamo and AOTAutograd; bit for bit the eager round)."""
+    torch._dynamo.reset()
+    _compiled_equals_eager(tiny, "aot_eager", exact=True)
+
+
+@pytest.mark.slow
+def test_round_compiles_with_inductor(tiny):
+    torch._dynamo.reset()
+    _compiled_equals_eager(tiny, "inductor", exact=False)
+
+
+def test_static_shapes_refusals(tiny):
+    with pytest.raises(DtrtError, match="--static-shapes: the torch backend"):
+        spec("dominotree", static_shapes=True, backend="onnxruntime")
+    from dtrt.zoo.registry import tiny_hybrid_pair
+
+    with pytest.raises(DtrtError, match="recurrent layers"):
+        pipe_for(tiny_hybrid_pair(), spec("dominotree", static_shapes=True))
+
+
+@pytest.mark.gpu
+def test_captured_rounds_give_ar_tokens_on_cuda(tiny):
+    """One CUDA graph per width, captured at first use and replayed: AR's tokens, drafts accepted."""
+    ar = tokens_of(pipe_for(tiny, spec("ar"), device="cuda"))[0]
+    p = pipe_for(tiny, spec("dominotree", static_shapes=True), device="cuda")
+    p.backend.max_context = CONTEXT
+    tokens, taus = tokens_of(p)
+    assert tokens == ar and sum(taus) / len(taus) > 1 and p.backend.static.graphs
