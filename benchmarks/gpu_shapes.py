@@ -1,18 +1,26 @@
-"""Costs at Qwen3-4B shapes on the torch backend, random weights, inside a wall-clock budget:
+"""Costs at Qwen3-4B and Qwen3-8B shapes on the torch backend, random weights, eager against static shapes (captured
+in CUDA graphs on a GPU) side by side, inside a wall-clock budget:
 
-    build   the target (Qwen/Qwen3-4B's config) and the Domino-b16 drafter (5 layers, 5 taps, G 1024, E 256) parsed
-            from their config.json as released and made on the device with random weights (bf16 on CUDA, fp32 on
-            the CPU); nothing is written to disk
-    verify  milliseconds of one target verify call (TorchBackend.time_verify, the cost probes' call) of N new tokens
-            over a past of P cached tokens, median of repeats, and the ratio to N=1
-    rounds  DominoTree rounds of the real decode loop (dtrt.runtime.generate) after a prompt of P random tokens at
-            each budget: milliseconds a round spends drafting, building, verifying and committing, as dtrt bench
-            reports them (dtrt.bench.report.round_ms). Random weights accept nothing: these are costs, not speedups
+    build   per model (--models), the target (Qwen/Qwen3-4B's, Qwen/Qwen3-8B's config) and a Domino-b16 drafter
+            (5 layers, 5 taps, G 1024, E 256) parsed from their config.json as released and made on the device with
+            random weights (bf16 on CUDA, fp32 on the CPU); nothing is written to disk
+    verify  milliseconds of one target verify call of N new tokens over a past of P cached tokens, median of repeats,
+            and the ratio to N=1 (N=1 is the AR step). eager: TorchBackend.time_verify, the cost probes' call;
+            static: the --static-shapes round's device part at width N (verify, accept walk, commit and the one
+            read-back; a CUDA graph per width on a GPU)
+    rounds  DominoTree rounds (frontier builder) of the real decode loop (dtrt.runtime.generate) after a prompt of P
+            random tokens at each budget: milliseconds a round spends drafting, building, verifying and committing,
+            as dtrt bench reports them (dtrt.bench.report.round_ms). eager; static: --static-shapes, with
+            --cuda-graph's drafting graph on a GPU. Random weights accept nothing: these are costs, not speedups
+
+The speedup those step times give at a stated tau (--tau, an input: the paper's per-category tau, named as such,
+not measured here): tau x the AR step / a round at the first budget, 16 (its draft + build + verify + commit), per
+model and mode.
 
 Each section gets its share of --budget-s (what an earlier one leaves over carries on); a section out of time stops
 where it is and is recorded as cut short, and --json is rewritten after every section.
 
-    python benchmarks/gpu_shapes.py --device cuda --json gpu-shapes.json
+    python benchmarks/gpu_shapes.py --device cuda --budget-s 400 --tau qwen3-4b=7.98 --json gpu-shapes.json
     python benchmarks/gpu_shapes.py --device cpu --tiny --json /tmp/dry.json        # the same paths at tiny shapes
 """
 
@@ -38,6 +46,8 @@ from dtrt.runtime.generate import STAGES, Generation, generate
 from dtrt.runtime.methods import make_method
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import RunSpec
+from dtrt.runtime.static_round import WIDTHS
+from dtrt.tree import Tree
 
 SHARES = {"build": 0.3, "verify": 0.35, "rounds": 0.35}
 # the verify section's N and P and its (warm-up, timed) calls per shape; the rounds section's prompts and budgets
@@ -48,16 +58,26 @@ TINY_TARGET = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hi
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
 TINY_DRAFT = dict(TINY_TARGET, num_hidden_layers=2, num_target_layers=2, block_size=8)
 TINY_DFLASH = dict(mask_token_id=511, target_layer_ids=[0, 1], gru_hidden_dim=16, emb_dim=24)
+# Qwen/Qwen3-8B's config.json beside scale_check's Qwen3-4B (its embeddings are not tied)
+SHAPES = {
+    "qwen3-4b": (CONFIGS["qwen3-4b"], {}),
+    "qwen3-8b": (
+        {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "heads": 32, "kv": 8},
+        {"tie_word_embeddings": False},
+    ),
+}
+MODES = ("eager", "static")
+PAPER_TAU = {"qwen3-4b": (7.98, "the paper's tau for Qwen3-4B DominoTree@16, an input")}
 
 
 class Cut(Exception):
     """A section ran out of its time."""
 
 
-def configs(*, tiny: bool) -> tuple[dict, dict]:
+def configs(*, tiny: bool, model: str = "qwen3-4b") -> tuple[dict, dict]:
     """The target's and the Domino drafter's config.json as released (tiny: the same keys at tiny sizes)."""
-    c = CONFIGS["qwen3-4b"]
-    target, drafter = target_config(c), drafter_config(c, domino=True)
+    c, extra = SHAPES[model]
+    target, drafter = target_config(c) | extra, drafter_config(c, domino=True)
     if tiny:
         target |= TINY_TARGET
         drafter |= TINY_DRAFT
@@ -98,8 +118,9 @@ def made_as(*, device: torch.device, dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build(*, tiny: bool, device: torch.device, dtype: torch.dtype):
-    target_json, drafter_json = configs(tiny=tiny)
+def build(*, tiny: bool, device: torch.device, dtype: torch.dtype, model: str = "qwen3-4b"):
+    """(eager backend, static backend over the same modules, what was built)."""
+    target_json, drafter_json = configs(tiny=tiny, model=model)
     tcfg, dcfg, (gru, emb) = parse(target=target_json, drafter=drafter_json)
     with made_as(device=device, dtype=dtype):
         target = Target(tcfg)
@@ -107,9 +128,20 @@ def build(*, tiny: bool, device: torch.device, dtype: torch.dtype):
     random_init(target, seed=0)
     random_init(drafter, seed=1)
     backend = TorchBackend(target.eval(), drafter.eval(), device)
+    static = TorchBackend(target, drafter, device)  # its cache sized for the longest past asked (max_context None)
+    static.prepare(RunSpec(static_shapes=True))
     backend.synchronize()
     params = sum(p.numel() for p in target.parameters()), sum(p.numel() for p in drafter.parameters())
-    return backend, {"target_params": params[0], "drafter_params": params[1]}
+    return backend, static, {"target_params": params[0], "drafter_params": params[1]}
+
+
+def static_call(backend, *, n: int, past: int):
+    """One --static-shapes round's device part at width n over `past` cached entries, the cache put back after."""
+    cache = backend.cache
+    cache.past = past
+    cache.length.fill_(past)
+    backend.fused_round(Tree.chain([0] * (n - 1), root=0))
+    cache.past = past
 
 
 class Timer:
@@ -131,30 +163,47 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3
 
 
-def verify_section(backend, rows: list, *, ns, pasts, reps, deadline: float):
-    timer, (warmup, repeats) = Timer(backend.device), reps
-    backend.reset(max(pasts) + max(ns))  # time_verify reads the cache's first `past` entries, whatever they hold
+def verify_section(backends: dict, rows: list, *, model: str, ns, pasts, reps, deadline: float):
+    """backends: mode -> backend; each row names its model and mode (static: the widths in WIDTHS only)."""
+    for backend in backends.values():  # every call reads the cache's first `past` entries, whatever they hold
+        backend.reset(max(pasts) + max(ns))
+    timer, (warmup, repeats) = Timer(backends["eager"].device), reps
     for past in pasts:
         for n in ns:
-            if time.monotonic() > deadline:
-                raise Cut
-            call = lambda n=n, past=past: backend.time_verify(n, past)  # noqa: E731
-            for _ in range(warmup):
-                call()
-            times = [timer(call) for _ in range(repeats)]
-            rows.append({"past": past, "n": n, "ms": statistics.median(times), "min_ms": min(times)})
-            one = next(r["ms"] for r in rows if r["past"] == past and r["n"] == ns[0])
-            rows[-1]["over_n1"] = rows[-1]["ms"] / one
+            for mode, backend in backends.items():
+                if mode == "static" and n not in WIDTHS:
+                    continue
+                if time.monotonic() > deadline:
+                    raise Cut
+                if mode == "eager":
+                    call = lambda n=n, past=past, b=backend: b.time_verify(n, past)  # noqa: E731
+                else:
+                    call = lambda n=n, past=past, b=backend: static_call(b, n=n, past=past)  # noqa: E731
+                for _ in range(warmup):
+                    call()
+                times = [timer(call) for _ in range(repeats)]
+                row = {"model": model, "mode": mode, "past": past, "n": n}
+                rows.append(row | {"ms": statistics.median(times), "min_ms": min(times)})
+                one = next(
+                    r["ms"] for r in rows if (r["model"], r["mode"], r["past"], r["n"]) == (model, mode, past, ns[0])
+                )
+                rows[-1]["over_n1"] = rows[-1]["ms"] / one
 
 
-def rounds_section(backend, rows: list, *, prompts, budgets, deadline: float, seed: int = 0):
+def round_spec(*, mode: str, budget: int, device: torch.device) -> RunSpec:
+    graph = mode == "static" and device.type == "cuda"  # drafting and building captured too
+    return RunSpec(method="dominotree", budget=budget, builder="frontier", device=str(device), cuda_graph=graph,
+                   static_shapes=mode == "static")  # fmt: skip
+
+
+def rounds_section(backends: dict, rows: list, *, model: str, prompts, budgets, deadline: float, seed: int = 0):
     warm, timed = ROUNDS
-    vocab = backend.target.cfg.vocab_size
     for p in prompts:
-        prompt = torch.randint(0, vocab, (p,), generator=torch.Generator().manual_seed(seed)).tolist()
-        for budget in budgets:
-            method = make_method(RunSpec(method="dominotree", budget=budget, device=str(backend.device)))
-            row = {"prompt": p, "budget": budget, "rounds": 0}
+        for budget, (mode, backend) in ((b, m) for b in budgets for m in backends.items()):
+            vocab = backend.target.cfg.vocab_size
+            prompt = torch.randint(0, vocab, (p,), generator=torch.Generator().manual_seed(seed)).tolist()
+            method = make_method(round_spec(mode=mode, budget=budget, device=backend.device))
+            row = {"model": model, "mode": mode, "builder": "frontier", "prompt": p, "budget": budget, "rounds": 0}
             rows.append(row)
             for rounds, keep in ((warm, False), (timed, True)):
                 gen = Generation()
@@ -231,12 +280,33 @@ class Budget:
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
 
+def speedups(report: dict, taus: dict, budget: int) -> list[dict]:
+    """Per model and mode: tau x the AR step (verify N=1 at the first past) / a round at `budget` (the first
+    prompt): its draft + build + verify + commit."""
+    verify = report["sections"].get("verify", {}).get("rows", [])
+    rounds = [r for r in report["sections"].get("rounds", {}).get("rows", []) if "round_ms" in r]
+    out = []
+    for model, tau in taus.items():
+        for mode in MODES:
+            ar = [r for r in verify if (r["model"], r["mode"], r["n"]) == (model, mode, 1)]
+            rnd = [r for r in rounds if (r["model"], r["mode"], r["budget"]) == (model, mode, budget)]
+            if ar and rnd:
+                ar_ms, round_ms_ = ar[0]["ms"], rnd[0]["total_ms"]
+                out.append(
+                    {"model": model, "mode": mode, "tau": tau[0], "tau_is": tau[1], "budget": budget, "ar_ms": ar_ms,
+                     "round_ms": round_ms_, "speedup": tau[0] * ar_ms / round_ms_}
+                )  # fmt: skip
+    return out
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [
-        f"### Qwen3-4B shapes on the torch backend ({m['device']}, {m['dtype']}, torch {m['torch']})",
+        f"### Qwen3 shapes on the torch backend ({m['device']}, {m['dtype']}, torch {m['torch']})",
         "",
         "Random weights: what a round accepts means nothing (tau is shown as it came); these are costs, not speedups.",
+        "eager: the plain torch backend; static: --static-shapes (a CUDA graph per verify width on a GPU, and "
+        "--cuda-graph's drafting graph in the rounds).",
         "",
     ]
     if m["device"].startswith("cuda"):
@@ -251,23 +321,45 @@ def markdown(report: dict) -> str:
     verify = report["sections"].get("verify", {}).get("rows", [])
     if verify:
         ns = list(dict.fromkeys(r["n"] for r in verify))
-        lines += ["", "ms of one target verify call of N new tokens over a past of P (ratio to N=1)", ""]
-        lines += ["| P | " + " | ".join(f"N={n}" for n in ns) + " |", "|---" * (1 + len(ns)) + "|"]
-        for past in dict.fromkeys(r["past"] for r in verify):
-            cells = {r["n"]: f"{r['ms']:.2f} ({r['over_n1']:.2f}x)" for r in verify if r["past"] == past}
-            lines.append(f"| {past} | " + " | ".join(cells.get(n, "cut") for n in ns) + " |")
+        lines += ["", "ms of one target verify call of N new tokens over a past of P (ratio to N=1; N=1: the AR step)"]
+        lines += ["", "| model | mode | P | " + " | ".join(f"N={n}" for n in ns) + " |", "|---" * (3 + len(ns)) + "|"]
+        for key in dict.fromkeys((r["model"], r["past"], r["mode"]) for r in verify):
+            cells = {r["n"]: f"{r['ms']:.2f} ({r['over_n1']:.2f}x)" for r in verify
+                     if (r["model"], r["past"], r["mode"]) == key}  # fmt: skip
+            model, past, mode = key
+            lines.append(f"| {model} | {mode} | {past} | " + " | ".join(cells.get(n, "-") for n in ns) + " |")
     rounds = [r for r in report["sections"].get("rounds", {}).get("rows", []) if "round_ms" in r]
     if rounds:
         lines += ["", "DominoTree rounds: ms a round per stage (dtrt bench's round_ms), mean over the timed rounds", ""]
-        lines += [f"| prompt | budget | rounds | tau | nodes | {' | '.join(STAGES)} | total | prefill ms |"]
-        lines += ["|---" * (7 + len(STAGES)) + "|"]
+        lines += [
+            f"| model | mode | prompt | budget | rounds | tau | nodes | {' | '.join(STAGES)} | total | prefill ms |"
+        ]
+        lines += ["|---" * (9 + len(STAGES)) + "|"]
         for r in rounds:
             stages = " | ".join(f"{r['round_ms'][k]:.2f}" for k in STAGES)
             lines.append(
-                f"| {r['prompt']} | {r['budget']} | {r['rounds']} | {r['tau']:.2f} | {r['tree_size']:.1f} | "
-                f"{stages} | {r['total_ms']:.2f} | {r['prefill_ms']:.1f} |"
+                f"| {r['model']} | {r['mode']} | {r['prompt']} | {r['budget']} | {r['rounds']} | {r['tau']:.2f} | "
+                f"{r['tree_size']:.1f} | {stages} | {r['total_ms']:.2f} | {r['prefill_ms']:.1f} |"
             )
+    for r in report.get("speedups", []):
+        lines.append(
+            f"\n- {r['model']}, {r['mode']}: {r['speedup']:.2f}x at tau {r['tau']} ({r['tau_is']}): AR step "
+            f"{r['ar_ms']:.2f} ms, a budget-{r['budget']} round {r['round_ms']:.2f} ms"
+        )
     return "\n".join(lines) + "\n"
+
+
+def taus_from(values: list[str], models: list[str]) -> dict:
+    """model -> (tau, what it is): --tau MODEL=VALUE (or VALUE for every model); the paper's Qwen3-4B figure where
+    none is given."""
+    taus = {m: PAPER_TAU[m] for m in models if m in PAPER_TAU}
+    for v in values:
+        model, _, tau = v.rpartition("=")
+        for m in [model] if model else models:
+            if m not in models:
+                raise SystemExit(f"error: --tau {v}: {m} is not among --models {','.join(models)}")
+            taus[m] = (float(tau), "given with --tau, an input")
+    return taus
 
 
 def machine(device: torch.device, dtype: torch.dtype) -> dict:
@@ -281,9 +373,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU dry run)")
+    ap.add_argument("--models", default="qwen3-4b,qwen3-8b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    tau_help = "the tau the speedup is stated at (default: qwen3-4b=7.98, the paper's DominoTree@16)"
+    ap.add_argument("--tau", action="append", default=[], metavar="[MODEL=]TAU", help=tau_help)
     ap.add_argument("--budget-s", type=float, default=150.0, help="seconds for all sections (after the imports)")
     ap.add_argument("--json", metavar="PATH", help="the report, rewritten after every section")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(argv)  # fmt: skip
+    models_asked = [m for m in args.models.split(",") if m]
+    if unknown := [m for m in models_asked if m not in SHAPES]:
+        raise SystemExit(f"error: --models {','.join(unknown)}: use {', '.join(SHAPES)}")
+    taus = taus_from(args.tau, models_asked)
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -300,25 +399,30 @@ def main(argv=None):
     models = {}
 
     def save():
+        report["speedups"] = speedups(report, taus, shapes["budgets"][0])
         if args.json:
             write_json(Path(args.json), report)
 
     def make(*, deadline):
-        models["backend"], info = build(tiny=args.tiny, device=device, dtype=dtype)
-        secs["build"].update(info)
+        for m in models_asked:
+            eager, static, info = build(tiny=args.tiny, device=device, dtype=dtype, model=m)
+            models[m] = {"eager": eager, "static": static}
+            secs["build"].setdefault("models", {})[m] = info
 
     def verify(*, deadline):
-        verify_section(models["backend"], secs["verify"]["rows"], deadline=deadline,
-                       **{k: shapes[k] for k in ("ns", "pasts", "reps")})  # fmt: skip
+        for m, backends in models.items():
+            verify_section(backends, secs["verify"]["rows"], model=m, deadline=deadline,
+                           **{k: shapes[k] for k in ("ns", "pasts", "reps")})  # fmt: skip
 
     def rounds(*, deadline):
-        rounds_section(models["backend"], secs["rounds"]["rows"], deadline=deadline,
-                       prompts=shapes["prompts"], budgets=shapes["budgets"])  # fmt: skip
+        for m, backends in models.items():
+            rounds_section(backends, secs["rounds"]["rows"], model=m, deadline=deadline,
+                           prompts=shapes["prompts"], budgets=shapes["budgets"])  # fmt: skip
 
     for name, fn in (("build", make), ("verify", verify), ("rounds", rounds)):
         secs[name] = {"status": "running", **({"rows": []} if name != "build" else {})}
         save()  # a run killed in this section still leaves the earlier ones
-        if name == "build" or "backend" in models:
+        if name == "build" or models:
             budget.run(name, fn, secs[name])
         else:
             budget.left.pop(name)

@@ -34,19 +34,32 @@ def positive(x) -> bool:
 
 
 def test_dry_run_measures_both_sections(tmp_path):
-    run, report = dry_run(tmp_path)
+    """Both models, eager and static side by side, and the speedup at the stated tau, named as an input."""
+    run, report = dry_run(tmp_path, "--tau", "qwen3-8b=3.5")
     secs = report["sections"]
     assert [secs[s]["status"] for s in ("build", "verify", "rounds")] == ["done"] * 3
+    assert set(secs["build"]["models"]) == {"qwen3-4b", "qwen3-8b"}
     verify = secs["verify"]["rows"]
-    assert {(r["past"], r["n"]) for r in verify} == {(p, n) for p in (32, 64) for n in (1, 2, 4, 8)}
+    expect = {(m, mode, p, n) for m in ("qwen3-4b", "qwen3-8b") for mode in ("eager", "static") for p in (32, 64)
+              for n in (1, 2, 4, 8)}  # fmt: skip
+    assert {(r["model"], r["mode"], r["past"], r["n"]) for r in verify} == expect
     assert all(positive(r["ms"]) and positive(r["over_n1"]) for r in verify)
     rounds = secs["rounds"]["rows"]
-    assert [(r["prompt"], r["budget"]) for r in rounds] == [(32, 4), (32, 8)]
+    keys = [(r["model"], r["mode"], r["prompt"], r["budget"]) for r in rounds]
+    assert keys == [(m, mode, 32, b) for m in ("qwen3-4b", "qwen3-8b") for b in (4, 8) for mode in ("eager", "static")]
     for r in rounds:
-        assert r["rounds"] == 6 and positive(r["tau"]) and positive(r["total_ms"])
+        assert r["rounds"] == 6 and positive(r["tau"]) and positive(r["total_ms"]) and r["builder"] == "frontier"
         assert set(r["round_ms"]) == {"draft", "build", "verify", "commit"}
         assert all(positive(v) for v in r["round_ms"].values())
-    assert "| P | N=1 | N=2 | N=4 | N=8 |" in run.stdout and "| prompt | budget |" in run.stdout
+    speedups = {(s["model"], s["mode"]): s for s in report["speedups"]}
+    assert set(speedups) == {(m, mode) for m in ("qwen3-4b", "qwen3-8b") for mode in ("eager", "static")}
+    four, eight = speedups["qwen3-4b", "static"], speedups["qwen3-8b", "eager"]
+    assert four["tau"] == 7.98 and "the paper's tau for Qwen3-4B DominoTree@16" in four["tau_is"]
+    assert eight["tau"] == 3.5 and "given with --tau" in eight["tau_is"] and four["budget"] == 4
+    assert math.isclose(eight["speedup"], 3.5 * eight["ar_ms"] / eight["round_ms"])
+    assert "| model | mode | P | N=1 | N=2 | N=4 | N=8 |" in run.stdout
+    assert "| model | mode | prompt | budget |" in run.stdout
+    assert "at tau 7.98 (the paper's tau for Qwen3-4B DominoTree@16, an input)" in run.stdout
 
 
 def test_no_time_left_cuts_sections_short(tmp_path):
