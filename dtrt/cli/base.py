@@ -91,6 +91,8 @@ def method_options(f):
         option_from(RunSpec, "static_shapes"),
         option_from(RunSpec, "lookup", "--lookup/--no-lookup", default=FILLED_IN, help=f"Default: {lookup_help()}."),
         option_from(RunSpec, "draft_vocab", replace_help=True, help=DRAFT_VOCAB_HELP),
+        option_from(RunSpec, "prefix_cache_mb"),
+        click.option("--no-prefix-cache", is_flag=True, help="restore no prompt prefix from earlier requests"),
     ]
     for opt in reversed(opts):
         f = opt(f)

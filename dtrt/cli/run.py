@@ -109,6 +109,7 @@ def _run_jsonl(pipe, requests, chat, truncate, source):
         click.echo(json.dumps(({} if rid is None else {"id": rid}) | c.to_json(pipe.spec)))
         if c.stop_reason == "cancelled":
             sys.exit(130)
+        pipe.remember(ids + c.tokens)  # a later line that continues this conversation restores them
 
 
 NEW_CHAT = "/new"
@@ -213,6 +214,10 @@ def repl(pipe, defaults: Request, chat: bool, truncate: bool, read_line, write, 
         log(stats_line(c, pipe.spec.method))
         if history is not None:
             history += [{"role": "user", "content": line}, {"role": "assistant", "content": c.text}]
+            try:
+                pipe.remember(ids + c.tokens)  # while the next line is typed: its prompt restores them
+            except KeyboardInterrupt:  # nothing is kept; the next generation starts from a reset
+                pass
 
 
 def _turn(pipe, defaults: Request, line: str, history: list[dict] | None, chat: bool, truncate: bool, log):

@@ -80,6 +80,8 @@ def resolve_spec(
     static_shapes: bool = False,
     lookup: bool | None = None,
     draft_vocab: str | None = None,
+    prefix_cache_mb: int | None = None,
+    no_prefix_cache: bool = False,
     **unused,
 ) -> RunSpec:
     """The RunSpec the flags describe, defaults applied and every value checked (RunSpec checks its values; the
@@ -97,6 +99,8 @@ def resolve_spec(
         quant = default_quant(model)
     if method is None:
         method = "dominotree" if cuda_graph else default_method(model, quant)
+    if no_prefix_cache and prefix_cache_mb is not None:
+        raise DtrtError(f"--prefix-cache-mb {prefix_cache_mb} and --no-prefix-cache exclude each other: pass one")
     if lookup is None:  # the registry's choice where it measured it: a CPU, the heap
         on_heap = builder in (None, "heap") and not cuda_graph and device_kind(device) == "cpu"
         lookup = on_heap and default_lookup(model, quant, method)
@@ -122,6 +126,7 @@ def resolve_spec(
         static_shapes=static_shapes,
         lookup=lookup,
         draft_vocab=draft_vocab,
+        prefix_cache_mb=0 if no_prefix_cache else prefix_cache_mb,
     )
     if spec.backend == "onnxruntime" and device_kind(device) == "cuda":  # its CUDA provider first: the fix differs
         import onnxruntime as ort

@@ -13,6 +13,7 @@ import torch
 from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.grammar import Grammar, GrammarState
 from dtrt.runtime.methods import Method
+from dtrt.runtime.prefix_cache import PrefixCache, chunk_for, kept, prefill, restore
 from dtrt.runtime.sampling import SamplingConfig, chooser, draw
 from dtrt.runtime.spec import RunSpec
 from dtrt.tree import Tree, accept, first_nodes
@@ -61,6 +62,8 @@ class Step:
     tokens: list[int]  # cut after an EOS token and at max_new_tokens
     stats: RoundStats | None = None  # None: the token chosen at prefill
     prefill_s: float = 0.0  # on the prefill step: prompt forward, first choice, drafter context
+    cached: int = 0  # on the prefill step: prompt positions restored from the prefix cache
+    saved_s: float = 0.0  # and the prefill time they took, less the restore's
     end: str | None = None  # "eos" or "length" when the generation ends with this step
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked
 
@@ -70,6 +73,8 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     rounds: list[RoundStats] = field(default_factory=list)
     prefill_s: float = 0.0
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache
+    prefill_saved_s: float = 0.0  # the prefill time they saved
     decode_s: float = 0.0
     stop_reason: str = "length"  # "eos" | "length" | "stop" | "cancelled" (the last two: set by the consumer)
     logprobs: list[TokenLogprob] | None = None  # one per token, when the stream carries them
@@ -84,6 +89,7 @@ class Generation:
             self.logprobs.extend(step.logprobs)
         if step.stats is None:
             self.prefill_s, self._decode_t0 = step.prefill_s, now
+            self.cached_tokens, self.prefill_saved_s = step.cached, step.saved_s
         else:
             self.rounds.append(step.stats)
             self.decode_s = now - self._decode_t0
@@ -105,6 +111,8 @@ class Generation:
             "tokens_per_s": self.tokens_per_s,
             "rounds": len(self.rounds),
             "prefill_s": self.prefill_s,
+            "cached_tokens": self.cached_tokens,
+            "prefill_saved_s": self.prefill_saved_s,
             "decode_s": self.decode_s,
             "stop_reason": self.stop_reason,
             "stage_s": {k: sum(getattr(r, f"{k}_s") for r in self.rounds) for k in STAGES},
@@ -163,11 +171,13 @@ def generate(
     budget: int = RunSpec.budget,
     logprobs: int | None = None,
     grammar: Grammar | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Iterator[Step]:
     """Up to `max_new_tokens` tokens after `prompt`, one Step per round; with `logprobs` k (0..MAX_TOP_LOGPROBS)
     each Step carries its tokens' TokenLogprobs with the top k alternatives (None: none, nothing computed).
     With a `grammar` (structured output) every choice is the target's under the grammar's mask at its path: trees
-    hold only allowed and forced tokens (dtrt.tree.grammar), so the output is AR's under the same grammar."""
+    hold only allowed and forced tokens (dtrt.tree.grammar), so the output is AR's under the same grammar.
+    With a `prefix_cache` the prompt's longest cached prefix is restored, not prefilled (dtrt.runtime.prefix_cache)."""
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"logprobs {logprobs}: must be in [0, {MAX_TOP_LOGPROBS}]")
     drafter = backend.drafter if method.uses_drafter else None
@@ -186,20 +196,23 @@ def generate(
 
     t0 = time.perf_counter()
     n = len(prompt)
-    logits, hidden = backend.target_forward(torch.tensor(prompt), torch.arange(n), torch.ones(n, n).tril().bool())
-    backend.commit(torch.arange(n))
+    hit, took = restore(backend, prefix_cache, prompt, n - 1)  # the first choice comes from a real forward
+    logits = prefill(backend, prompt, hit.tokens, drafter is not None, chunk_for(backend))
     state = method.grammar = None if grammar is None else GrammarState(grammar, logits.shape[-1])
     root = choose(logits[-1:], sampling, gen, state, [()])(0)
     if state is not None and root not in eos:
         state.commit([root])
     method.begin(prompt)
     if drafter is not None:
-        backend.draft_context(hidden, torch.arange(n))
         method.prepare(backend, drafter.cfg.k_draft)
     tokens, end = cut([root])
     produced += len(tokens)
     lps = token_logprobs(logits[-1:], tokens, logprobs) if logprobs is not None else None
-    yield Step(tokens, prefill_s=time.perf_counter() - t0, end=end, logprobs=lps)
+    prefill_s = time.perf_counter() - t0
+    yield Step(tokens, prefill_s=prefill_s, end=end, logprobs=lps, cached=hit.tokens, saved_s=hit.saved_s)
+    if prefix_cache is not None and (keep := kept(n)) > hit.tokens:  # kept after the first token is out
+        seconds = took + prefill_s * (keep - hit.tokens) / (n - hit.tokens)
+        prefix_cache.store(prompt[:keep], backend.snapshot(keep), seconds)
     # the committed rows the drafter has not read yet: its context is brought up to date only in a round that
     # drafts, in one call, so rounds that verify the root alone (cadominotree's gate) cost what an AR step costs
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []

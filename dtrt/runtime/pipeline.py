@@ -15,6 +15,7 @@ from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.generate import Generation, Step, capacity_for, collect, generate
 from dtrt.runtime.grammar import Grammar
 from dtrt.runtime.methods import Method, make_method
+from dtrt.runtime.prefix_cache import DEFAULT_MB, PrefixCache, remember
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import RunSpec
 
@@ -39,6 +40,7 @@ class Pipeline:
     spec: RunSpec
     tokenizer: object
     eos: tuple[int, ...]
+    prefix_cache: PrefixCache | None = None
 
     def prompt_room(self, max_new_tokens: int) -> int | None:
         """The most prompt tokens that fit with `max_new_tokens` into the backend's context (None: no limit)."""
@@ -91,7 +93,15 @@ class Pipeline:
             self.spec.budget,
             logprobs,
             grammar,
+            self.prefix_cache,
         )
+
+    def remember(self, tokens: list[int]):
+        """Keep `tokens` (a request's prompt and what it generated) in the prefix cache, prefilling the positions it
+        lacks: the next turn of the conversation restores them. Run where the pipeline would otherwise be idle."""
+        limit = self.backend.max_context
+        if self.prefix_cache is not None and (limit is None or len(tokens) <= limit):
+            remember(self.backend, self.prefix_cache, tokens, self.method.uses_drafter)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig) -> Generation:
         return collect(self.stream(prompt_ids, max_new_tokens, sampling))
@@ -127,7 +137,21 @@ def open_pipeline(spec: RunSpec, sources: Sources) -> Pipeline:
         import torch
 
         torch.set_num_threads(spec.threads)
-    return Pipeline(backend, method, spec, tokenizer, stop_ids(config_eos, tokenizer, folder))
+    eos = stop_ids(config_eos, tokenizer, folder)
+    return Pipeline(backend, method, spec, tokenizer, eos, prefix_cache(spec, backend))
+
+
+def prefix_cache(spec: RunSpec, backend: Backend) -> PrefixCache | None:
+    """The spec's prefix cache: on by default where the backend can snapshot its state, silently off where it
+    cannot unless --prefix-cache-mb asked for it (one line)."""
+    if spec.prefix_cache_mb == 0:
+        return None
+    refusal = backend.snapshot_refusal()
+    if refusal is None:
+        return PrefixCache(spec.prefix_cache_mb or DEFAULT_MB)
+    if spec.prefix_cache_mb is not None:
+        raise DtrtError(f"--prefix-cache-mb {spec.prefix_cache_mb}: {refusal}; drop it (or pass --no-prefix-cache)")
+    return None
 
 
 def backend_class(name: str) -> type[Backend]:

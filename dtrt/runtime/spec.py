@@ -82,6 +82,10 @@ class RunSpec:
     lookup: bool = False
     """DominoTree's heap builder also takes prompt lookup's chains (`--lookup`): one tree, one budget, each lookup
     node scored by its parent's path probability times the request's measured acceptance of lookup nodes."""
+    prefix_cache_mb: int | None = None
+    """MiB of prefix snapshots kept across requests (`--prefix-cache-mb`, least recently used first): a prompt that
+    begins with tokens a snapshot holds restores them instead of prefilling them. None: 1024 where the backend can
+    snapshot its state (a dense target), else off; 0: off (`--no-prefix-cache`)."""
 
     def __post_init__(self):
         for flag, value, allowed in (
@@ -105,6 +109,8 @@ class RunSpec:
                 raise DtrtError(f"{flag} {value}: must be >= {low}")
         if self.threads is not None and self.threads < 1:
             raise DtrtError(f"--threads {self.threads}: must be >= 1")
+        if self.prefix_cache_mb is not None and self.prefix_cache_mb < 0:
+            raise DtrtError(f"--prefix-cache-mb {self.prefix_cache_mb}: must be >= 0 (0, or --no-prefix-cache: off)")
         cls = method_class(self.method)
         if self.lookup and not cls.takes_lookup:
             takers = " or ".join(n for n, m in REGISTRY.items() if m.takes_lookup)

@@ -34,7 +34,7 @@ class Metrics:
                     (ttft_s, len(gen.tokens), len(gen.rounds), sum(r.accepted for r in gen.rounds), gen.decode_s)
                 )
 
-    def snapshot(self, waiting: int, running: int) -> dict:
+    def snapshot(self, waiting: int, running: int, prefix_cache: dict | None = None) -> dict:
         with self._lock:
             recent = list(self.recent)
             outcomes = {k: self.outcomes[k] for k in OUTCOMES}
@@ -55,7 +55,7 @@ class Metrics:
                 "sum": sum(ttft),
                 "count": len(ttft),
             },
-        }
+        } | ({"prefix_cache": prefix_cache} if prefix_cache is not None else {})
 
 
 def prometheus(snap: dict) -> str:
@@ -84,6 +84,8 @@ def prometheus(snap: dict) -> str:
         f"dtrt_time_to_first_token_seconds_sum {ttft['sum']}",
         f"dtrt_time_to_first_token_seconds_count {ttft['count']}",
     ]
+    if "prefix_cache" in snap:
+        lines += _prefix_cache(snap["prefix_cache"])
     if "replicas" in snap:
         lines += _replicas(snap)
     return "\n".join(lines) + "\n"
@@ -115,4 +117,25 @@ def _replicas(snap: dict) -> list[str]:
         kind = "counter" if name.endswith("_total") else "gauge"
         lines += [f"# HELP dtrt_replica_{name} {doc}", f"# TYPE dtrt_replica_{name} {kind}"]
         lines += [f"dtrt_replica_{name}{{{lab}}} {r[key]}" for r, lab in zip(live, label)]
+    return lines
+
+
+PREFIX_CACHE = (  # (key, name, kind, help) of dtrt.runtime.prefix_cache.PrefixCache.snapshot
+    ("lookups", "lookups_total", "counter", "Requests that looked for a cached prompt prefix."),
+    ("hits", "hits_total", "counter", "Requests that restored a cached prompt prefix."),
+    ("hit_tokens", "hit_tokens_total", "counter", "Prompt tokens restored instead of prefilled."),
+    ("saved_s", "saved_seconds_total", "counter", "Prefill seconds the restored tokens took, less the restores."),
+    ("evictions", "evictions_total", "counter", "Snapshots dropped, least recently used first, to fit the limit."),
+    ("fills", "fills_total", "counter", "Answered conversations prefilled into the cache while idle."),
+    ("entries", "entries", "gauge", "Snapshots held."),
+    ("bytes", "bytes", "gauge", "Bytes the snapshots hold."),
+    ("limit_bytes", "limit_bytes", "gauge", "--prefix-cache-mb in bytes."),
+)
+
+
+def _prefix_cache(cache: dict) -> list[str]:
+    lines = []
+    for key, name, kind, doc in PREFIX_CACHE:
+        lines += [f"# HELP dtrt_prefix_cache_{name} {doc}", f"# TYPE dtrt_prefix_cache_{name} {kind}"]
+        lines.append(f"dtrt_prefix_cache_{name} {cache[key]}")
     return lines

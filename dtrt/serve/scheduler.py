@@ -116,6 +116,18 @@ class Scheduler:
             with self._cond:
                 self.running = None
             job.post(*event)  # after the bookkeeping, so a client that has its answer sees the server idle
+            if event[0] == "done" and event[1].stop_reason != "cancelled":
+                self._remember(job, event[1])
+
+    def _remember(self, job: Job, c):
+        """The answered conversation into the prefix cache (its prompt and generated tokens prefilled), while no
+        request waits: its next turn restores them (dtrt.runtime.prefix_cache)."""
+        if getattr(self.pipe, "prefix_cache", None) is None or self.waiting:
+            return
+        try:
+            self.pipe.remember(job.ids + c.tokens)
+        except Exception as e:  # the cache is an optimization: serving goes on without it
+            self.log(f"prefix cache: keeping the answered tokens failed: {e.__class__.__name__}: {e}")
 
     def _run(self, job: Job) -> tuple[str, object]:
         started = job.started = time.perf_counter()

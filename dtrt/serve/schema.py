@@ -141,9 +141,16 @@ class Choice:
 
 
 def usage(choices: list[Completion]) -> dict:
-    """Prompt tokens once, completion tokens over every choice."""
+    """Prompt tokens once, completion tokens over every choice; the prompt tokens restored from the prefix cache
+    (the first choice's) as OpenAI reports cached ones."""
     prompt, completion = choices[0].prompt_tokens, sum(len(c.tokens) for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = choices[0].generation.cached_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def stats(c: Completion, method: str) -> dict:
@@ -155,6 +162,8 @@ def stats(c: Completion, method: str) -> dict:
         "rounds": len(g.rounds),
         "tokens_per_s": g.tokens_per_s,
         "prefill_s": g.prefill_s,
+        "cached_tokens": g.cached_tokens,
+        "prefill_saved_s": g.prefill_saved_s,
         "decode_s": g.decode_s,
     }
 

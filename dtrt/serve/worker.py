@@ -117,7 +117,12 @@ class Worker:
         return self.scheduler.alive()
 
     def snapshot(self) -> dict:
-        return self.metrics.snapshot(len(self.scheduler.waiting), int(self.scheduler.running is not None))
+        cache = getattr(self.pipe, "prefix_cache", None)
+        return self.metrics.snapshot(
+            len(self.scheduler.waiting),
+            int(self.scheduler.running is not None),
+            cache.snapshot() if cache is not None else None,
+        )
 
     async def metrics_snapshot(self) -> dict:
         return self.snapshot()

@@ -88,6 +88,18 @@ class Backend(ABC):
     def commit(self, accepted) -> None:
         """Keep the accepted entries of the last target_forward (indices into its N, ascending, root first)."""
 
+    def snapshot_refusal(self) -> str | None:
+        """Why this backend's state cannot be snapshotted for the prefix cache (None: it can)."""
+        return "this backend keeps no prefix snapshots"
+
+    def snapshot(self, n: int) -> tuple:
+        """Copies of the first `n` committed positions' state: the target's K/V, the drafter's context K/V."""
+        raise NotImplementedError
+
+    def restore(self, saved: tuple, n: int) -> None:
+        """Right after reset: the first `n` positions of a snapshot as the committed past (drafter context too)."""
+        raise NotImplementedError
+
     def verify(self, tree: Tree, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A round's target call over `tree` rooted at position `start`: its rows' logits and hidden states (the
         torch backend under --static-shapes: a call at the next fixed width, the tree padded with dead leaves)."""

@@ -328,6 +328,28 @@ class ExportedBackend(Backend):
             self.recurrent_state.take(slice(None), states, windows, int(accepted[-1]))
             self._new_states = None
 
+    # the prefix cache (dtrt.runtime.prefix_cache): TargetKV's [layers, kv_heads, n, head_dim], LayerKV's
+    # [layers, n, kv_heads, head_dim]
+    def snapshot_refusal(self):
+        if self.recurrent:
+            return "a hybrid (Gated-DeltaNet) target's recurrent state is not snapshotted at a prefix's end"
+        return None
+
+    def snapshot(self, n: int) -> tuple:
+        out = (self.cache.k[:, :, :n].clone(), self.cache.v[:, :, :n].clone())
+        if self.draft_cache is not None:
+            out += (self.draft_cache.k[:, :n].clone(), self.draft_cache.v[:, :n].clone())
+        return out
+
+    def restore(self, saved: tuple, n: int):
+        self.cache.k[:, :, :n] = saved[0][:, :, :n]
+        self.cache.v[:, :, :n] = saved[1][:, :, :n]
+        self.cache.length = n
+        if self.draft_cache is not None:
+            self.draft_cache.k[:, :n] = saved[2][:, :n]
+            self.draft_cache.v[:, :n] = saved[3][:, :n]
+            self.draft_cache.length = n
+
     def _draft_columns(self) -> tuple[torch.Tensor | None, int | None]:
         """An export of layout 15 on gives a subset's base logits over the subset's columns; earlier ones scattered
         them into the whole vocabulary."""

@@ -212,3 +212,26 @@ class TorchBackend(Backend):
             self.synchronize()
         finally:
             self.cache.past = saved
+
+    # the prefix cache (dtrt.runtime.prefix_cache): the target's K/V [layers, kv_heads, n, head_dim], the drafter's
+    def snapshot_refusal(self):
+        if type(self.target) is not Target:
+            return "a hybrid (Gated-DeltaNet) target's recurrent state is not snapshotted at a prefix's end"
+        if getattr(self, "static", None) is not None:
+            return "--static-shapes keeps the target's K/V in a fixed buffer that prefix snapshots do not restore"
+        return None
+
+    def snapshot(self, n: int) -> tuple:
+        out = (self.cache.k[..., :n, :].clone(), self.cache.v[..., :n, :].clone())
+        if self.draft_cache is not None:
+            out += (self.draft_cache.k[:, :, :n].clone(), self.draft_cache.v[:, :, :n].clone())
+        return out
+
+    def restore(self, saved: tuple, n: int):
+        self.cache.k[..., :n, :] = saved[0][..., :n, :]
+        self.cache.v[..., :n, :] = saved[1][..., :n, :]
+        self.cache.past = n
+        if self.draft_cache is not None:
+            self.draft_cache.k[:, :, :n] = saved[2][:, :, :n]
+            self.draft_cache.v[:, :, :n] = saved[3][:, :, :n]
+            self.draft_cache.length = n
