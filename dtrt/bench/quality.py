@@ -276,7 +276,8 @@ def quality(
             rows += compare(ref, got, datasets, prompt_sets, label)
     got = peer(seqs, prompt_ids, max_new_tokens) if peer else None
     if got is not None:
-        rows += [r | {"gated": False} for r in compare(ref, got, datasets, prompt_sets, this_path())]
+        # its path: the peer's own build (MLAS's kernel path says nothing of llama.cpp's)
+        rows += [r | {"gated": False} for r in compare(ref, got, datasets, prompt_sets, got["isa"])]
     return rows
 
 
