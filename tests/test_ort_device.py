@@ -106,8 +106,11 @@ BINDING_VARIANTS = [spec("ar"), spec("ddtree"), spec("dominotree"), spec("domino
 def binding_pipeline(exp, run, monkeypatch):
     """The pipeline open_pipeline makes for `run` on ONNX Runtime, its backend running every stage through IO
     binding; plain InferenceSession.run is made to fail."""
-    real = ort_backend.OrtBackend
-    monkeypatch.setattr(ort_backend, "OrtBackend", lambda *args, **kw: real(*args, **kw, binding=True))
+    class Bound(ort_backend.OrtBackend):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw, binding=True)
+
+    monkeypatch.setattr(ort_backend, "OrtBackend", Bound)
     pipe = pipe_for(None, run, backend="onnxruntime", export=exp.path, threads=1)
     assert pipe.backend.runner.binding and pipe.backend.name == "onnxruntime"
 

@@ -303,7 +303,7 @@ class FakePipe:
     def __init__(self, tokenizer, rounds):
         self.tokenizer, self.rounds, self.closed = tokenizer, rounds, False
 
-    def stream(self, ids, max_new_tokens, sampling, logprobs=None):
+    def stream(self, ids, max_new_tokens, sampling, logprobs=None, grammar=None):
         try:
             for r in self.rounds:
                 yield Step(r)
