@@ -7,6 +7,7 @@ of tokens after the round's root. Nothing here imports the grammar engine."""
 
 import torch
 
+from dtrt.tree.column_scorer import ColumnScorer
 from dtrt.tree.tree import Tree
 
 
@@ -56,33 +57,18 @@ def fit_tree(tree: Tree, masks, *, room: int, max_depth: int | None = None) -> T
     return Tree.from_parents(out_tokens, out_parents, out_scores)
 
 
-class GrammarScorer:
+class GrammarScorer(ColumnScorer):
     """`inner`'s children at each node, kept where the grammar allows them at the node's path; where it forces one
     token, that token alone at log-prob 0 (the node's score carries over). A state is the inner state with one more
     column, the index of the node's path in this round's list of paths (float64, as LookupScorer's trie column)."""
 
     def __init__(self, inner, masks):
-        if inner.batch != 1:
-            raise ValueError(f"GrammarScorer scores one request; the scorer holds {inner.batch}")
-        self.inner, self.masks = inner, masks
-        self.round, self.batch, self.depth, self.k = inner.round, inner.batch, inner.depth, inner.k
+        super().__init__(inner)
+        self.masks = masks
         self.paths: list[tuple] = [()]
-        self.dtype = None
 
     def reads_state(self, depth: int) -> bool:
         return True  # the path column, whatever the inner scorer reads
-
-    def _split(self, states: torch.Tensor):
-        return states[..., :-1].to(self.dtype), states[..., -1].long()
-
-    def _join(self, states: torch.Tensor, at) -> torch.Tensor:
-        at = torch.as_tensor(at, dtype=torch.float64, device=states.device).reshape(*states.shape[:-1], 1)
-        return torch.cat([states.to(torch.float64), at], dim=-1)
-
-    def root_states(self) -> torch.Tensor:
-        s = self.inner.root_states()
-        self.dtype = s.dtype
-        return self._join(s, [0] * s.shape[0])
 
     def children(self, states: torch.Tensor, depth: int):
         inner, at = self._split(states)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dtrt.tree.column_scorer import ColumnScorer
 from dtrt.tree.tree import Tree
 
 
@@ -40,27 +41,12 @@ class Trie:
         return at
 
 
-class LookupScorer:
+class LookupScorer(ColumnScorer):
     """`inner`'s children, and the trie's at each node on it, a child at draft depth d scored log_accept[d]."""
 
     def __init__(self, inner, trie: Trie, log_accept: list[float]):
-        if inner.batch != 1:
-            raise ValueError(f"LookupScorer scores one request; the scorer holds {inner.batch}")
-        self.inner, self.trie, self.log_accept = inner, trie, log_accept
-        self.round, self.batch, self.depth, self.k = inner.round, inner.batch, inner.depth, inner.k
-        self.dtype = None
-
-    def _split(self, states: torch.Tensor):
-        return states[..., :-1].to(self.dtype), states[..., -1].long()
-
-    def _join(self, states: torch.Tensor, at) -> torch.Tensor:
-        at = torch.as_tensor(at, dtype=torch.float64, device=states.device).reshape(*states.shape[:-1], 1)
-        return torch.cat([states.to(torch.float64), at], dim=-1)
-
-    def root_states(self) -> torch.Tensor:
-        s = self.inner.root_states()
-        self.dtype = s.dtype
-        return self._join(s, [0] * s.shape[0])
+        super().__init__(inner)
+        self.trie, self.log_accept = trie, log_accept
 
     def children(self, states: torch.Tensor, depth: int):
         inner, at = self._split(states)
