@@ -94,12 +94,15 @@ def pipe(tiny):
 
 
 @pytest.fixture(scope="module")
-def server(pipe):
-    """`dtrt serve` of `pipe` in this process (needs aiohttp)."""
+def server(tiny):
+    """`dtrt serve` of a pipeline like `pipe` in this process (needs aiohttp): its own, since its worker fills the
+    prefix cache between requests while a test may be generating on `pipe`."""
     pytest.importorskip("aiohttp")
+    from helpers import pipe_for, spec
+
     from dtrt.serve import BackgroundServer, ServeConfig
 
-    with BackgroundServer(pipe, ServeConfig("tiny")) as s:
+    with BackgroundServer(pipe_for(tiny, spec("dominotree")), ServeConfig("tiny")) as s:
         yield s
 
 

@@ -50,6 +50,11 @@ def local_pipe(tiny, tiny_chat):  # noqa: F811
     return pipe_for(tiny_chat, spec("dominotree"))
 
 
+def served_pipe(tiny_chat):  # noqa: F811
+    """A pipeline like local_pipe for a server in this process to own."""
+    return pipe_for(tiny_chat, spec("dominotree"))
+
+
 class DtrtServe:
     """`dtrt serve ARGS` in a subprocess: its URL once it listens, its standard error kept (drained by a thread)."""
 
@@ -92,8 +97,8 @@ class DtrtServe:
 def endpoint(request, tiny, tiny_chat, local_pipe):  # noqa: F811
     """(kind, base URL, DtrtServe or None) of `dtrt serve` in this process, or of `dtrt serve --replicas 2` (Ray
     Serve) in a subprocess, which must stop cleanly on SIGTERM afterwards."""
-    if request.param == "process":
-        with BackgroundServer(local_pipe, ServeConfig(NAME, api_key=KEY)) as s:
+    if request.param == "process":  # its own pipeline: its worker fills the prefix cache while the tests run local_pipe
+        with BackgroundServer(served_pipe(tiny_chat), ServeConfig(NAME, api_key=KEY)) as s:
             yield "process", s.url, None
         return
     pytest.importorskip("ray.serve", reason='the replica cases need Ray Serve: pip install "dtrt[ray]"')

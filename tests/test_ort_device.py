@@ -106,6 +106,7 @@ BINDING_VARIANTS = [spec("ar"), spec("ddtree"), spec("dominotree"), spec("domino
 def binding_pipeline(exp, run, monkeypatch):
     """The pipeline open_pipeline makes for `run` on ONNX Runtime, its backend running every stage through IO
     binding; plain InferenceSession.run is made to fail."""
+
     class Bound(ort_backend.OrtBackend):
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw, binding=True)

@@ -94,9 +94,9 @@ def prompts(monkeypatch):
     seen = []
     stream = Pipeline.stream
 
-    def spy(self, prompt_ids, max_new_tokens, sampling, logprobs=None):
+    def spy(self, prompt_ids, max_new_tokens, sampling, logprobs=None, grammar=None):
         seen.append(list(prompt_ids))
-        return stream(self, prompt_ids, max_new_tokens, sampling, logprobs)
+        return stream(self, prompt_ids, max_new_tokens, sampling, logprobs, grammar)
 
     monkeypatch.setattr(Pipeline, "stream", spy)
     return seen

@@ -34,8 +34,10 @@ def local_pipe(tiny, tiny_chat):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def url(local_pipe):
-    with BackgroundServer(local_pipe, ServeConfig(NAME)) as s:
+def url(tiny, tiny_chat):  # noqa: F811
+    """The server's own pipeline: its worker fills the prefix cache between requests, so the references here run
+    on another pipeline, never on the server's while it works."""
+    with BackgroundServer(pipe_for(tiny_chat, spec("dominotree")), ServeConfig(NAME)) as s:
         yield s.url
 
 
