@@ -71,6 +71,8 @@ def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, thinking, 
     interactive = prompt is None and requests is None and sys.stdin.isatty()
     if prompt is None and requests is None and not interactive:
         prompt = sys.stdin.read()
+    if requests is None and not interactive and spec.prefix_cache_mb is None:
+        spec = replace(spec, prefix_cache_mb=0)  # one prompt: no later generation reads a snapshot of it
     pipe = pipeline(spec, log_line)
     if fmt is not None:
         compile_format(fmt, pipe.tokenizer, flag)  # a bad schema: one line naming the flag, before generating
