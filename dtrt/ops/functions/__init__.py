@@ -2,6 +2,7 @@
 takes seconds to import, and running an export never needs it)."""
 
 from dtrt.ops.functions import (  # noqa: F401 (each module registers its functions)
+    block_matmul,
     ledger_select,
     topm_corrected_score,
     tree_attention,
