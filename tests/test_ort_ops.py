@@ -21,8 +21,11 @@ ENTRIES = {
     "kGetDimensions": "GetDimensions",
     "kGetTensorTypeAndShape": "GetTensorTypeAndShape",
     "kKernelContextGetInput": "KernelContext_GetInput",
+    "kKernelInfoGetAttributeInt64": "KernelInfoGetAttribute_int64",
     "kKernelContextGetOutput": "KernelContext_GetOutput",
+    "kReleaseStatus": "ReleaseStatus",
     "kReleaseTensorTypeAndShapeInfo": "ReleaseTensorTypeAndShapeInfo",
+    "kKernelContextParallelFor": "KernelContext_ParallelFor",
 }
 FIELDS = """version CreateKernel GetName GetExecutionProviderType GetInputType GetInputTypeCount GetOutputType
     GetOutputTypeCount KernelCompute KernelDestroy GetInputCharacteristic GetOutputCharacteristic GetInputMemoryType
@@ -31,6 +34,7 @@ FIELDS = """version CreateKernel GetName GetExecutionProviderType GetInputType G
     GetAliasMap ReleaseAliasMap""".split()
 VALUES = {  # ort_abi.h's name -> the C API's, and the value both give it
     "dtrt_ort::kFloat": ("ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT", 1),
+    "dtrt_ort::kUInt8": ("ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8", 2),
     "dtrt_ort::kInt64": ("ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64", 7),
     "dtrt_ort::kBool": ("ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL", 9),
     "dtrt_ort::kInvalidArgument": ("ORT_INVALID_ARGUMENT", 2),

@@ -112,7 +112,7 @@ def make_session(
     providers = providers or ["CPUExecutionProvider"]
     if kernels and providers == ["CPUExecutionProvider"] and not ort_ops.status() and ort_ops.wants_kernel(path):
         if (lib := ort_ops.library()) is not None:
-            opts.register_custom_ops_library(str(lib))  # runs in place of the ordered attention's function body
+            opts.register_custom_ops_library(str(lib))  # runs in place of the function bodies of the nodes it serves
     return ort.InferenceSession(str(path), opts, providers=providers, disabled_optimizers=DISABLED_OPTIMIZERS)
 
 

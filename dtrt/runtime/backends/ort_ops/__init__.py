@@ -1,15 +1,19 @@
-"""dtrt's own ONNX Runtime CPU kernels: a custom-op library built on first use from the sources here.
+"""dtrt's own ONNX Runtime CPU kernels: one custom-op library built on first use from the sources here
+(`register.cc` registers every kernel under domain `dtrt`).
 
 `tree_attention.cc` is `dtrt::TreeAttentionPlanned`, a quantized target's ordered attention, as one AVX2 kernel
-instead of ~45 small nodes a layer. It is registered under the function's own domain and name, and ONNX Runtime
+instead of ~45 small nodes a layer. `block_matmul.cc` is `dtrt::BlockMatMul` and `dtrt::BlockMatMulMin`, the
+product of fp32 activations with a GGUF file's 4- and 8-bit blocks (dtrt.ops.functions.block_matmul), read as
+packed codes instead of fp32 weights. Each is registered under the function's own domain and name, and ONNX Runtime
 runs a registered kernel in place of a function's body, so exports do not change and the body stays the
-definition (TensorRT's, and the fallback). Every row sums its terms in one fixed order, so tree rows still equal
-plain decoding's bit for bit (`dtrt parity`'s order check runs with the kernel when the kernel is in use).
+definition (TensorRT's, and the fallback). Every output sums its terms in one fixed order, whatever the rows of the
+call and the threads: tree rows still equal plain decoding's bit for bit (`dtrt parity`'s order check runs with the
+kernels when they are in use), and a block product's row is the same in a 1-row call and in a 64-row one.
 
 The library is compiled once per machine into `$DTRT_CACHE/ort-ops/` with the system C++ compiler. It needs no
 ONNX Runtime headers (the Python wheel ships none): `ort_abi.h` declares the few entries of ONNX Runtime's C ABI it
 calls, which that ABI never moves (API version 21, ONNX Runtime 1.21 on). Without a compiler, a CPU with AVX2 and
-FMA, or ONNX Runtime 1.21, sessions run the function bodies as before. `DTRT_ORT_OPS=0` turns the kernel off.
+FMA, or ONNX Runtime 1.21, sessions run the function bodies as before. `DTRT_ORT_OPS=0` turns the kernels off.
 """
 
 import functools
@@ -21,11 +25,17 @@ import tempfile
 from pathlib import Path
 
 from dtrt.artifacts.files import cache_dir
+from dtrt.plugins import DOMAIN
 
-SOURCE = Path(__file__).with_name("tree_attention.cc")
-ABI = Path(__file__).with_name("ort_abi.h")
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / n for n in ("register.cc", "tree_attention.cc", "block_matmul.cc"))
+HEADERS = tuple(HERE / n for n in ("ort_abi.h", "kernels.h"))
+ABI = HERE / "ort_abi.h"
+# -ffp-contract=off: no multiply and add fused unless written as an FMA (the kernels' orders are written out)
+FLAGS = ("-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-std=c++17")
 MIN_ORT = (1, 21)  # ort_abi.h's kApiVersion
 OP = "TreeAttentionPlanned"
+BLOCK_OPS = ("BlockMatMul", "BlockMatMulMin")
 MAX_HEAD_DIM = 128  # the kernel keeps a query and an accumulator row in registers: 16 chunks of 8
 
 
@@ -51,7 +61,7 @@ def unavailable() -> str:
     """ "" when quantized targets' sessions run the kernel here (built), else why they run the function body."""
     why = status()
     if not why and library() is None:
-        why = f"its build failed (c++ on {SOURCE.name})"
+        why = f"its build failed (c++ on {', '.join(s.name for s in SOURCES)})"
     return why
 
 
@@ -75,15 +85,15 @@ def library() -> Path | None:
     """The built library, compiled on first use; None where status() says why, or when the build fails."""
     if status():
         return None
-    flags = ["-O2", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17"]
-    key = hashlib.sha256(SOURCE.read_bytes() + ABI.read_bytes() + " ".join(flags).encode()).hexdigest()
+    text = b"".join(f.name.encode() + f.read_bytes() for f in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()
     out = cache_dir() / "ort-ops" / key[:16] / "libdtrt_ort_ops.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        cmd = ["c++", *flags, str(SOURCE), "-o", str(built)]  # ort_abi.h: beside the source
+        cmd = ["c++", *FLAGS, *map(str, SOURCES), "-o", str(built)]  # the headers: beside the sources
         if subprocess.run(cmd, capture_output=True).returncode != 0:
             return None
         os.replace(built, out)  # whole or not at all, also when processes build it side by side
@@ -91,14 +101,20 @@ def library() -> Path | None:
 
 
 def wants_kernel(path) -> bool:
-    """Whether the stage at `path` has ordered-attention nodes the kernel serves: fp32 caches that each node reads
-    whole (exports of layout 11 on; earlier ones run the function body), a head dim that is a multiple of 8 and at
-    most MAX_HEAD_DIM."""
+    """Whether the stage at `path` should run with the library: it has nodes the library serves, and none it would
+    take over without serving. The library replaces every node of the names it registers, so a graph with
+    ordered-attention nodes gets it only where the kernel serves them all: fp32 caches that each node reads whole
+    (exports of layout 11 on; earlier ones run the function body), a head dim that is a multiple of 8 and at most
+    MAX_HEAD_DIM. BlockMatMul and BlockMatMulMin nodes are served whatever their shapes."""
     import onnx  # a session's start only (`dtrt run` imports no onnx otherwise)
 
     model = onnx.load(str(path), load_external_data=False)
-    nodes = [n for n in model.graph.node if n.op_type == OP]
-    if not nodes or any(n.input[1] != "past_k" or n.input[3] != "past_v" for n in nodes):
+    nodes = [*model.graph.node, *(n for f in model.functions for n in f.node)]
+    attention = [n for n in nodes if n.op_type == OP and n.domain == DOMAIN]
+    blocks = any(n.op_type in BLOCK_OPS and n.domain == DOMAIN for n in nodes)
+    if not attention:
+        return blocks
+    if any(n not in model.graph.node or n.input[1] != "past_k" or n.input[3] != "past_v" for n in attention):
         return False
     past = next((i.type.tensor_type for i in model.graph.input if i.name == "past_v"), None)
     if past is None or past.elem_type != onnx.TensorProto.FLOAT:

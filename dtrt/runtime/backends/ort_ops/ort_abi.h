@@ -34,11 +34,15 @@ enum Entry : size_t {
   kGetDimensions = 62,
   kGetTensorTypeAndShape = 65,
   kKernelContextGetInput = 90,
+  kKernelInfoGetAttributeInt64 = 86,
   kKernelContextGetOutput = 91,
+  kReleaseStatus = 93,
   kReleaseTensorTypeAndShapeInfo = 99,
+  // since ONNX Runtime 1.17 (API version 17), so within kApiVersion's table
+  kKernelContextParallelFor = 274,
 };
 
-enum ElementType : int { kFloat = 1, kInt64 = 7, kBool = 9 };  // ONNXTensorElementDataType
+enum ElementType : int { kFloat = 1, kUInt8 = 2, kInt64 = 7, kBool = 9 };  // ONNXTensorElementDataType
 enum ErrorCode : int { kInvalidArgument = 2 };                  // OrtErrorCode
 constexpr int kRequired = 0;                                    // INPUT_OUTPUT_REQUIRED
 constexpr int kMemDefault = 0;                                  // OrtMemTypeDefault
@@ -118,6 +122,17 @@ struct Calls {
     return at<Status* (*)(const ShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, out, n);
   }
   void release(ShapeInfo* info) const { at<void (*)(ShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info); }
+  void release(Status* status) const { at<void (*)(Status*)>(kReleaseStatus)(status); }
+  Status* attribute(const KernelInfo* info, const char* name, int64_t* out) const {
+    return at<Status* (*)(const KernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttributeInt64)(info, name, out);
+  }
+  // fn(data, i) for i in [0, total) on the session's intra-op thread pool (in the calling thread without one),
+  // returning when all have run; batches: at most that many batches of consecutive i (0: ONNX Runtime's choice)
+  Status* parallel_for(const KernelContext* ctx, void (*fn)(void*, size_t), size_t total, size_t batches,
+                       void* data) const {
+    using F = Status* (*)(const KernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
+    return at<F>(kKernelContextParallelFor)(ctx, fn, total, batches, data);
+  }
 };
 
 }  // namespace dtrt_ort

@@ -7,7 +7,7 @@
 
 #include <immintrin.h>
 
-#include "ort_abi.h"
+#include "kernels.h"
 
 #include <climits>
 #include <cmath>
@@ -61,30 +61,6 @@ static inline void scores4q(const __m256* qv, int nc, const float* k0, const flo
   __m256 a0 = _mm256_add_ps(e0, o0), a1 = _mm256_add_ps(e1, o1), a2 = _mm256_add_ps(e2, o2), a3 = _mm256_add_ps(e3, o3);
   __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
-
-// an input's data and shape, read through the C API (nullptr status: it worked)
-struct Tensor {
-  const void* data = nullptr;
-  std::vector<int64_t> shape;
-};
-
-static Status* read_input(const Calls& ort, KernelContext* ctx, size_t i, Tensor* t) {
-  const Value* v = nullptr;
-  ShapeInfo* info = nullptr;
-  size_t rank = 0;
-  void* data = nullptr;
-  Status* s = ort.input(ctx, i, &v);
-  if (!s) s = ort.data(v, &data);
-  if (!s) s = ort.shape_info(v, &info);
-  if (!s) s = ort.rank(info, &rank);
-  if (!s) {
-    t->shape.resize(rank);
-    s = ort.dims(info, t->shape.data(), rank);
-  }
-  if (info) ort.release(info);
-  t->data = data;
-  return s;
 }
 
 struct Kernel {
@@ -273,19 +249,7 @@ static CustomOp make_op() {
   return op;
 }
 
-static const CustomOp op = make_op();
-
-extern "C" __attribute__((visibility("default"))) Status* RegisterCustomOps(SessionOptions* options,
-                                                                           const ApiBase* base) {
-  Api api = base->GetApi(kApiVersion);
-  if (api == nullptr) return nullptr;  // an ONNX Runtime older than 1.21: nothing registered, the function body runs
-  const Calls ort{api};
-  static OpDomain* domain = nullptr;  // one per process, holding the op, kept for the sessions' lifetime
-  if (domain == nullptr) {
-    OpDomain* made = nullptr;
-    if (Status* s = ort.create_domain("dtrt", &made)) return s;
-    if (Status* s = ort.add_op(made, &op)) return s;
-    domain = made;
-  }
-  return ort.add_domain(options, domain);
+const CustomOp* dtrt_ort::tree_attention_op() {
+  static const CustomOp op = make_op();
+  return &op;
 }
