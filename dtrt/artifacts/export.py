@@ -8,7 +8,7 @@ from dtrt import __version__
 from dtrt.artifacts.files import MANIFEST, checkpoint_hashes
 from dtrt.artifacts.verify import check_files
 from dtrt.errors import DtrtError
-from dtrt.models.quant import QuantSpec
+from dtrt.models.quant import GgufQuant, QuantSpec, quant_from_json
 
 FORMAT = "dtrt-export"
 
@@ -64,10 +64,10 @@ class Export:
         return self.manifest["dtype"]
 
     @property
-    def quant(self) -> QuantSpec | None:
+    def quant(self) -> QuantSpec | GgufQuant | None:
         """The target's weight-only quantization (None: its weights are in the export's dtype)."""
         q = self.manifest.get("quant")
-        return QuantSpec.from_json(q) if q else None
+        return quant_from_json(q) if q else None
 
     @property
     def quant_name(self) -> str:
@@ -76,6 +76,8 @@ class Export:
     @property
     def target_kind(self) -> str:
         """`an int4 target` or `a full-precision target`, for messages."""
+        if isinstance(self.quant, GgufQuant):
+            return f"a {self.quant_name} target (its GGUF file's blocks)"
         return f"an {self.quant_name} target" if self.quant else "a full-precision target"
 
     @property
@@ -87,6 +89,8 @@ class Export:
         m = self.manifest
         src = m.get("source", {})
         how = f"--model {src['model']}" if src.get("model") else "--target DIR --drafter DIR"
+        if src.get("gguf"):
+            how = f"--gguf {src['gguf']}" + (" --drafter DIR" if src.get("drafters") else "")
         flags = {
             "dtype": m.get("dtype"),
             "max_context": m.get("max_context"),
@@ -100,6 +104,8 @@ class Export:
         } | changes
         if flags.get("quant") in (None, "none"):  # the default: no quantization flags
             flags.update(quant=None, quant_block=None, quant_method=None)
+        elif flags["quant"] in ("gguf", "gguf-a8"):  # the file's own blocks: no block or method of ours
+            flags.update(quant_block=None, quant_method=None)
         elif flags["quant"] == "int8":  # per channel: no block
             flags.update(quant_block=None)
         opts = "".join(f" --{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None)
@@ -110,6 +116,8 @@ def quant_flags(q: dict | None) -> dict:
     """`dtrt export`'s flags for a manifest's `quant` entry."""
     if not q:
         return {"quant": None}
+    if q.get("format") == "gguf":
+        return {"quant": quant_from_json(q).name}
     flags = {"quant": f"int{q['bits']}", "quant_block": q.get("block")}
     return flags | ({"quant_method": q["method"]} if q.get("method", "rtn") != "rtn" else {})
 

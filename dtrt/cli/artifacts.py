@@ -5,12 +5,15 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from dtrt.cli.base import MODEL_DIR_HELP, cli, log_line
 from dtrt.cli.options import option_from
+from dtrt.errors import DtrtError
 from dtrt.exporter.export_config import ExportConfig
 from dtrt.launch import resolve_spec
 from dtrt.launch.start import load_pair
+from dtrt.models.checkpoint import Pair
 from dtrt.zoo.registry import names
 
 
@@ -18,6 +21,12 @@ from dtrt.zoo.registry import names
 @click.option("--model", help=f"registry name: {', '.join(names())}")
 @click.option("--target", type=click.Path(), help="target checkpoint directory")
 @click.option("--drafter", type=click.Path(), help="drafter checkpoint directory (DFlash or Domino)")
+@click.option(
+    "--gguf",
+    type=click.Path(),
+    help="a llama or qwen3 GGUF file as the target (instead of --model/--target): converted once into the cache, "
+    "its quantized tensors kept as the file holds them (--quant gguf unless --quant is given)",
+)
 @click.option("--model-dir", type=click.Path(), help=MODEL_DIR_HELP)
 @click.option("--out", required=True, type=click.Path(), help="export directory to create")
 @option_from(ExportConfig, "dtype")
@@ -32,13 +41,24 @@ from dtrt.zoo.registry import names
 @option_from(ExportConfig, "quant_method")
 @option_from(ExportConfig, "draft_vocab")
 @option_from(ExportConfig, "force")
-def export(model, target, drafter, model_dir, out, **fields):
+def export(model, target, drafter, gguf, model_dir, out, **fields):
     """Export every stage to ONNX, with manifest.json, into OUT (complete or not at all)."""
     from dtrt.exporter.write import export_pair
 
-    cfg = ExportConfig(**fields)
-    spec = resolve_spec(model=model, target=target, drafter=drafter, model_dir=model_dir, backend="torch")
-    exp = export_pair(load_pair(spec, log=log_line), Path(out), cfg, model=spec.model, log=log_line)
+    if gguf is not None:
+        if model or target:
+            raise DtrtError("--gguf names the target: drop --model and --target")
+        if click.get_current_context().get_parameter_source("quant") is ParameterSource.DEFAULT:
+            fields["quant"] = "gguf"
+        from dtrt.zoo.gguf import converted
+
+        cfg = ExportConfig(**fields)
+        pair = Pair(converted(Path(gguf), log_line), *(2 * [Path(drafter) if drafter else None]))
+        exp = export_pair(pair, Path(out), cfg, gguf=Path(gguf), log=log_line)
+    else:
+        cfg = ExportConfig(**fields)
+        spec = resolve_spec(model=model, target=target, drafter=drafter, model_dir=model_dir, backend="torch")
+        exp = export_pair(load_pair(spec, log=log_line), Path(out), cfg, model=spec.model, log=log_line)
     size = sum(m["size"] for m in exp.manifest["files"].values())
     click.echo(f"{exp.path}: {len(exp.manifest['stages'])} stages, {size / 1e6:.1f} MB")
 

@@ -35,7 +35,9 @@ class ExportConfig:
     serves every method, its body being a DFlash drafter)."""
     quant: Literal[QUANTS] = "none"
     """The target's linear layers, lm_head included, as weight-only int8 (per output channel) or int4 (per block of
-    --quant-block input features); the quantized model is the target every method reproduces."""
+    --quant-block input features), or as the blocks of the GGUF file the target was converted from (gguf: fp32
+    activations in dtrt's kernel; gguf-a8: int8 activations, as llama.cpp); the quantized model is the target every
+    method reproduces."""
     quant_block: int = 32
     """int4: input features per scale (32, 64 or 128)."""
     quant_method: Literal[QUANT_METHODS] = "rtn"

@@ -36,8 +36,11 @@ QUANT_OPSET = ROTARY_OPSET  # int4 tensors and blocked DequantizeLinear (21), Ro
 MIN_ROWS = 2
 
 
-def ordered_attention() -> dict:
-    return {"align": ORDER_ALIGN, "max_rows": ORDER_ROWS, "min_rows": MIN_ROWS}
+def ordered_attention(quant) -> dict:
+    """The manifest's `ordered_attention` of a target quantized as `quant`: a gguf target's fp32 products
+    (dtrt::BlockMatMul) take any number of rows alike, so its calls need no padding."""
+    fp32_products = getattr(quant, "activations", None) == "fp32"
+    return {"align": ORDER_ALIGN, "max_rows": ORDER_ROWS, "min_rows": 1 if fp32_products else MIN_ROWS}
 
 
 DATA_SUFFIX = ".quant.data"
@@ -112,7 +115,7 @@ def weight_input(node: onnx.NodeProto, inits: dict) -> tuple[str, bool] | None:
     return None
 
 
-def _products(nodes: list, inits: dict, wanted: set) -> dict[int, list[tuple]]:
+def products_by_input(nodes: list, inits: dict, wanted: set) -> dict[int, list[tuple]]:
     """The linear products to quantize, grouped by the activation they read (id of the group's first node -> its
     (node, weight name, stored transposed) triples). A layer's q/k/v read one input, as do gate/up: one quantized
     product over their weights side by side is one activation quantization and one kernel call instead of three,
@@ -141,7 +144,7 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
     writer = DataWriter(root / (path.name + DATA_SUFFIX))
-    groups = _products(list(graph.node), inits, wanted)
+    groups = products_by_input(list(graph.node), inits, wanted)
     grouped = {id(n) for g in groups.values() for n, _, _ in g}
     done: dict[str, tuple[str, str, list[int]]] = {}  # a group's first weight -> (q name, scale name, widths)
     quantized: set[str] = set()
@@ -186,9 +189,19 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     if missing:
         (root / (path.name + DATA_SUFFIX)).unlink(missing_ok=True)
         raise ValueError(f"{path.name}: no linear product reads {missing[0]} ({len(missing)} weights not found)")
-    _set_nodes(graph, nodes)
-    _set_nodes(graph, ordered_attention_nodes(graph))
-    _set_nodes(graph, rotary_nodes(graph, root)[0])
+    set_nodes(graph, nodes)
+    finish_graph(model, path, ordered=True)
+    return sorted(quantized), len(groups)
+
+
+def finish_graph(model: onnx.ModelProto, path: Path, *, ordered: bool):
+    """A target graph whose products were rewritten, made whole and saved at `path`: the ordered attention where
+    `ordered` (int8 activations), RoPE as RotaryEmbedding, the function bodies of the dtrt ops it uses, only the
+    initializers it reads, the opset those need; then checked."""
+    graph = model.graph
+    if ordered:
+        set_nodes(graph, ordered_attention_nodes(graph))
+    set_nodes(graph, rotary_nodes(graph, Path(path).parent)[0])
     used_ops = {n.op_type for n in graph.node if n.domain == DOMAIN}
     functions = [f for f in model.functions if f.name in used_ops]
     functions += [f for f in onnx_functions(used_ops) if f.name not in {g.name for g in functions}]
@@ -198,10 +211,9 @@ def quantize_target(path: Path, spec: QuantSpec, weights: list[tuple[str, ...]],
     keep = [i for i in graph.initializer if i.name in used]
     del graph.initializer[:]
     graph.initializer.extend(keep)
-    _set_opset(model, QUANT_OPSET)
+    set_opset(model, QUANT_OPSET)
     onnx.save_model(model, str(path))
     onnx.checker.check_model(str(path))
-    return sorted(quantized), len(groups)
 
 
 def _product_nodes(group: list, qname: str, sname: str, widths: list[int], spec: QuantSpec) -> list:
@@ -229,12 +241,12 @@ def _product_nodes(group: list, qname: str, sname: str, widths: list[int], spec:
     return out
 
 
-def _set_nodes(graph: onnx.GraphProto, nodes: list):
+def set_nodes(graph: onnx.GraphProto, nodes: list):
     del graph.node[:]
     graph.node.extend(nodes)
 
 
-def _set_opset(model: onnx.ModelProto, version: int):
+def set_opset(model: onnx.ModelProto, version: int):
     for imports in [model.opset_import, *(f.opset_import for f in model.functions)]:
         for op in imports:
             if op.domain in ("", "ai.onnx"):

@@ -11,6 +11,7 @@ from dtrt.artifacts.files import checkpoint_hashes, sha256, staging, write_manif
 from dtrt.artifacts.verify import record_verified
 from dtrt.errors import DtrtError
 from dtrt.exporter.export_config import ExportConfig
+from dtrt.exporter.gguf_target import export_gguf_target
 from dtrt.exporter.onnx_export import OPSET, export_stage
 from dtrt.exporter.precision import fp16_warning, stored_dtype
 from dtrt.exporter.quantize import quantize_drafters
@@ -21,7 +22,8 @@ from dtrt.exporter.weights import WEIGHTS, share_weights
 from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import HybridConfig
 from dtrt.models.draft_vocab import check_vocab_size, draft_vocab_file, resolve_draft_vocab
-from dtrt.models.quant import weight_names
+from dtrt.models.gguf_blocks import checkpoint_blocks
+from dtrt.models.quant import GgufQuant, weight_names
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -92,11 +94,17 @@ def pair_stages(target, taps, drafters: dict, budget: int, topm: int, node_topk:
 
 
 def export_pair(
-    pair: Pair, out: Path, cfg: ExportConfig | None = None, *, model: str | None = None, log=None
+    pair: Pair,
+    out: Path,
+    cfg: ExportConfig | None = None,
+    *,
+    model: str | None = None,
+    gguf: Path | None = None,
+    log=None,
 ) -> Export:
-    """`pair` exported as `cfg` says into `out` (complete or not at all); `model`: the registry name it came from.
-    A Domino drafter serves every method (its body is a DFlash drafter), so `drafters=("domino",)` is the smallest
-    export that runs them all."""
+    """`pair` exported as `cfg` says into `out` (complete or not at all); `model`: the registry name it came from,
+    `gguf`: the GGUF file its target was converted from (`dtrt export --gguf`). A Domino drafter serves every
+    method (its body is a DFlash drafter), so `drafters=("domino",)` is the smallest export that runs them all."""
     log = log or (lambda msg: None)
     out, cfg = Path(out), cfg or ExportConfig()
     dtype, max_context, budget, topm, node_topk = cfg.dtype, cfg.max_context, cfg.budget, cfg.topm, cfg.node_topk
@@ -133,6 +141,7 @@ def export_pair(
     for vocab in vocabs.values():
         check_vocab_size(vocab, topm, node_topk)
     stages = pair_stages(target, taps, {k: d for k, (_, d) in drafters.items()}, budget, topm, node_topk, vocabs)
+    blocks = checkpoint_blocks(pair.target) if isinstance(quant, GgufQuant) else None
 
     with staging(out) as tmp:
         stage_meta = {}
@@ -144,10 +153,17 @@ def export_pair(
             log(f"[{i}/{len(stages)}] {stage.name} done in {time.perf_counter() - t0:.1f}s")
         if quant is not None:
             t0 = time.perf_counter()
-            log(f"quantizing the target's linear layers to {quant.name} ({quant.method})")
             names = [tuple(f"target.{n}" for n in group) for group in weight_names(target)]  # TargetStage.target
-            quantized_weights, products = quantize_target(tmp / "target.onnx", quant, names)
-            log(f"{len(quantized_weights)} weights quantized in {time.perf_counter() - t0:.1f}s, {products} products")
+            if blocks is not None:
+                log(f"keeping the target's linear layers as its GGUF file's blocks ({quant.name})")
+                quantized_weights, products = export_gguf_target(tmp / "target.onnx", quant, blocks, names)
+                kept = len(quantized_weights)
+                log(f"{kept} weights kept as blocks in {time.perf_counter() - t0:.1f}s, {products} products")
+            else:
+                log(f"quantizing the target's linear layers to {quant.name} ({quant.method})")
+                quantized_weights, products = quantize_target(tmp / "target.onnx", quant, names)
+                n = len(quantized_weights)
+                log(f"{n} weights quantized in {time.perf_counter() - t0:.1f}s, {products} products")
         quantized = quantize_drafters(tmp, stage_meta, drafter_quant, log)
         weights = share_weights(tmp, [m["file"] for m in stage_meta.values()], log)
         for kind, vocab in vocabs.items():  # beside the engines too: parity and the runtime read the subset here
@@ -173,13 +189,14 @@ def export_pair(
             "quantized_stages": quantized,
             "quant": None
             if quant is None
-            else {**quant.to_json(), "format": "qdq", "weights": len(names), "products": products},
-            "ordered_attention": None if quant is None else ordered_attention(),
+            else {"format": "qdq", **quant.to_json(), "weights": len(names), "products": products},
+            "ordered_attention": None if quant is None else ordered_attention(quant),
             "drafters_asked": list(drafter_kinds) if drafter_kinds is not None else None,
             "draft_vocab_asked": None if draft_vocab in (None, "auto") else str(draft_vocab),
             "weights": {"file": WEIGHTS, **weights},
             "source": {
                 "model": model,
+                **({"gguf": str(Path(gguf).resolve())} if gguf is not None else {}),
                 "target": str(pair.target.resolve()),
                 "target_hashes": checkpoint_hashes(pair.target),
                 "drafters": {

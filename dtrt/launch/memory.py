@@ -67,7 +67,7 @@ def need(pair: Pair, dtype: str = "fp32", quant: QuantSpec | None = None) -> tup
     if quant is None:
         run = int(SESSIONS[dtype] * (target + drafters) * size + RUNTIME)
     else:
-        held = target * quant.bits / 8 + (embedding_parameters(pair.target) + drafters) * size
+        held = target * (quant.bits or 8) / 8 + (embedding_parameters(pair.target) + drafters) * size
         run = int(SESSIONS[dtype] * held + RUNTIME)
     return export, run, target
 

@@ -12,6 +12,7 @@ Byte layouts (gguf-py's quants.py, llama.cpp's ggml-common.h), one block a row o
     Q6_K 210 B / 256: 128 B low nibbles, 64 B high 2 bits, 16 int8 scales, d fp16; w = d sc (q - 32), blocks of 16
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -142,3 +143,44 @@ def iter_blocks(path: Path):
 
 def read_blocks(path: Path) -> dict[str, BlockWeight | torch.Tensor]:
     return dict(iter_blocks(path))
+
+
+BLOCKS_FILE = "gguf_blocks.safetensors"
+BLOCKS_FORMAT = "dtrt-gguf-blocks-1"
+
+
+def write_blocks(checkpoint: Path, rows: dict[str, torch.Tensor], kinds: dict[str, str], source: str):
+    """`checkpoint`/BLOCKS_FILE: each quantized tensor's raw block rows (uint8 [rows, bytes a row]) by checkpoint
+    name, with its GGUF type in the metadata."""
+    from safetensors.torch import save_file
+
+    meta = {"format": BLOCKS_FORMAT, "kinds": json.dumps(kinds, sort_keys=True), "source": source}
+    save_file(rows, str(Path(checkpoint) / BLOCKS_FILE), metadata=meta)
+
+
+def require_blocks(checkpoint: Path) -> Path:
+    """`checkpoint`/BLOCKS_FILE, or one line naming the fix where the checkpoint has none."""
+    path = Path(checkpoint) / BLOCKS_FILE
+    if not path.is_file():
+        raise DtrtError(
+            f"{checkpoint}: has no {BLOCKS_FILE} (it was not converted from a GGUF file by this dtrt), so --quant gguf "
+            "has no file blocks to keep; export from the file itself: dtrt export --gguf FILE"
+        )
+    return path
+
+
+def checkpoint_blocks(checkpoint: Path) -> dict[str, BlockWeight]:
+    """The BlockWeights of a checkpoint converted from a GGUF file (dtrt.zoo.gguf), by checkpoint tensor name;
+    one line naming the fix where it has none."""
+    from safetensors import safe_open
+
+    path = require_blocks(checkpoint)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != BLOCKS_FORMAT:
+            raise DtrtError(f"{path}: not a {BLOCKS_FORMAT} file; convert the GGUF file again")
+        kinds = json.loads(meta["kinds"])
+        return {
+            name: expand(name=name, kind=kind, data=f.get_tensor(name).numpy(), where=str(path))
+            for name, kind in kinds.items()
+        }

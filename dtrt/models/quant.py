@@ -11,6 +11,9 @@ least squared error (`method="mse"`), or is the absolute maximum itself (`method
 int4 target the clipped scales lower the weights' error but raise the held-out NLL, 2.234 against 2.213 nats per
 token). Both are pure functions of the weights: export and reference compute the same integers and scales, bit for
 bit.
+
+    gguf, gguf-a8   the blocks of the GGUF file the checkpoint was converted from, kept as the file holds them
+                    (GgufQuant; dtrt.models.gguf_blocks, dtrt.exporter.gguf_target)
 """
 
 import copy
@@ -20,7 +23,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-QUANTS = ("none", "int8", "int4")
+QUANTS = ("none", "int8", "int4", "gguf", "gguf-a8")
 INT4_BLOCKS = (32, 64, 128)
 METHODS = ("rtn", "mse")
 CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(9))  # 1.0 down to 0.8
@@ -51,14 +54,46 @@ class QuantSpec:
         return cls(bits=int(d["bits"]), block=d.get("block"), method=d.get("method", "rtn"))
 
 
-def quant_spec(quant: str, block: int = 32, method: str = "rtn") -> QuantSpec | None:
-    """`--quant` (with `--quant-block`, `--quant-method`) as a QuantSpec; None for "none". ValueError on a bad one."""
+@dataclass(frozen=True)
+class GgufQuant:
+    """A target whose linear layers keep the 4- or 8-bit blocks of the GGUF file it was converted from, as that file
+    holds them (dtrt.exporter.gguf_target): the file's own quantization, not a second one. Its weights are the
+    checkpoint's, bit for bit (the checkpoint is the file dequantized), so its PyTorch reference is the checkpoint's
+    fp32 target itself."""
+
+    activations: Literal["fp32", "int8"]
+    """fp32: dtrt's BlockMatMul kernel, fp32 activations and sums (`--quant gguf`); int8: ONNX Runtime's MatMulNBits
+    at accuracy level 4, activations quantized per block as llama.cpp does (`--quant gguf-a8`)."""
+    bits = None  # a QuantSpec's fields, for code that asks any target quantization
+    block = None
+    method = "gguf"
+
+    @property
+    def name(self) -> str:
+        return "gguf" if self.activations == "fp32" else "gguf-a8"
+
+    def to_json(self) -> dict:
+        return {"format": "gguf", "activations": self.activations}
+
+
+def quant_from_json(d: dict) -> "QuantSpec | GgufQuant":
+    """A manifest's `quant` entry as its spec."""
+    if d.get("format") == "gguf":
+        return GgufQuant(activations=d["activations"])
+    return QuantSpec.from_json(d)
+
+
+def quant_spec(quant: str, block: int = 32, method: str = "rtn") -> "QuantSpec | GgufQuant | None":
+    """`--quant` (with `--quant-block`, `--quant-method`) as a QuantSpec or GgufQuant; None for "none". ValueError
+    on a bad one."""
     if quant not in QUANTS:
         raise ValueError(f"use one of {', '.join(QUANTS)}")
     if method not in METHODS:
         raise ValueError(f"--quant-method {method!r}: use one of {', '.join(METHODS)}")
     if quant == "none":
         return None
+    if quant in ("gguf", "gguf-a8"):
+        return GgufQuant(activations="fp32" if quant == "gguf" else "int8")
     if quant == "int8":
         return QuantSpec(bits=8, method=method)
     if block not in INT4_BLOCKS:
@@ -131,11 +166,12 @@ def weight_names(model: nn.Module) -> list[tuple[str, ...]]:
 
 
 @torch.no_grad()
-def dequantized(model: nn.Module, spec: QuantSpec | None) -> nn.Module:
+def dequantized(model: nn.Module, spec: "QuantSpec | GgufQuant | None") -> nn.Module:
     """The PyTorch reference of a quantized export: a copy of `model` whose quantized linears multiply by their
     dequantized weights. Every other tensor is shared with `model`, which is unchanged (a drafter stage built on its
-    lm_head keeps the full-precision one); a tied lm_head is untied, the embedding stays full precision."""
-    if spec is None:
+    lm_head keeps the full-precision one); a tied lm_head is untied, the embedding stays full precision. A GgufQuant
+    target's weights are the checkpoint's own: `model` itself."""
+    if spec is None or isinstance(spec, GgufQuant):
         return model
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
     clone = copy.deepcopy(model, memo)

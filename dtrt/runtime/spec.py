@@ -16,7 +16,7 @@ Builder = Literal["heap", "frontier"]
 Arm = Literal["dominotree", "condstatic", "marg"]
 BackendName = Literal["torch", "onnxruntime", "tensorrt"]
 DType = Literal["fp32", "bf16", "fp16"]
-Quant = Literal["none", "int8", "int4"]
+Quant = Literal["none", "int8", "int4", "gguf", "gguf-a8"]
 
 METHODS: tuple[str, ...] = get_args(MethodName)
 BUILDERS: tuple[str, ...] = get_args(Builder)
@@ -48,8 +48,9 @@ class RunSpec:
     """Torch backend: the weights' precision (None: fp32). Export backends: must equal the export's (None: it)."""
     quant: Quant | None = None
     """The target's weight-only quantization (`--quant`): which first-use export a registry model runs from on
-    ONNX Runtime; the torch backend multiplies by the same dequantized weights; an --export or engine carries its own,
-    which this must equal (None: the export's, or full precision)."""
+    ONNX Runtime (int8, int4: quantized by dtrt; gguf, gguf-a8: its GGUF file's own blocks, at fp32 or int8
+    activations); the torch backend multiplies by the same dequantized weights; an --export or engine carries its
+    own, which this must equal (None: the export's, or full precision)."""
     threads: int | None = None
     """Intra-op threads of torch and ONNX Runtime (None: theirs)."""
     method: MethodName = "dominotree"

@@ -1,6 +1,7 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face checkpoint directory: fp32 weights in
-model.safetensors, config.json, generation_config.json and the tokenizer with its chat template. Offline;
-the `gguf` package reads and dequantizes the file."""
+"""Convert a llama- or qwen3-architecture GGUF file into a Hugging Face checkpoint directory: fp32 weights in
+model.safetensors, config.json, generation_config.json and the tokenizer with its chat template, and beside them
+the file's quantized tensors as it holds them (gguf_blocks.safetensors, dtrt.models.gguf_blocks: what a `--quant
+gguf` export computes from). Offline; the `gguf` package reads and dequantizes the file."""
 
 import json
 from pathlib import Path
@@ -10,6 +11,7 @@ import torch
 
 from dtrt.artifacts.files import staging
 from dtrt.errors import DtrtError
+from dtrt.models.gguf_blocks import write_blocks
 
 LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -21,7 +23,15 @@ LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+ARCHS = {"llama": ("LlamaForCausalLM", 10000.0), "qwen3": ("Qwen3ForCausalLM", 1000000.0)}  # default RoPE base
+# the pre-tokenizer split of Qwen2/Qwen3's tokenizer.json (llama.cpp's pre-tokenizer name: qwen2)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
 TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 # llama.cpp's pre-tokenizer names whose regex splits every digit off first (llama-vocab.cpp)
@@ -47,19 +57,19 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def llama_config(f: dict, has_output: bool) -> dict:
+def target_config(f: dict, has_output: bool, where: str = "GGUF file") -> dict:
     a = f["general.architecture"]
-    if a != "llama":
-        raise DtrtError(f"GGUF architecture {a!r} is not supported (only llama)")
+    if a not in ARCHS:
+        raise DtrtError(f"{where}: architecture {a!r} is not supported (dtrt reads {', '.join(ARCHS)} GGUF files)")
     if f.get(f"{a}.rope.scaling.type", "none") != "none":
-        raise DtrtError("GGUF file uses RoPE scaling; only plain RoPE is supported")
+        raise DtrtError(f"{where}: uses RoPE scaling; only plain RoPE is supported")
     heads, hidden = f[f"{a}.attention.head_count"], f[f"{a}.embedding_length"]
-    theta = float(f.get(f"{a}.rope.freq_base", 10000.0))
+    theta = float(f.get(f"{a}.rope.freq_base", ARCHS[a][1]))
     # GGUF stores eps as float32; its shortest float32 repr is the value the model was configured with
     eps = float(str(np.float32(f[f"{a}.attention.layer_norm_rms_epsilon"])))
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHS[a][0]],
+        "model_type": a,
         "vocab_size": int(f.get(f"{a}.vocab_size") or len(f["tokenizer.ggml.tokens"])),
         "hidden_size": hidden,
         "intermediate_size": f[f"{a}.feed_forward_length"],
@@ -83,6 +93,33 @@ def llama_config(f: dict, has_output: bool) -> dict:
     return cfg
 
 
+def _rows(name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
+    """A tensor's rows (output features) in the checkpoint's order: a llama file's Q and K unpermuted."""
+    if cfg["model_type"] != "llama":
+        return w
+    if name.endswith("q_proj.weight"):
+        return unpermute_rows(w, cfg["num_attention_heads"])
+    if name.endswith("k_proj.weight"):
+        return unpermute_rows(w, cfg["num_key_value_heads"])
+    return w
+
+
+def read_blocks(reader, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The file's quantized tensors as raw block rows (uint8 [rows, bytes a row], rows in the checkpoint's order)
+    by checkpoint name, and their GGUF types; float tensors are the checkpoint's own."""
+    from dtrt.models.gguf_blocks import LAYOUT
+
+    rows, kinds = {}, {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in LAYOUT or (name := hf_name(t.name)) is None:
+            continue
+        raw = np.asarray(t.data).view(np.uint8)
+        rows[name] = torch.from_numpy(np.array(_rows(name, raw, cfg), order="C"))
+        kinds[name] = kind
+    return rows, kinds
+
+
 def read_weights(reader, cfg: dict, log=None) -> dict[str, torch.Tensor]:
     from gguf import dequantize
 
@@ -91,11 +128,7 @@ def read_weights(reader, cfg: dict, log=None) -> dict[str, torch.Tensor]:
         name = hf_name(t.name)
         if name is None:
             raise DtrtError(f"GGUF tensor {t.name!r} has no Hugging Face Llama counterpart; unsupported model")
-        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # numpy order = HF [out, in]
-        if name.endswith("q_proj.weight"):
-            w = unpermute_rows(w, cfg["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_rows(w, cfg["num_key_value_heads"])
+        w = _rows(name, np.array(dequantize(t.data, t.tensor_type), dtype=np.float32), cfg)  # HF [out, in]
         state[name] = torch.from_numpy(np.ascontiguousarray(w))
         if log and (i + 1) % 50 == 0:
             log(f"  dequantized {i + 1}/{len(reader.tensors)} tensors")
@@ -104,15 +137,23 @@ def read_weights(reader, cfg: dict, log=None) -> dict[str, torch.Tensor]:
 
 def write_tokenizer(f: dict, path: Path):
     """tokenizer.json rebuilt from the GGUF vocabulary and merges, tokenizer_config.json with the chat template."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     if f.get("tokenizer.ggml.model") != "gpt2":
         raise DtrtError(f"GGUF tokenizer {f.get('tokenizer.ggml.model')!r} is not supported (only byte-level BPE)")
     tokens, types = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
-    merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if f.get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
+    if f.get("tokenizer.ggml.pre") == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    elif f.get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRE:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
         tok.pre_tokenizer = byte_level
@@ -154,13 +195,36 @@ def convert(gguf_path: Path, out: Path, log=None) -> Path:
 
     reader = GGUFReader(str(gguf_path))
     f = read_fields(reader)
-    cfg = llama_config(f, has_output=any(t.name == "output.weight" for t in reader.tensors))
+    cfg = target_config(f, any(t.name == "output.weight" for t in reader.tensors), str(gguf_path))
     with staging(out) as tmp:
         tmp.chmod(0o755)
         state = read_weights(reader, cfg, log)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del state
+        blocks, kinds = read_blocks(reader, cfg)
+        write_blocks(tmp, blocks, kinds, gguf_path.name)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         write_tokenizer(f, tmp)
     return out
+
+
+def converted(gguf_path: Path, log=None) -> Path:
+    """The checkpoint of a user's GGUF file (`dtrt export --gguf`), converted once into the cache, keyed by the
+    file's sha256; one line for a missing or unreadable file."""
+    from dtrt.artifacts.files import cache_dir, sha256
+
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise DtrtError(f"--gguf {gguf_path}: no such file")
+    with open(gguf_path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise DtrtError(f"--gguf {gguf_path}: not a GGUF file (it does not start with GGUF's magic)")
+    out = cache_dir() / "gguf" / f"{gguf_path.stem}-{sha256(gguf_path)[:16]}"
+    if (out / "config.json").is_file():
+        return out
+    if log:
+        log(f"converting {gguf_path.name} into {out} (once)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return convert(gguf_path, out, log)

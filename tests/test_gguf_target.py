@@ -1,0 +1,251 @@
+"""`dtrt export --gguf FILE` and `--quant gguf|gguf-a8`: a target computed from its GGUF file's own blocks. A qwen3
+GGUF written from the tiny target (Q8_0, Q4_0 and Q4_1 tensors, an F32 one), converted with the real converter: the
+checkpoint's blocks are the file's; the exported products hold them bit for bit; every method gives the export's AR
+tokens with drafts and lookup nodes accepted, on both configurations; parity passes; the refusals are one line."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from helpers import generate_all, run_cli, spec
+from test_ort_backend import ort_pipeline
+
+gguf = pytest.importorskip("gguf")
+
+from dtrt.artifacts.export import load_export  # noqa: E402
+from dtrt.exporter.export_config import ExportConfig  # noqa: E402
+from dtrt.exporter.reference import reference_stages  # noqa: E402
+from dtrt.exporter.write import export_pair  # noqa: E402
+from dtrt.models.blocks import PackedBlocks, dequantize, unpack_blocks  # noqa: E402
+from dtrt.models.checkpoint import Pair, load_target  # noqa: E402
+from dtrt.models.gguf_blocks import checkpoint_blocks  # noqa: E402
+from dtrt.parity import run_parity  # noqa: E402
+from dtrt.zoo.gguf import LAYER_TENSORS, TOP_TENSORS, converted  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+# the file's type per tensor role: several formats in one file, one linear left F32 (it stays an fp32 product)
+KINDS = {
+    "attn_q": "Q8_0",
+    "attn_k": "Q8_0",
+    "attn_v": "Q8_0",
+    "attn_output": "Q4_1",
+    "ffn_gate": "Q8_0",
+    "ffn_up": "Q8_0",
+    "ffn_down": "Q4_0",
+    "token_embd": "Q8_0",
+}
+F32_LINEAR = "blk.3.ffn_down.weight"
+
+
+def write_qwen3_gguf(checkpoint, path):
+    """The checkpoint's target as a qwen3 GGUF file, quantized with the `gguf` package's own quantizers."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    state = load_file(str(checkpoint / "model.safetensors"))
+    gguf_name = {f"{v}": k for k, v in TOP_TENSORS.items()}
+    w = gguf.GGUFWriter(str(path), arch="qwen3")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    tok = json.loads((checkpoint / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    unused = [f"<unused{i}>" for i in range(len(vocab), cfg["vocab_size"])]  # the embedding's rows past the tokenizer
+    w.add_token_list([t for t, _ in vocab] + unused)
+    w.add_token_types([3 if i == cfg["eos_token_id"] else 1 for _, i in vocab] + [5] * len(unused))
+    w.add_token_merges([])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    for name, t in state.items():
+        if name == "lm_head.weight":
+            continue  # tied
+        base, _, suffix = name.rpartition(".")
+        if base.startswith("model.layers."):
+            layer, _, rest = base.removeprefix("model.layers.").partition(".")
+            role = next(k for k, v in LAYER_TENSORS.items() if v == rest)
+            gname = f"blk.{layer}.{role}.{suffix}"
+        else:
+            role = gguf_name[base]
+            gname = f"{role}.{suffix}"
+        data = t.float().numpy()
+        kind = KINDS.get(role) if data.ndim == 2 and gname != F32_LINEAR else None
+        if kind is None:
+            w.add_tensor(gname, data)
+        else:
+            w.add_tensor(gname, gguf.quantize(data, Q[kind]), raw_dtype=Q[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tiny, tmp_path_factory):
+    return write_qwen3_gguf(tiny.target, tmp_path_factory.mktemp("gguf") / "tiny-qwen3.gguf")
+
+
+@pytest.fixture(scope="module")
+def exports(tiny, gguf_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-exports")
+    pair = Pair(converted(gguf_file), tiny.domino, tiny.domino)
+    return {
+        q: export_pair(pair, root / q, ExportConfig(max_context=512, drafters=("domino",), quant=q), gguf=gguf_file)
+        for q in ("gguf", "gguf-a8")
+    }
+
+
+def test_the_converted_checkpoint_holds_the_files_blocks(gguf_file):
+    ckpt = converted(gguf_file)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["tie_word_embeddings"]
+    blocks = checkpoint_blocks(ckpt)
+    reader = gguf.GGUFReader(str(gguf_file))
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert blocks["model.layers.0.self_attn.o_proj.weight"].kind == "Q4_1"
+    assert "model.layers.3.mlp.down_proj.weight" not in blocks and kinds[F32_LINEAR] == "F32"
+    target = load_target(ckpt, torch.float32)
+    params = dict(target.named_parameters())
+    for name, w in blocks.items():  # the checkpoint is its blocks dequantized, and those are gguf's, bit for bit
+        assert torch.equal(dequantize(w), params[name].detach()), name
+    for t in reader.tensors:
+        if t.tensor_type.name in ("Q8_0", "Q4_0", "Q4_1"):
+            want = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))
+            name = next(n for n in blocks if _gguf_name(n) == t.name)
+            assert torch.equal(dequantize(blocks[name]), want), t.name  # qwen3: rows as the file's
+
+
+def _gguf_name(hf: str) -> str:
+    base, _, suffix = hf.rpartition(".")
+    if base.startswith("model.layers."):
+        layer, _, rest = base.removeprefix("model.layers.").partition(".")
+        role = next(k for k, v in LAYER_TENSORS.items() if v == rest)
+        return f"blk.{layer}.{role}.{suffix}"
+    return next(f"{k}.{suffix}" for k, v in TOP_TENSORS.items() if v == base)
+
+
+def _products(exp):
+    """(node, its blocks as a BlockWeight) of every BlockMatMul[Min] of the export's target."""
+    model = onnx.load(str(exp.stage("target")))
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    out = []
+    for n in model.graph.node:
+        if n.op_type.startswith("BlockMatMul"):
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+            packed = PackedBlocks(
+                q=inits[n.input[1]],
+                scale=inits[n.input[2]],
+                min=inits[n.input[3]] if len(n.input) > 3 else None,
+                op=n.op_type,
+                **attrs,
+            )
+            out.append((n, unpack_blocks(packed)))
+    return out
+
+
+def test_exported_products_hold_the_files_blocks_bit_for_bit(exports, gguf_file):
+    exp = exports["gguf"]
+    assert exp.manifest["quant"]["format"] == "gguf" and exp.quant_name == "gguf"
+    assert exp.manifest["ordered_attention"]["min_rows"] == 1
+    blocks = checkpoint_blocks(converted(gguf_file))
+    products = _products(exp)
+    # q/k/v merged, gate/up merged: per layer 4 products, the last layer's down_proj (F32) not one; and the lm_head
+    layers = exp.manifest["target"]["num_layers"]
+    assert len(products) == 4 * layers - 1 + 1
+    have = torch.cat([dequantize(w).reshape(-1) for _, w in products])
+    names = [n for n in blocks]
+    want = torch.cat([dequantize(blocks[n]).reshape(-1) for n in names])
+    assert have.numel() == want.numel()
+    # each product's weights, compared per source tensor by value sets (merged products concatenate rows)
+    rows = {tuple(r.tolist()) for _, w in products for r in dequantize(w)}
+    for n in names:
+        assert all(tuple(r.tolist()) in rows for r in dequantize(blocks[n])), n
+    # Q8_0 a code a byte, Q4_0 two, Q4_1 two with its mins
+    assert {(n.op_type, w.kind) for n, w in products} == {
+        ("BlockMatMul", "packed8"),
+        ("BlockMatMul", "packed4"),
+        ("BlockMatMulMin", "packed4"),
+    }
+
+
+def test_gguf_a8_runs_matmulnbits_with_the_min_term(exports):
+    exp = exports["gguf-a8"]
+    assert exp.manifest["ordered_attention"]["min_rows"] == 2
+    graph = onnx.load(str(exp.stage("target")), load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and all(n.domain == "com.microsoft" for n in nbits)
+    levels = {onnx.helper.get_attribute_value(a) for n in nbits for a in n.attribute if a.name == "accuracy_level"}
+    assert levels == {4}
+    assert sum(n.name.endswith(".withmin") for n in graph.node) == exp.manifest["target"]["num_layers"]  # o_proj Q4_1
+
+
+@pytest.mark.parametrize("config", ["gguf", "gguf-a8"])
+@pytest.mark.parametrize(
+    "draft",
+    [spec("dominotree"), spec("dominotree", lookup=True), spec("ddtree"), spec("lookup")],
+    ids=["dominotree", "dominotree+lookup", "ddtree", "lookup"],
+)
+def test_every_method_gives_the_exports_ar_tokens_with_drafts_accepted(exports, config, draft):
+    exp = exports[config]
+    ar = [g.tokens for g in generate_all(ort_pipeline(exp, spec("ar")), max_new=48)]
+    gens = generate_all(ort_pipeline(exp, draft), max_new=48)
+    assert [g.tokens for g in gens] == ar
+    rounds = [r for g in gens for r in g.rounds]
+    assert sum(r.accepted for r in rounds) / len(rounds) > (1.2 if draft.method == "lookup" else 1.5)
+    if draft.lookup or draft.method == "lookup":
+        assert sum(r.lookup for r in rounds) > 0  # lookup's nodes accepted too
+
+
+@pytest.mark.parametrize("config", ["gguf", "gguf-a8"])
+def test_parity_passes(exports, config):
+    exp = exports[config]
+    report = run_parity(exp, 0, stages={"target": reference_stages(exp)["target"]})
+    assert report.ok, report.table()
+    assert all(r.max_abs == 0.0 for r in report.rows if "tree = plain decoding" in r.case)
+
+
+def test_the_command_defaults_to_the_files_blocks(tmp_path, monkeypatch, capsys, tiny, gguf_file):
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(
+        monkeypatch, capsys, "export", "--gguf", str(gguf_file), "--out", str(out), "--max-context", "256"
+    )
+    assert code == 0, err
+    exp = load_export(out)
+    assert exp.quant_name == "gguf" and exp.manifest["source"]["gguf"] == str(gguf_file.resolve())
+    assert not exp.drafters  # no drafter: prompt lookup still runs
+    ar = [g.tokens for g in generate_all(ort_pipeline(exp, spec("ar")), max_new=24)]
+    assert [g.tokens for g in generate_all(ort_pipeline(exp, spec("lookup")), max_new=24)] == ar
+    assert f"--gguf {gguf_file.resolve()}" in exp.fix_hint()
+
+
+def test_refusals_are_one_line(tmp_path, monkeypatch, capsys, gguf_file):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file")
+    w = gguf.GGUFWriter(str(tmp_path / "q2.gguf"), arch="qwen2")  # an architecture dtrt does not read
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for args, want in [
+        (["--gguf", str(tmp_path / "missing.gguf")], "no such file"),
+        (["--gguf", str(bad)], "not a GGUF file"),
+        (["--gguf", str(gguf_file), "--model", "tiny"], "drop --model"),
+        (["--model", "tiny", "--quant", "gguf"], "gguf_blocks.safetensors"),
+        (["--gguf", str(tmp_path / "q2.gguf")], "architecture 'qwen2' is not supported"),
+    ]:
+        code, _, err = run_cli(monkeypatch, capsys, "export", *args, "--out", str(tmp_path / "out"))
+        errors = [line for line in err.splitlines() if line.startswith("error")]
+        assert code != 0 and len(errors) == 1 and want in errors[0] and "Traceback" not in err, err
+        assert not (tmp_path / "out").exists()
