@@ -157,7 +157,7 @@ __attribute__((always_inline)) inline void finish(const Problem& p, int64_t r, i
 }
 
 // rows [0, M), M <= 4: R rows by C columns of accumulators, each block of each column decoded once in
-// registers and used at once by every row; the next columns' blocks are prefetched meanwhile
+// registers and used at once by every row; columns further on are prefetched meanwhile
 template <int BITS, int BLOCK, bool ZERO, bool MIN, int R, int C>
 void few_rows(const Problem& p, int64_t n0, int64_t n1) {
   constexpr int64_t kBytes = BLOCK * BITS / 8;        // a block's codes
@@ -165,10 +165,14 @@ void few_rows(const Problem& p, int64_t n0, int64_t n1) {
   const __m256i zero = _mm256_set1_epi32(p.zero);
   const float* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = p.x + r * p.K;
+  // prefetched: the next group of C columns, or for weights past 4 MiB whose groups are short (an lm_head's small K)
+  // the group about 16 KiB on, so that enough lines are in flight to stream them at the memory's rate
+  const int64_t group = C * p.row_bytes, far = p.N * p.row_bytes > (4 << 20) ? (16384 + group - 1) / (group + 1) : 1;
+  const int64_t ahead = C * std::min<int64_t>(8, std::max<int64_t>(1, far));
   for (int64_t c0 = n0; c0 < n1; c0 += C) {
     int64_t col[C];
     for (int c = 0; c < C; ++c) col[c] = c0 + c < n1 ? c0 + c : n1 - 1;  // past the panel: its last, not stored
-    const int64_t next_q = (c0 + C) * p.row_bytes, next_s = (c0 + C) * p.nb * 4;  // the next C columns
+    const int64_t next_q = (c0 + ahead) * p.row_bytes, next_s = (c0 + ahead) * p.nb * 4;
     __m256 acc[R][C];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
