@@ -1,0 +1,181 @@
+"""Milliseconds per call of dtrt's BlockMatMul kernel (dtrt.runtime.backends.ort_ops: a GGUF file's 4- and 8-bit
+blocks, fp32 activations, every row in one fixed order) beside ONNX Runtime's fp32 MatMul on the dequantized
+weights and its MatMulNBits (com.microsoft: bits 4, blocks of 32, uint8 zero points) at accuracy levels 4 (int8
+activations) and 1 (fp32), at SmolLM2-135M's and Qwen3-4B's linear shapes, M = 1, 2, 4, 8, 16 rows (a verify's
+widths), random weights. Each session holds one node; every repeat times one call of each in turn, and the table
+gives the medians (a call includes ONNX Runtime's per-run overhead, the `overhead` line: an Identity node).
+
+    python benchmarks/block_matmul.py                      # one intra-op thread
+    python benchmarks/block_matmul.py --threads 2 --json out.json
+    python benchmarks/block_matmul.py --models smollm2-135m --rows 1,8
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from dtrt.models.blocks import BlockWeight, dequantize, pack_blocks
+from dtrt.ops.base import onnx_functions
+from dtrt.plugins import DOMAIN, VERSION
+from dtrt.runtime.backends import ort_ops
+
+# (model, linear, K, N, GGUF format): SmolLM2-135M's Q4_1 layers and Q8_0 lm_head; Qwen3-4B's Q4_K layers (q, k
+# and v merged: 4096 + 1024 + 1024)
+SHAPES = (
+    ("smollm2-135m", "gate/up", 576, 1536, "Q4_1"),
+    ("smollm2-135m", "down", 1536, 576, "Q4_1"),
+    ("smollm2-135m", "qkv", 576, 960, "Q4_1"),
+    ("smollm2-135m", "lm_head", 576, 49152, "Q8_0"),
+    ("qwen3-4b", "gate/up", 2560, 9728, "Q4_K"),
+    ("qwen3-4b", "down", 9728, 2560, "Q4_K"),
+    ("qwen3-4b", "qkv", 2560, 6144, "Q4_K"),
+)
+METHODS = ("kernel", "fp32", "nbits4", "nbits1")
+
+
+def random_weight(kind: str, n: int, k: int, rng) -> BlockWeight:
+    blocks = k // 32
+    if kind == "Q8_0":
+        q = torch.from_numpy(rng.integers(-128, 128, (n, k), dtype=np.int8))
+    else:
+        q = torch.from_numpy(rng.integers(0, 16, (n, k), dtype=np.uint8))
+    scale = torch.from_numpy((rng.random((n, blocks)) * 0.01).astype(np.float32))
+    mins = None if kind == "Q8_0" else torch.from_numpy((rng.random((n, blocks)) * -0.05).astype(np.float32))
+    return BlockWeight(kind=kind, q=q, scale=scale, min=mins, zero=0, block=32)
+
+
+def graph_model(nodes, inits, k: int, opsets, functions=()) -> bytes:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph(nodes, "g", [x], [y], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets], functions=functions)
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+def kernel_model(w: BlockWeight, k: int) -> bytes:
+    p = pack_blocks(w)
+    arrays = {"q": p.q, "scale": p.scale} | ({} if p.min is None else {"min": p.min})
+    inits = [numpy_helper.from_array(a, name) for name, a in arrays.items()]
+    node = helper.make_node(p.op, ["x", *arrays], ["y"], domain=DOMAIN, bits=p.bits, block=p.block, zero=p.zero)
+    return graph_model([node], inits, k, [("", 20), (DOMAIN, VERSION)], onnx_functions([p.op]))
+
+
+def fp32_model(w: BlockWeight, k: int) -> bytes:
+    weight = np.ascontiguousarray(dequantize(w).numpy().T)
+    node = helper.make_node("MatMul", ["x", "w"], ["y"])
+    return graph_model([node], [numpy_helper.from_array(weight, "w")], k, [("", 20)])
+
+
+def nbits_model(n: int, k: int, accuracy: int, rng) -> bytes:
+    blocks = k // 32
+    b = rng.integers(0, 256, (n, blocks, 16), dtype=np.uint8)
+    scales = (rng.random(n * blocks) * 0.01).astype(np.float32)
+    zeros = rng.integers(0, 256, n * ((blocks + 1) // 2), dtype=np.uint8)
+    inits = [numpy_helper.from_array(a, name) for name, a in (("b", b), ("scales", scales), ("zeros", zeros))]
+    node = helper.make_node(
+        "MatMulNBits",
+        ["x", "b", "scales", "zeros"],
+        ["y"],
+        domain="com.microsoft",
+        K=k,
+        N=n,
+        bits=4,
+        block_size=32,
+        accuracy_level=accuracy,
+    )
+    return graph_model([node], inits, k, [("", 20), ("com.microsoft", 1)])
+
+
+def session(model: bytes, threads: int, library=None) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if library is not None:
+        opts.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
+def medians(sessions: dict, x: np.ndarray, repeats: int, warmup: int) -> dict[str, float]:
+    """ms per call, the median over `repeats` rounds that each time one call of every session in turn."""
+    feeds = {"x": x}
+    for s in sessions.values():
+        for _ in range(warmup):
+            s.run(None, feeds)
+    times = {name: [] for name in sessions}
+    for _ in range(repeats):
+        for name, s in sessions.items():
+            t0 = time.perf_counter()
+            s.run(None, feeds)
+            times[name].append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads of every session (default 1)")
+    ap.add_argument("--rows", default="1,2,4,8,16", help="the M values, comma-separated")
+    ap.add_argument("--models", default="smollm2-135m,qwen3-4b")
+    ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the rows to this file")
+    args = ap.parse_args(argv)
+    rows_m = [int(v) for v in args.rows.split(",")]
+    models = args.models.split(",")
+    library = ort_ops.library()
+    if library is None:
+        print(f"dtrt's kernel cannot run here: {ort_ops.unavailable()}; its column is empty")
+    rng = np.random.default_rng(args.seed)
+
+    identity = helper.make_node("Identity", ["x"], ["y"])
+    overhead = session(graph_model([identity], [], 576, [("", 20)]), args.threads)
+    base = medians({"overhead": overhead}, np.zeros((1, 576), np.float32), args.repeats, args.warmup)["overhead"]
+    print(
+        f"ONNX Runtime {ort.__version__}, {platform.processor() or platform.machine()}, {args.threads} intra-op "
+        f"thread(s); ms per call (median of {args.repeats}); overhead (an Identity call): {base:.4f} ms"
+    )
+    head = f"{'model':<13} {'linear':<8} {'K->N':<11} {'fmt':<5} {'M':>3} " + " ".join(f"{m:>8}" for m in METHODS)
+    print(head + f" {'fp32/kern':>9} {'nb4/kern':>8}")
+    out = []
+    for model, linear, k, n, kind in SHAPES:
+        if model not in models:
+            continue
+        w = random_weight(kind, n, k, rng)
+        sessions = {
+            "fp32": session(fp32_model(w, k), args.threads),
+            "nbits4": session(nbits_model(n, k, 4, rng), args.threads),
+            "nbits1": session(nbits_model(n, k, 1, rng), args.threads),
+        }
+        if library is not None:
+            sessions = {"kernel": session(kernel_model(w, k), args.threads, library)} | sessions
+        for m in rows_m:
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            ms = medians(sessions, x, args.repeats, args.warmup)
+            row = {"model": model, "linear": linear, "K": k, "N": n, "format": kind, "M": m}
+            row |= {name: ms.get(name) for name in METHODS}
+            out.append(row)
+            cells = " ".join(f"{ms[name]:8.4f}" if name in ms else f"{'-':>8}" for name in METHODS)
+            ratios = ""
+            if "kernel" in ms:
+                ratios = f" {ms['fp32'] / ms['kernel']:9.2f} {ms['nbits4'] / ms['kernel']:8.2f}"
+            print(f"{model:<13} {linear:<8} {f'{k}->{n}':<11} {kind:<5} {m:>3} {cells}{ratios}", flush=True)
+        del sessions
+    if args.json:
+        meta = {"onnxruntime": ort.__version__, "threads": args.threads, "overhead_ms": base, "onnx": onnx.__version__}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
