@@ -149,7 +149,7 @@ def unpack_blocks(p: PackedBlocks) -> BlockWeight:
         q, zero = (q.astype(np.int16) - 128).astype(np.int8), 0
     return BlockWeight(
         kind=p.kind or f"packed{p.bits}",
-        q=torch.from_numpy(np.ascontiguousarray(q)),
+        q=torch.from_numpy(np.array(q)),  # a copy: the packed codes may be read-only (an initializer's)
         scale=torch.from_numpy(np.array(p.scale, dtype=np.float32)),
         min=None if p.min is None else torch.from_numpy(np.array(p.min, dtype=np.float32)),
         zero=zero,
