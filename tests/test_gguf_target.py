@@ -39,8 +39,10 @@ KINDS = {
 F32_LINEAR = "blk.3.ffn_down.weight"
 
 
-def write_qwen3_gguf(checkpoint, path):
-    """The checkpoint's target as a qwen3 GGUF file, quantized with the `gguf` package's own quantizers."""
+def write_qwen3_gguf(checkpoint, path, kinds=None):
+    """The checkpoint's target as a qwen3 GGUF file, quantized with the `gguf` package's own quantizers (`kinds`:
+    the type per tensor role, KINDS by default)."""
+    kinds = KINDS if kinds is None else kinds
     from safetensors.torch import load_file
 
     cfg = json.loads((checkpoint / "config.json").read_text())
@@ -79,7 +81,7 @@ def write_qwen3_gguf(checkpoint, path):
             role = gguf_name[base]
             gname = f"{role}.{suffix}"
         data = t.float().numpy()
-        kind = KINDS.get(role) if data.ndim == 2 and gname != F32_LINEAR else None
+        kind = kinds.get(role) if data.ndim == 2 and gname != F32_LINEAR else None
         if kind is None:
             w.add_tensor(gname, data)
         else:
@@ -229,7 +231,7 @@ def test_the_command_defaults_to_the_files_blocks(tmp_path, monkeypatch, capsys,
     assert f"--gguf {gguf_file.resolve()}" in exp.fix_hint()
 
 
-def test_refusals_are_one_line(tmp_path, monkeypatch, capsys, gguf_file):
+def test_refusals_are_one_line(tmp_path, monkeypatch, capsys, gguf_file, tiny):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file")
     w = gguf.GGUFWriter(str(tmp_path / "q2.gguf"), arch="qwen2")  # an architecture dtrt does not read
@@ -238,12 +240,14 @@ def test_refusals_are_one_line(tmp_path, monkeypatch, capsys, gguf_file):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    q5 = write_qwen3_gguf(tiny.target, tmp_path / "q5.gguf", {**KINDS, "ffn_down": "Q5_0"})  # a type dtrt cannot keep
     for args, want in [
         (["--gguf", str(tmp_path / "missing.gguf")], "no such file"),
         (["--gguf", str(bad)], "not a GGUF file"),
         (["--gguf", str(gguf_file), "--model", "tiny"], "drop --model"),
         (["--model", "tiny", "--quant", "gguf"], "gguf_blocks.safetensors"),
         (["--gguf", str(tmp_path / "q2.gguf")], "architecture 'qwen2' is not supported"),
+        (["--gguf", str(q5)], "'model.layers.0.mlp.down_proj.weight' is Q5_0, which dtrt cannot keep as blocks"),
     ]:
         code, _, err = run_cli(monkeypatch, capsys, "export", *args, "--out", str(tmp_path / "out"))
         errors = [line for line in err.splitlines() if line.startswith("error")]

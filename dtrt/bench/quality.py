@@ -13,7 +13,8 @@ Per configuration and dataset:
   loops, the answers that fall into a repetition loop (dtrt.zoo.gate.loops), and new_loops, those whose reference
   answer does not; the AR tokens per second of those generations.
 
-A configuration is `none` (the fp32 export), `int8`, `int4` (their int8-activation kernels, as `dtrt run` runs
+A configuration is `none` (the fp32 export), `gguf`, `gguf-a8` (the GGUF file's own blocks at fp32 and int8
+activations: dtrt.exporter.gguf_target), `int8`, `int4` (their int8-activation kernels, as `dtrt run` runs
 them), or `int8-fp32act`/`int4-fp32act` (the same weights with fp32 activations: MatMulNBits accuracy level 1;
 teacher-forced only, since the runtime does not run them). `kernel_path` other than `native` measures the
 configurations in a child process on that CPU kernel path (dtrt.artifacts.kernel_path); the reference stays here.

@@ -21,10 +21,11 @@ from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, lookup_help, names
 )
 @click.option(
     "--quant",
-    default="none,int8,int4",
+    default="none,gguf,gguf-a8,int8,int4",
     show_default=True,
-    help="comma list of target configurations (with --model): none (fp32), int8, int4 as dtrt run runs them "
-    "(int8 activations), int8-fp32act, int4-fp32act (fp32 activations; teacher-forced only)",
+    help="comma list of target configurations (with --model): none (fp32), gguf, gguf-a8 (the GGUF file's own "
+    "blocks at fp32 / int8 activations), int8, int4 as dtrt run runs them (int8 activations), int8-fp32act, "
+    "int4-fp32act (fp32 activations; teacher-forced only)",
 )
 @click.option(
     "--export",
@@ -100,7 +101,8 @@ def quality(
     else:
         from dtrt.launch.first_use import cached_export
 
-        configs = split_list("--quant", quant, str, (*QUANTS, *(f"{q}-fp32act" for q in QUANTS if q != "none")))
+        fp32act = tuple(f"{q}-fp32act" for q in ("int8", "int4"))  # MatMulNBits at level 1; gguf names its own
+        configs = split_list("--quant", quant, str, (*QUANTS, *fp32act))
         spec = resolve_spec(model=model or DEFAULT_MODEL, backend="torch", method="ar")
         pair = load_pair(spec, log_line)
         cands = []

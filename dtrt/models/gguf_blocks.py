@@ -106,7 +106,7 @@ def expand(*, name: str, kind: str, data: np.ndarray, where: str = "GGUF file") 
     if kind not in LAYOUT:
         raise DtrtError(
             f"{where}: tensor {name!r} is {kind}, which dtrt cannot keep as blocks (it reads {', '.join(KINDS)}); "
-            "requantize the file to one of those"
+            "requantize the file to one of those, or export it with --quant none"
         )
     size, per = LAYOUT[kind]
     raw = np.asarray(data).view(np.uint8)
@@ -180,7 +180,8 @@ def checkpoint_blocks(checkpoint: Path) -> dict[str, BlockWeight]:
         if meta.get("format") != BLOCKS_FORMAT:
             raise DtrtError(f"{path}: not a {BLOCKS_FORMAT} file; convert the GGUF file again")
         kinds = json.loads(meta["kinds"])
+        where = f"{path} (from {meta.get('source', 'its GGUF file')})"
         return {
-            name: expand(name=name, kind=kind, data=f.get_tensor(name).numpy(), where=str(path))
+            name: expand(name=name, kind=kind, data=f.get_tensor(name).numpy() if kind in LAYOUT else None, where=where)
             for name, kind in kinds.items()
         }

@@ -106,17 +106,20 @@ def _rows(name: str, w: np.ndarray, cfg: dict) -> np.ndarray:
 
 def read_blocks(reader, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The file's quantized tensors as raw block rows (uint8 [rows, bytes a row], rows in the checkpoint's order)
-    by checkpoint name, and their GGUF types; float tensors are the checkpoint's own."""
-    from dtrt.models.gguf_blocks import LAYOUT
+    by checkpoint name, and their GGUF types; float tensors are the checkpoint's own. A type dtrt cannot keep as
+    blocks is recorded with no rows: the fp32 checkpoint holds it, and `--quant gguf` refuses it by name."""
+    from dtrt.models.gguf_blocks import FLOATS, LAYOUT
 
     rows, kinds = {}, {}
     for t in reader.tensors:
         kind = t.tensor_type.name
-        if kind not in LAYOUT or (name := hf_name(t.name)) is None:
+        if kind in FLOATS or (name := hf_name(t.name)) is None:
+            continue
+        kinds[name] = kind
+        if kind not in LAYOUT:
             continue
         raw = np.asarray(t.data).view(np.uint8)
         rows[name] = torch.from_numpy(np.array(_rows(name, raw, cfg), order="C"))
-        kinds[name] = kind
     return rows, kinds
 
 
