@@ -2,8 +2,11 @@
 (dtrt.models.blocks.pack_blocks) and back bit for bit; the function bodies on a plain ONNX Runtime session against
 the PyTorch reference (dtrt.models.blocks.block_matmul); dtrt's kernel (dtrt.runtime.backends.ort_ops) against the
 reference, its rows independent of the row count and of the thread count bit for bit, its bits those of its
-documented order (so a session that ran the function body instead would fail), its errors one line; and which
-graphs load the library (wants_kernel)."""
+documented order (so a session that ran the function body instead would fail), on each of its paths (AVX2, and
+AVX-512F where the CPU has it: DTRT_BLOCK_ISA picks), its errors one line; and which graphs load the library
+(wants_kernel)."""
+
+import subprocess
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from dtrt.artifacts.kernel_path import emulated_command  # noqa: E402
 from dtrt.models.blocks import (  # noqa: E402
     BlockWeight,
     PackedBlocks,
@@ -32,7 +36,8 @@ from dtrt.runtime.backends import ort_ops  # noqa: E402
 Q = gguf.GGMLQuantizationType
 FORMATS = tuple(LAYOUT)  # Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K
 FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-INVARIANT_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 33, 64)  # each kernel path and each short last tile
+INVARIANT_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 64)  # each kernel path and each short last tile
+ISAS = ("avx2", "avx512f")  # the kernel's paths (ort_ops.block_isa)
 
 
 def hand_built(kind: str, n: int, k: int, rng) -> np.ndarray:
@@ -92,6 +97,17 @@ def library():
     if ort_ops.library() is None:
         pytest.skip(f"dtrt's ONNX Runtime kernel: {ort_ops.unavailable()}")
     return ort_ops.library()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, library, monkeypatch):
+    """The kernel's path for the sessions the test makes (DTRT_BLOCK_ISA, which the kernel reads when a session
+    creates it): each test runs on the AVX2 path and on the AVX-512F one, which it skips where the CPU lacks it."""
+    if request.param == "avx512f" and "avx512f" not in ort_ops.cpu_flags():
+        pytest.skip("this CPU lacks AVX-512F: the kernel has only its AVX2 path here")
+    monkeypatch.setenv("DTRT_BLOCK_ISA", request.param)
+    assert ort_ops.block_isa() == request.param
+    return request.param
 
 
 def bound(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
@@ -185,7 +201,7 @@ def test_function_body_matches_the_reference(kind):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-def test_kernel_matches_the_reference(library, kind):
+def test_kernel_matches_the_reference(isa, kind):
     w = weight(kind, 56, 256)
     s = session(packed(w), kernel=True)
     x = rows(64, 256)
@@ -197,7 +213,7 @@ def test_kernel_matches_the_reference(library, kind):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q6_K", "Q8_0"])
-def test_kernel_rows_do_not_depend_on_the_row_count(library, kind, threads):
+def test_kernel_rows_do_not_depend_on_the_row_count(isa, kind, threads):
     """Row i of an M-row call equals the 1-row call on that row bit for bit, for every M (a prefill's 300 rows
     included), at 1 and 2 intra-op threads (N = 100: panels on both threads, one of them short)."""
     w = weight(kind, 100, 512, seed=2)
@@ -212,7 +228,7 @@ def test_kernel_rows_do_not_depend_on_the_row_count(library, kind, threads):
         assert same_bits(prefill[i : i + 1], s.run(None, {"x": x[i : i + 1]})[0]), i
 
 
-def test_kernel_on_an_lm_head_shape(library):
+def test_kernel_on_an_lm_head_shape(isa):
     """A Q8_0 lm_head whose N (1000) is no multiple of the kernel's panels or tiles: close to the reference, rows
     independent of the row count, at 1 and 2 threads alike."""
     w = weight("Q8_0", 1000, 576, seed=4)
@@ -220,7 +236,7 @@ def test_kernel_on_an_lm_head_shape(library):
     x = rows(16, 576, seed=6)
     alone = np.concatenate([one.run(None, {"x": x[i : i + 1]})[0] for i in range(16)])
     assert_close(alone, x, w)
-    for m in (1, 2, 3, 4, 5, 16):
+    for m in (1, 2, 3, 4, 5, 9, 16):
         assert same_bits(one.run(None, {"x": x[:m]})[0], alone[:m]), m
         assert same_bits(two.run(None, {"x": x[:m]})[0], alone[:m]), m
 
@@ -237,46 +253,112 @@ def fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return (a.astype(wide) * b.astype(wide) + c.astype(wide)).astype(np.float32)
 
 
-def kernel_order(x: np.ndarray, p: PackedBlocks) -> np.ndarray:
-    """The kernel's documented order, step by step: w = scale * (q - zero) rounded once; per output one 8-lane
-    accumulator taking fma(w, x) chunk after chunk in k order; BlockMatMulMin's blocks' sums of x (chunks added
-    lane-wise, then the tree) times min into lane b % 8 in block order; the lanes' tree."""
+def kernel_order(x: np.ndarray, p: PackedBlocks, lanes: int) -> np.ndarray:
+    """The kernel's documented order on its path of `lanes` lanes (8: AVX2, 16: AVX-512F), step by step: w = scale
+    * (q - zero) rounded once; per output one accumulator of `lanes` lanes taking fma(w, x) chunk after chunk in k
+    order; BlockMatMulMin's blocks' sums of x (chunks of 8 added lane-wise, then tree8) times min into lane
+    b % lanes in block order; 16 lanes: lanes l and l + 8 added; then tree8."""
     w = scaled_codes(unpack_blocks(p)).numpy()  # [N, K]
     m, k = x.shape
     n = w.shape[0]
-    acc = np.zeros((m, n, 8), np.float32)
-    for i in range(0, k, 8):
-        acc = fma(x[:, None, i : i + 8], w[None, :, i : i + 8], acc)
+    acc = np.zeros((m, n, lanes), np.float32)
+    for i in range(0, k, lanes):
+        acc = fma(x[:, None, i : i + lanes], w[None, :, i : i + lanes], acc)
     if p.min is not None:
         nb = k // p.block
         chunks = x.reshape(m, nb, p.block // 8, 8)
         s = chunks[:, :, 0]
         for c in range(1, p.block // 8):
             s = s + chunks[:, :, c]
-        pad = -nb % 8
+        pad = -nb % lanes
         bsum = np.concatenate([tree8(s), np.zeros((m, pad), np.float32)], axis=1)  # [M, nb + pad]
         mins = np.concatenate([p.min, np.zeros((n, pad), np.float32)], axis=1)
-        for b in range(0, nb + pad, 8):
-            acc = fma(bsum[:, None, b : b + 8], mins[None, :, b : b + 8], acc)
+        for b in range(0, nb + pad, lanes):
+            acc = fma(bsum[:, None, b : b + lanes], mins[None, :, b : b + lanes], acc)
+    if lanes == 16:
+        acc = acc[..., :8] + acc[..., 8:]
     return tree8(acc)
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K", "Q8_0"])
-def test_the_session_runs_the_kernel_in_its_order(library, kind, tmp_path):
-    """A session with the library runs the kernel, not the function body: the optimized graph keeps the dtrt node
-    (the body's would be inlined into standard ops), and its outputs are the documented order's bits, which the
-    body's MatMul does not give."""
-    p = packed(weight(kind, 30, 320 if kind != "Q6_K" else 256, seed=7))
+def order_case(kind: str) -> PackedBlocks:
+    """Blocks for the order tests: a format's, or 4-bit codes in blocks of 16 (no format's layout, which the ops
+    take too) with mins and a zero."""
+    if kind != "4 bits, blocks of 16":
+        return packed(weight(kind, 30, 320 if kind != "Q6_K" else 256, seed=7))
+    rng = np.random.default_rng(7)
+    scale = (rng.random((30, 16)) * 0.01).astype(np.float32)
+    mins = (rng.random((30, 16)) * -0.05).astype(np.float32)
+    q = rng.integers(0, 256, (30, 128), dtype=np.uint8)
+    return PackedBlocks(q=q, scale=scale, min=mins, bits=4, block=16, zero=8, op="BlockMatMulMin")
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K", "Q8_0", "4 bits, blocks of 16"])
+def test_the_session_runs_the_kernel_in_its_order(isa, kind, tmp_path):
+    """A session with the library runs the kernel, not the function body, on the path DTRT_BLOCK_ISA picks: the
+    optimized graph keeps the dtrt node (the body's would be inlined into standard ops), and its outputs are that
+    path's documented order's bits at every row count (each of the path's loops), which neither the other path's
+    order nor the body's MatMul gives."""
+    p = order_case(kind)
     k = p.scale.shape[1] * p.block
-    x = rows(5, k, seed=8)
+    x = rows(17, k, seed=8)
     s = session(p, kernel=True, optimized=tmp_path / "kernel.onnx")
-    got = s.run(None, {"x": x})[0]
-    assert same_bits(got, kernel_order(x, p))
+    lanes, other = (16, 8) if isa == "avx512f" else (8, 16)
+    want = kernel_order(x, p, lanes)
+    assert not same_bits(want, kernel_order(x, p, other))
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17):
+        assert same_bits(s.run(None, {"x": x[:m]})[0], want[:m]), m
     nodes = onnx.load(str(tmp_path / "kernel.onnx")).graph.node
     assert [(n.domain, n.op_type) for n in nodes] == [(DOMAIN, p.op)]
     body = session(p, kernel=False, optimized=tmp_path / "body.onnx")
     assert DOMAIN not in {n.domain for n in onnx.load(str(tmp_path / "body.onnx")).graph.node}
-    assert not same_bits(body.run(None, {"x": x})[0], got)
+    assert not same_bits(body.run(None, {"x": x})[0], want)
+
+
+RUN_EMULATED = """
+import sys
+import numpy as np
+import onnxruntime as ort
+library, model, x, out = sys.argv[1:]
+opts = ort.SessionOptions()
+opts.intra_op_num_threads = 1
+opts.register_custom_ops_library(library)
+s = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+x = np.load(x)
+np.savez(out, *[s.run(None, {"x": x[:m]})[0] for m in (1, 5, 9)])
+"""
+
+
+def test_a_cpu_without_avx512_runs_the_avx2_path(library, tmp_path):
+    """On a CPU with AVX2 and FMA but no AVX-512 (QEMU's Haswell model runs the process) the library loads and the
+    kernel takes its AVX2 path by itself: its outputs are the 8-lane order's bits."""
+    try:
+        command, env = emulated_command("avx2", ["-c", RUN_EMULATED])
+    except ValueError as e:
+        pytest.skip(str(e))
+    env.pop("DTRT_BLOCK_ISA", None)
+    p = packed(weight("Q4_1", 30, 320, seed=9))
+    x = rows(9, 320, seed=10)
+    (tmp_path / "m.onnx").write_bytes(model(p))
+    np.save(tmp_path / "x.npy", x)
+    args = [str(library), str(tmp_path / "m.onnx"), str(tmp_path / "x.npy"), str(tmp_path / "y.npz")]
+    run = subprocess.run([*command, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = np.load(tmp_path / "y.npz")
+    want = kernel_order(x, p, 8)
+    for i, m in enumerate((1, 5, 9)):
+        assert same_bits(got[f"arr_{i}"], want[:m]), m
+
+
+def test_block_isa_follows_the_cpu_and_the_switch(monkeypatch):
+    """The path a session's kernel takes: AVX-512F where the CPU has it, unless DTRT_BLOCK_ISA=avx2."""
+    monkeypatch.delenv("DTRT_BLOCK_ISA", raising=False)
+    monkeypatch.setattr(ort_ops, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})
+    assert ort_ops.block_isa() == "avx512f"
+    monkeypatch.setenv("DTRT_BLOCK_ISA", "avx2")
+    assert ort_ops.block_isa() == "avx2"
+    monkeypatch.setattr(ort_ops, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.delenv("DTRT_BLOCK_ISA")
+    assert ort_ops.block_isa() == "avx2"
 
 
 def one_line(e, prefix: str) -> str:
@@ -306,10 +388,16 @@ def test_kernel_reports_what_it_cannot_compute_in_one_line(library):
     assert s.run(None, {"x": rows(1, 256)})[0].shape == (1, 16)
 
 
-def test_kernel_takes_empty_calls(library):
+def test_kernel_takes_empty_calls(isa):
     p = packed(weight("Q8_0", 16, 256))
     y = session(p, kernel=True).run(None, {"x": np.zeros((0, 256), np.float32)})[0]
     assert y.shape == (0, 16)
+    # K = 0: every output an empty sum, +0
+    q, scale = np.zeros((16, 0), np.uint8), np.zeros((16, 0), np.float32)
+    empty = PackedBlocks(q=q, scale=scale, min=scale, bits=4, block=32, zero=8, op="BlockMatMulMin")
+    s = session(empty, kernel=True)
+    for m in (1, 9, 17):
+        assert same_bits(s.run(None, {"x": np.zeros((m, 0), np.float32)})[0], np.zeros((m, 16), np.float32)), m
 
 
 # which graphs load the library

@@ -8,7 +8,11 @@ packed codes instead of fp32 weights. Each is registered under the function's ow
 runs a registered kernel in place of a function's body, so exports do not change and the body stays the
 definition (TensorRT's, and the fallback). Every output sums its terms in one fixed order, whatever the rows of the
 call and the threads: tree rows still equal plain decoding's bit for bit (`dtrt parity`'s order check runs with the
-kernels when they are in use), and a block product's row is the same in a 1-row call and in a 64-row one.
+kernels when they are in use), and a block product's row is the same in a 1-row call and in a 64-row one. The block
+product has an AVX-512F path beside its AVX2 one, taken where the CPU has AVX-512F: 16-lane sums instead of 8, its
+own fixed order, so an output can differ in its last bits between an AVX-512 CPU and an AVX2-only one (as ONNX
+Runtime's own kernels' do). `DTRT_BLOCK_ISA=avx2`, read when a session creates the kernel, keeps it on the AVX2 path;
+`block_isa()` says which path a session created now takes.
 
 The library is compiled once per machine into `$DTRT_CACHE/ort-ops/` with the system C++ compiler. It needs no
 ONNX Runtime headers (the Python wheel ships none): `ort_abi.h` declares the few entries of ONNX Runtime's C ABI it
@@ -98,6 +102,14 @@ def library() -> Path | None:
             return None
         os.replace(built, out)  # whole or not at all, also when processes build it side by side
     return out
+
+
+def block_isa() -> str:
+    """The path BlockMatMul[Min]'s kernel takes in a session created now: "avx512f" on a CPU with AVX-512F unless
+    DTRT_BLOCK_ISA=avx2, else "avx2" (the kernel asks the CPU and reads the variable the same way)."""
+    if "avx512f" in cpu_flags() and os.environ.get("DTRT_BLOCK_ISA") != "avx2":
+        return "avx512f"
+    return "avx2"
 
 
 def wants_kernel(path) -> bool:
