@@ -46,8 +46,15 @@ def _kernel_path(r):
     path = this_path()
     if path == "unknown":
         return Check("CPU kernel path", True, "unknown (no x86-64 /proc/cpuinfo)")
+    from dtrt.runtime.backends import ort_ops
+
     why = "--quant int8/int4 round their int8 activations per path, so tokens can differ between machines"
-    return Check("CPU kernel path", True, f"{path} (ONNX Runtime's MLAS kernels; {why})")
+    detail = f"{path} (ONNX Runtime's MLAS kernels; {why})"
+    if not ort_ops.status():  # dtrt's kernel for --quant gguf's block products (BlockMatMul) has paths of its own
+        detail += f"; --quant gguf's block kernel: {ort_ops.block_isa()}"
+        if ort_ops.block_isa() == "avx512f":
+            detail += " (DTRT_BLOCK_ISA=avx2 for its AVX2 path)"
+    return Check("CPU kernel path", True, detail)
 
 
 def _ort_kernel(r):
