@@ -3,15 +3,18 @@ blocks, fp32 activations, every row in one fixed order) beside ONNX Runtime's fp
 weights and its MatMulNBits (com.microsoft: bits 4, blocks of 32, uint8 zero points) at accuracy levels 4 (int8
 activations) and 1 (fp32), at SmolLM2-135M's and Qwen3-4B's linear shapes, M = 1, 2, 4, 8, 16 rows (a verify's
 widths), random weights. Each session holds one node; every repeat times one call of each in turn, and the table
-gives the medians (a call includes ONNX Runtime's per-run overhead, the `overhead` line: an Identity node).
+gives the medians (a call includes ONNX Runtime's per-run overhead, the `overhead` line: an Identity node). The
+kernel runs on this machine's path (AVX-512F where the CPU has it, else AVX2); `--isa` picks it, and a second path
+adds a column (`--isa avx512f,avx2`: the AVX2 path beside the AVX-512F one, in the same repeats).
 
     python benchmarks/block_matmul.py                      # one intra-op thread
     python benchmarks/block_matmul.py --threads 2 --json out.json
-    python benchmarks/block_matmul.py --models smollm2-135m --rows 1,8
+    python benchmarks/block_matmul.py --models smollm2-135m --rows 1,8 --isa avx512f,avx2
 """
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -39,6 +42,7 @@ SHAPES = (
     ("qwen3-4b", "qkv", 2560, 6144, "Q4_K"),
 )
 METHODS = ("kernel", "fp32", "nbits4", "nbits1")
+ISAS = ("avx2", "avx512f")  # the kernel's paths (DTRT_BLOCK_ISA)
 
 
 def random_weight(kind: str, n: int, k: int, rng) -> BlockWeight:
@@ -95,6 +99,19 @@ def nbits_model(n: int, k: int, accuracy: int, rng) -> bytes:
     return graph_model([node], inits, k, [("", 20), ("com.microsoft", 1)])
 
 
+def kernel_session(model: bytes, threads: int, library, isa: str) -> ort.InferenceSession:
+    """A session whose kernel takes path `isa` (DTRT_BLOCK_ISA, read when the session creates the kernel)."""
+    before = os.environ.get("DTRT_BLOCK_ISA")
+    os.environ["DTRT_BLOCK_ISA"] = isa
+    try:
+        return session(model, threads, library)
+    finally:
+        if before is None:
+            del os.environ["DTRT_BLOCK_ISA"]
+        else:
+            os.environ["DTRT_BLOCK_ISA"] = before
+
+
 def session(model: bytes, threads: int, library=None) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
@@ -129,10 +146,22 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--isa",
+        default=ort_ops.block_isa(),
+        help="the kernel's paths, comma-separated (avx2, avx512f; default: this machine's): the first is the "
+        "`kernel` column, each further one a column of its name",
+    )
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args(argv)
     rows_m = [int(v) for v in args.rows.split(",")]
     models = args.models.split(",")
+    isas = args.isa.split(",")
+    if bad := [i for i in isas if i not in ISAS]:
+        ap.error(f"--isa {','.join(bad)}: the kernel's paths are {', '.join(ISAS)}")
+    if "avx512f" in isas and "avx512f" not in ort_ops.cpu_flags():
+        ap.error("--isa avx512f: this CPU lacks AVX-512F")
+    methods = (*METHODS, *isas[1:])
     library = ort_ops.library()
     if library is None:
         print(f"dtrt's kernel cannot run here: {ort_ops.unavailable()}; its column is empty")
@@ -143,9 +172,10 @@ def main(argv=None):
     base = medians({"overhead": overhead}, np.zeros((1, 576), np.float32), args.repeats, args.warmup)["overhead"]
     print(
         f"ONNX Runtime {ort.__version__}, {platform.processor() or platform.machine()}, {args.threads} intra-op "
-        f"thread(s); ms per call (median of {args.repeats}); overhead (an Identity call): {base:.4f} ms"
+        f"thread(s); ms per call (median of {args.repeats}); overhead (an Identity call): {base:.4f} ms; kernel: the "
+        f"{isas[0]} path"
     )
-    head = f"{'model':<13} {'linear':<8} {'K->N':<11} {'fmt':<5} {'M':>3} " + " ".join(f"{m:>8}" for m in METHODS)
+    head = f"{'model':<13} {'linear':<8} {'K->N':<11} {'fmt':<5} {'M':>3} " + " ".join(f"{m:>8}" for m in methods)
     print(head + f" {'fp32/kern':>9} {'nb4/kern':>8}")
     out = []
     for model, linear, k, n, kind in SHAPES:
@@ -158,14 +188,16 @@ def main(argv=None):
             "nbits1": session(nbits_model(n, k, 1, rng), args.threads),
         }
         if library is not None:
-            sessions = {"kernel": session(kernel_model(w, k), args.threads, library)} | sessions
+            kernels = {name: kernel_model(w, k) for name in ("kernel", *isas[1:])}
+            paths = {"kernel": isas[0]} | {i: i for i in isas[1:]}
+            sessions = {n: kernel_session(m, args.threads, library, paths[n]) for n, m in kernels.items()} | sessions
         for m in rows_m:
             x = rng.standard_normal((m, k)).astype(np.float32)
             ms = medians(sessions, x, args.repeats, args.warmup)
             row = {"model": model, "linear": linear, "K": k, "N": n, "format": kind, "M": m}
-            row |= {name: ms.get(name) for name in METHODS}
+            row |= {name: ms.get(name) for name in methods}
             out.append(row)
-            cells = " ".join(f"{ms[name]:8.4f}" if name in ms else f"{'-':>8}" for name in METHODS)
+            cells = " ".join(f"{ms[name]:8.4f}" if name in ms else f"{'-':>8}" for name in methods)
             ratios = ""
             if "kernel" in ms:
                 ratios = f" {ms['fp32'] / ms['kernel']:9.2f} {ms['nbits4'] / ms['kernel']:8.2f}"
@@ -173,6 +205,7 @@ def main(argv=None):
         del sessions
     if args.json:
         meta = {"onnxruntime": ort.__version__, "threads": args.threads, "overhead_ms": base, "onnx": onnx.__version__}
+        meta["isa"] = isas
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": out}, f, indent=1)
 
