@@ -21,6 +21,7 @@ from dtrt.exporter.write import export_pair  # noqa: E402
 from dtrt.models.blocks import PackedBlocks, dequantize, unpack_blocks  # noqa: E402
 from dtrt.models.checkpoint import Pair, load_target  # noqa: E402
 from dtrt.models.gguf_blocks import checkpoint_blocks  # noqa: E402
+from dtrt.models.target import KVCache  # noqa: E402
 from dtrt.parity import run_parity  # noqa: E402
 from dtrt.zoo.gguf import LAYER_TENSORS, TOP_TENSORS, converted  # noqa: E402
 
@@ -234,7 +235,7 @@ def test_the_command_defaults_to_the_files_blocks(tmp_path, monkeypatch, capsys,
 def test_refusals_are_one_line(tmp_path, monkeypatch, capsys, gguf_file, tiny):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file")
-    w = gguf.GGUFWriter(str(tmp_path / "q2.gguf"), arch="qwen2")  # an architecture dtrt does not read
+    w = gguf.GGUFWriter(str(tmp_path / "q2.gguf"), arch="gemma2")  # an architecture dtrt does not read
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -246,10 +247,78 @@ def test_refusals_are_one_line(tmp_path, monkeypatch, capsys, gguf_file, tiny):
         (["--gguf", str(bad)], "not a GGUF file"),
         (["--gguf", str(gguf_file), "--model", "tiny"], "drop --model"),
         (["--model", "tiny", "--quant", "gguf"], "gguf_blocks.safetensors"),
-        (["--gguf", str(tmp_path / "q2.gguf")], "architecture 'qwen2' is not supported"),
+        (["--gguf", str(tmp_path / "q2.gguf")], "architecture 'gemma2' is not supported"),
         (["--gguf", str(q5)], "'model.layers.0.mlp.down_proj.weight' is Q5_0, which dtrt cannot keep as blocks"),
     ]:
         code, _, err = run_cli(monkeypatch, capsys, "export", *args, "--out", str(tmp_path / "out"))
         errors = [line for line in err.splitlines() if line.startswith("error")]
         assert code != 0 and len(errors) == 1 and want in errors[0] and "Traceback" not in err, err
         assert not (tmp_path / "out").exists()
+
+
+def test_a_qwen2_file_keeps_its_biases_and_answers_as_transformers(tmp_path, monkeypatch, capsys):
+    """Qwen2: q/k/v with biases, o without, no per-head norms, RoPE on halves (no llama row order): the converted
+    checkpoint's logits are transformers' Qwen2ForCausalLM's on the same files, and its gguf export runs."""
+    transformers = pytest.importorskip("transformers")
+    rng = np.random.default_rng(0)
+    hidden, inter, heads, kv, hd, vocab, layers = 64, 128, 4, 2, 16, 96, 2
+    path = tmp_path / "qwen2.gguf"
+    w = gguf.GGUFWriter(str(path), arch="qwen2")
+    for add, v in ((w.add_block_count, layers), (w.add_context_length, 256), (w.add_embedding_length, hidden),
+                   (w.add_feed_forward_length, inter), (w.add_head_count, heads), (w.add_head_count_kv, kv),
+                   (w.add_rope_freq_base, 10000.0), (w.add_layer_norm_rms_eps, 1e-6)):  # fmt: skip
+        add(v)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([f"t{i}" for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_eos_token_id(0)
+
+    def weight(*shape, scale=0.08):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", gguf.quantize(weight(vocab, hidden, scale=0.5), Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.add_tensor("output_norm.weight", 1 + weight(hidden))
+    for i in range(layers):
+        shapes = {
+            "attn_q": (heads * hd, hidden),
+            "attn_k": (kv * hd, hidden),
+            "attn_v": (kv * hd, hidden),
+            "attn_output": (hidden, heads * hd),
+            "ffn_gate": (inter, hidden),
+            "ffn_up": (inter, hidden),
+            "ffn_down": (hidden, inter),
+        }
+        for name, shape in shapes.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", gguf.quantize(weight(*shape), Q.Q4_1), raw_dtype=Q.Q4_1)
+        for name, n in (("attn_q", heads * hd), ("attn_k", kv * hd), ("attn_v", kv * hd)):
+            w.add_tensor(f"blk.{i}.{name}.bias", weight(n, scale=0.5))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", 1 + weight(hidden))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + weight(hidden))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ckpt = converted(path)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["attention_bias"]
+    ours = load_target(ckpt, torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), torch_dtype=torch.float32).eval()
+    ids = torch.tensor([[3, 17, 42, 5, 9, 60, 11, 2]])
+    n = ids.shape[1]
+    with torch.no_grad():
+        want = theirs(ids).logits[0]
+        have, _ = ours(ids[0], torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), KVCache(ours.cfg, n))
+    assert (have - want).abs().max() <= 1e-4 * want.abs().max()
+    out = tmp_path / "out"
+    code, _, err = run_cli(
+        monkeypatch, capsys, "export", "--gguf", str(path), "--out", str(out), "--max-context", "128"
+    )
+    assert code == 0, err
+    exp = load_export(out)
+    assert exp.quant_name == "gguf"
+    from dtrt.runtime.sampling import SamplingConfig
+
+    prompt = [3, 17, 42, 5, 9, 60, 11, 2, 3, 17, 42, 5]
+    ar = ort_pipeline(exp, spec("ar")).generate(prompt, 16, SamplingConfig()).tokens
+    assert ort_pipeline(exp, spec("lookup")).generate(prompt, 16, SamplingConfig()).tokens == ar

@@ -24,8 +24,8 @@ from dtrt.zoo.registry import names
 @click.option(
     "--gguf",
     type=click.Path(),
-    help="a llama or qwen3 GGUF file as the target (instead of --model/--target): converted once into the cache, "
-    "its quantized tensors kept as the file holds them (--quant gguf unless --quant is given)",
+    help="a llama, qwen2 or qwen3 GGUF file as the target (instead of --model/--target): converted once into the "
+    "cache, its quantized tensors kept as the file holds them (--quant gguf unless --quant is given)",
 )
 @click.option("--model-dir", type=click.Path(), help=MODEL_DIR_HELP)
 @click.option("--out", required=True, type=click.Path(), help="export directory to create")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from dtrt.errors import DtrtError
 
-TARGET_ARCHS = {"qwen3": True, "llama": False}  # model_type -> has per-head q_norm/k_norm
+TARGET_ARCHS = {"qwen3": True, "llama": False, "qwen2": False}  # model_type -> has per-head q_norm/k_norm
 
 
 def read_json(path: Path) -> dict:
@@ -58,7 +58,7 @@ def _require(cfg: dict, key: str, path: Path):
 
 @dataclass
 class TargetConfig:
-    arch: str  # "qwen3" | "llama" | "qwen3_next" (HybridConfig)
+    arch: str  # "qwen3" | "llama" | "qwen2" | "qwen3_next" (HybridConfig)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -109,7 +109,7 @@ def _target_fields(cfg: dict, path: Path, head_dim: int | None = None) -> dict:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(cfg, 10000.0),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),  # Qwen2: q/k/v biases
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         eos_token_id=eos,
     )

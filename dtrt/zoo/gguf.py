@@ -1,4 +1,4 @@
-"""Convert a llama- or qwen3-architecture GGUF file into a Hugging Face checkpoint directory: fp32 weights in
+"""Convert a llama-, qwen2- or qwen3-architecture GGUF file into a Hugging Face checkpoint directory: fp32 weights in
 model.safetensors, config.json, generation_config.json and the tokenizer with its chat template, and beside them
 the file's quantized tensors as it holds them (gguf_blocks.safetensors, dtrt.models.gguf_blocks: what a `--quant
 gguf` export computes from). Offline; the `gguf` package reads and dequantizes the file."""
@@ -26,7 +26,12 @@ LAYER_TENSORS = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-ARCHS = {"llama": ("LlamaForCausalLM", 10000.0), "qwen3": ("Qwen3ForCausalLM", 1000000.0)}  # default RoPE base
+# architecture -> (transformers class, default RoPE base); qwen2's q/k/v biases are the target's attention_bias
+ARCHS = {
+    "llama": ("LlamaForCausalLM", 10000.0),
+    "qwen2": ("Qwen2ForCausalLM", 1000000.0),
+    "qwen3": ("Qwen3ForCausalLM", 1000000.0),
+}
 # the pre-tokenizer split of Qwen2/Qwen3's tokenizer.json (llama.cpp's pre-tokenizer name: qwen2)
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
@@ -83,7 +88,7 @@ def target_config(f: dict, has_output: bool, where: str = "GGUF file") -> dict:
         "rope_theta": theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "tie_word_embeddings": not has_output,
-        "attention_bias": False,
+        "attention_bias": a == "qwen2",
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
