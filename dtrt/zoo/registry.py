@@ -85,10 +85,17 @@ class ModelEntry:
 MODELS = {
     e.name: e
     for e in (
-        # SmolLM2 on ONNX Runtime runs its fp32 target: the only configuration that passes the quality gate
-        # (dtrt.zoo.gate; int8 keeps 95-96% of fp32's greedy choices and answered the README's first example with a
-        # loop, int4 63-74%; docs/quantization.md, "The quality gate of the embedded default"). A 5-node fp32 verify
-        # costs ~1.2x a 1-token step and its drafter commits ~1.7 tokens a round, so 4 nodes (T=0: dominotree@4
+        # SmolLM2 on ONNX Runtime runs its GGUF file's own Q4_1/Q8_0 blocks at fp32 activations (`gguf`, dtrt's
+        # BlockMatMul kernel): the fp32 reference's products from 4-bit codes, so it passes the quality gate with
+        # the reference's answers (agreement 1.0000, 40/40 answers identical) at 2.5x the fp32 target's AR speed;
+        # gguf-a8 (int8 activations, what llama.cpp computes) keeps 92-96% of the greedy choices and fails it, as
+        # int8 (95-96%; it answered the README's first example with a loop) and int4 (63-74%) do
+        # (docs/quantization.md, "The quality gate of the embedded default"). The gguf target's step is 18 ms
+        # against fp32's 53 and a 3-row verify ~1.35x its step (its kernel sums in fp32, per row), so it verifies
+        # trees of 2 nodes with lookup's chains: 97 tok/s at T=0 against the fp32 default's 49 (DominoTree+lookup@4)
+        # and llama.cpp's 43, 58 tok/s at T=1 (bench-results/gguf-default/; budget 2 led budgets 1 and 4 in a probe
+        # of 4 prompts a set, on the kernel's AVX2 path). The rest of this note is the fp32 target's. A 5-node fp32
+        # verify costs ~1.2x a 1-token step and its drafter commits ~1.7 tokens a round, so 4 nodes (T=0: dominotree@4
         # 1.19x AR, ddtree@4 1.21x, cadominotree 1.11x; docs/benchmarks.md). A quantized target verifies two rows for
         # the price of one and three for 1.1-1.2x (benchmarks/verify_cost.py), and since drafting costs 2.3-2.9 ms a
         # round (int4 drafter stages), DominoTree@1 is the fastest there at T=0 and T=1 alike: int8 1.25x / 1.08x its
@@ -112,8 +119,8 @@ MODELS = {
         ModelEntry(
             "smollm2-135m",
             budget=4,
-            quant="none",
-            quant_budgets=(("int8", 1), ("int4", 1), ("gguf-a8", 1)),
+            quant="gguf",
+            quant_budgets=(("int8", 1), ("int4", 1), ("gguf", 2), ("gguf-a8", 2)),
             drafter_quants=(("int8", "int4"), ("int4", "int4"), ("gguf-a8", "int4")),
             draft_vocabs=(
                 ("int8", "d2t-8k.safetensors"),
@@ -122,17 +129,16 @@ MODELS = {
             ),
             lookup=("none", "int8", "int4", "gguf", "gguf-a8"),
             lookup_budget=4,
-            quant_lookup_budgets=(("int8", 1), ("int4", 1), ("gguf-a8", 1)),
+            quant_lookup_budgets=(("int8", 1), ("int4", 1), ("gguf", 2), ("gguf-a8", 2)),
             gate=GateRecord(
-                "none",
+                "gguf",
                 agreement=1.0,
                 nll_delta=0.0,
                 identical=1.0,
                 new_loops=0,
-                kernel_paths=("avx512-vnni", "avx2"),
-                command="dtrt quality --model smollm2-135m --quant none,int8,int4,int8-fp32act,int4-fp32act "
-                "--threads 1; --quant none,int8 --texts 3 --max-tokens 192 --prompts 1 --max-new-tokens 32 "
-                "--kernel-path avx2",
+                kernel_paths=("amx", "avx2"),
+                command="dtrt quality --model smollm2-135m --quant none,gguf,gguf-a8,int8,int4 --threads 1; "
+                "--quant gguf --texts 3 --max-tokens 192 --prompts 1 --max-new-tokens 32 --kernel-path avx2",
             ),
         ),
         ModelEntry("tiny"),
