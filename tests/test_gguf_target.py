@@ -40,10 +40,26 @@ KINDS = {
 F32_LINEAR = "blk.3.ffn_down.weight"
 
 
-def write_qwen3_gguf(checkpoint, path, kinds=None):
+# where each K-quant keeps its fp16 numbers (d, dmin): set to small finite values in hand-built blocks
+K_FP16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def k_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Blocks of a K-quant the `gguf` package cannot quantize to: random codes, scales and mins, small fp16 d/dmin."""
+    per, size = gguf.GGML_QUANT_SIZES[Q[kind]]
+    n = rows * cols // per
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for at in K_FP16_AT[kind]:
+        raw[:, at : at + 2] = rng.uniform(1e-4, 2e-3, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return raw.reshape(rows, cols // per * size)
+
+
+def write_qwen3_gguf(checkpoint, path, kinds=None, k_quants=None):
     """The checkpoint's target as a qwen3 GGUF file, quantized with the `gguf` package's own quantizers (`kinds`:
-    the type per tensor role, KINDS by default)."""
+    the type per tensor role, KINDS by default; `k_quants`: GGUF tensor name -> a K-quant of random blocks)."""
     kinds = KINDS if kinds is None else kinds
+    k_quants = k_quants or {}
+    rng = np.random.default_rng(0)
     from safetensors.torch import load_file
 
     cfg = json.loads((checkpoint / "config.json").read_text())
@@ -83,7 +99,9 @@ def write_qwen3_gguf(checkpoint, path, kinds=None):
             gname = f"{role}.{suffix}"
         data = t.float().numpy()
         kind = kinds.get(role) if data.ndim == 2 and gname != F32_LINEAR else None
-        if kind is None:
+        if gname in k_quants:
+            w.add_tensor(gname, k_blocks(k_quants[gname], *data.shape, rng), raw_dtype=Q[k_quants[gname]])
+        elif kind is None:
             w.add_tensor(gname, data)
         else:
             w.add_tensor(gname, gguf.quantize(data, Q[kind]), raw_dtype=Q[kind])
@@ -322,3 +340,46 @@ def test_a_qwen2_file_keeps_its_biases_and_answers_as_transformers(tmp_path, mon
     prompt = [3, 17, 42, 5, 9, 60, 11, 2, 3, 17, 42, 5]
     ar = ort_pipeline(exp, spec("ar")).generate(prompt, 16, SamplingConfig()).tokens
     assert ort_pipeline(exp, spec("lookup")).generate(prompt, 16, SamplingConfig()).tokens == ar
+
+
+def test_k_quant_products_hold_the_files_blocks_bit_for_bit(tiny, tmp_path):
+    """Q4_K, Q5_K and Q6_K (the down projections, whose 256 input features fill a super-block): each export's
+    products dequantize to the file's tensors as the `gguf` package dequantizes them, bit for bit, and plain
+    decoding equals prompt lookup's on both configurations."""
+    from dtrt.runtime.sampling import SamplingConfig
+
+    k_quants = {"blk.0.ffn_down.weight": "Q4_K", "blk.1.ffn_down.weight": "Q5_K", "blk.2.ffn_down.weight": "Q6_K"}
+    path = write_qwen3_gguf(tiny.target, tmp_path / "k.gguf", k_quants=k_quants)
+    ckpt = converted(path)
+    reader = gguf.GGUFReader(str(path))
+    want = {
+        t.name: torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        for t in reader.tensors
+        if t.name in k_quants
+    }
+    assert {t.tensor_type.name for t in reader.tensors if t.name in k_quants} == {"Q4_K", "Q5_K", "Q6_K"}
+    prompt = [40, 41, 3, 60, 70, 3, 40, 41, 3, 60]
+    for quant in ("gguf", "gguf-a8"):
+        exp = export_pair(Pair(ckpt, None, None), tmp_path / quant, ExportConfig(max_context=128, quant=quant))
+        if quant == "gguf":
+            rows = {tuple(r.tolist()) for _, w in _products(exp) for r in dequantize(w)}
+            for name, w in want.items():
+                assert all(tuple(r.tolist()) in rows for r in w), name
+        ar = ort_pipeline(exp, spec("ar")).generate(prompt, 16, SamplingConfig()).tokens
+        assert ort_pipeline(exp, spec("lookup")).generate(prompt, 16, SamplingConfig()).tokens == ar
+
+
+def test_the_torch_backend_runs_the_checkpoint_and_refuses_one_without_blocks(tiny, gguf_file):
+    """--quant gguf on the torch backend is the converted fp32 checkpoint (the blocks dequantized): DominoTree
+    gives its AR tokens with drafts accepted; a checkpoint not converted from a GGUF file is refused in one line."""
+    from helpers import pipe_for
+
+    from dtrt.errors import DtrtError
+
+    pair = Pair(converted(gguf_file), tiny.domino, tiny.domino)
+    ar = [g.tokens for g in generate_all(pipe_for(pair, spec("ar", quant="gguf")), max_new=24)]
+    gens = generate_all(pipe_for(pair, spec("dominotree", quant="gguf")), max_new=24)
+    assert [g.tokens for g in gens] == ar
+    assert sum(r.accepted for g in gens for r in g.rounds) / sum(len(g.rounds) for g in gens) > 1.5
+    with pytest.raises(DtrtError, match="has no gguf_blocks.safetensors"):
+        pipe_for(tiny, spec("ar", quant="gguf"))
