@@ -181,7 +181,8 @@ def test_the_tree_grows_where_it_pays_and_the_map_learns(tiny):
 def test_the_cost_aware_budget_is_a_cap_not_the_fixed_budget():
     from dtrt.launch import resolve_spec
 
-    assert resolve_spec(model="smollm2-135m", method="dominotree", backend="onnxruntime").budget == 4  # fp32: fixed
+    assert resolve_spec(model="smollm2-135m", method="dominotree", backend="onnxruntime").budget == 2  # gguf: fixed
+    assert resolve_spec(model="smollm2-135m", method="dominotree", backend="onnxruntime", quant="none").budget == 4
     assert resolve_spec(model="smollm2-135m", method="dominotree", backend="onnxruntime", quant="int8").budget == 1
     assert resolve_spec(model="smollm2-135m", method="cadominotree", backend="onnxruntime").budget == 16
     assert resolve_spec(model="smollm2-135m", method="caddtree", quant="none").budget == 16

@@ -139,7 +139,7 @@ def test_hygiene_says_which_attention_onnx_runtime_ran(monkeypatch):
     assert "quantized targets' attention: the ONNX function body (turned off (DTRT_ORT_OPS=0))" in line
     monkeypatch.setattr(ort_ops, "status", lambda: "")
     monkeypatch.setattr(ort_ops, "library", lambda: None)
-    assert machine.ort_attention() == "the ONNX function body (its build failed (c++ on tree_attention.cc))"
+    assert machine.ort_attention().startswith("the ONNX function body (its build failed (c++ on ")
     monkeypatch.setattr(ort_ops, "library", lambda: "libdtrt_ort_ops.so")
     assert machine.ort_attention() == "dtrt's kernel"
 

@@ -84,7 +84,7 @@ def test_the_traits_decide_the_spec_the_defaults_and_the_bench():
         assert (spec.method, spec.lookup, spec.budget) == ("dominotree", True, budget), quant
         assert default_budget("smollm2-135m", quant, "dominotree", lookup=True) == budget
     assert resolve_spec(model="smollm2-135m", backend="onnxruntime", quant="int4", lookup=False).budget == 1
-    assert "(budgets fp32 4, int8 1, int4 1)" in lookup_help()
+    assert "(budgets fp32 4, int8 1, int4 1, gguf 2, gguf-a8 2)" in lookup_help()
     # cuda devices pick the frontier for the methods that grow with it, the heap for the others
     assert resolve_spec(model="tiny", method="cadominotree", device="cpu").builder == "heap"
     # the bench sweeps budgets of the budget methods only, and names lookup rows from the takers

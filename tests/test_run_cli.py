@@ -317,12 +317,13 @@ def test_budget_defaults_to_the_models_measured_one(tiny, monkeypatch, capsys):
     from dtrt.zoo import registry
 
     assert registry.default_budget("smollm2-135m") == 4 and registry.default_budget(None) == 16
-    # the embedded default on ONNX Runtime runs its fp32 target (the one that passes the quality gate) with
-    # dominotree at that quantization's budget (a quantized target: 1); cadominotree's budget is a cap, 16
+    # the embedded default on ONNX Runtime runs its GGUF file's blocks (gguf, which passes the quality gate) with
+    # dominotree at that quantization's budget (gguf: 2, fp32: 4, int8/int4: 1); cadominotree's budget is a cap, 16
     from dtrt.launch import resolve_spec
 
     default, on_torch = resolve_spec(), resolve_spec(model="smollm2-135m", method="dominotree")
-    assert (default.backend, default.quant, default.method, default.budget) == ("onnxruntime", "none", "dominotree", 4)
+    assert (default.backend, default.quant, default.method, default.budget) == ("onnxruntime", "gguf", "dominotree", 2)
+    assert resolve_spec(quant="none").budget == 4
     int8 = resolve_spec(quant="int8")
     assert (int8.quant, int8.method, int8.budget) == ("int8", "dominotree", 1)
     assert resolve_spec(method="cadominotree", quant="int8").budget == 16
