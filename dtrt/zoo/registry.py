@@ -136,9 +136,8 @@ MODELS = {
                 nll_delta=0.0,
                 identical=1.0,
                 new_loops=0,
-                kernel_paths=("amx", "avx2"),
-                command="dtrt quality --model smollm2-135m --quant none,gguf,gguf-a8,int8,int4 --threads 1; "
-                "--quant gguf --texts 3 --max-tokens 192 --prompts 1 --max-new-tokens 32 --kernel-path avx2",
+                kernel_paths=("amx",),  # the emulated avx2 run of gguf is still to be recorded (issue 57)
+                command="dtrt quality --model smollm2-135m --quant none,gguf,gguf-a8,int8,int4 --threads 1",
             ),
         ),
         ModelEntry("tiny"),
