@@ -61,3 +61,22 @@ def test_a_periodic_stream_proposes_its_period_on():
     index = LookupIndex([7, 1, 2, 3, 1, 2, 3, 1])
     assert index.propose(max_len=7) == [[2, 3, 1, 2, 3, 1, 2]]
     assert index.propose(max_len=2, n_alternatives=3) == [[2, 3]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(streams, st.lists(st.tuples(st.integers(0, 60), streams), min_size=1, max_size=10), st.integers(1, 6))
+def test_forks_match_a_fresh_build(tokens, forks, max_ngram):
+    """A chain of forks (the prefix cache's turns: restore k positions, extend by new tokens), each left frozen, is
+    the index a fresh build over the same stream is, and the indexes it forked from stay as they were."""
+    index = LookupIndex(tokens, max_ngram=max_ngram)
+    frozen = []
+    for k, more in forks:
+        before = (list(index.tokens), index.match(), index.propose(max_len=3, n_alternatives=2))
+        frozen.append((index, before))
+        index = index.fork(min(k, len(index)))
+        index.extend(more)
+        fresh = LookupIndex(index.tokens, max_ngram=max_ngram)
+        assert index.match() == fresh.match() == brute_match(index.tokens, max_ngram)
+        assert index.propose(max_len=5, n_alternatives=3) == fresh.propose(max_len=5, n_alternatives=3)
+    for old, before in frozen:
+        assert (old.tokens, old.match(), old.propose(max_len=3, n_alternatives=2)) == before

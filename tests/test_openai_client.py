@@ -308,6 +308,8 @@ def test_32_concurrent_clients_on_2_replicas(endpoint, local_pipe):
     served = {r["replica"]: r["requests"]["ok"] - before.get(r["replica"], 0) for r in snap["replicas"] if r["alive"]}
     assert len(served) == 2 and all(n > 0 for n in served.values()) and sum(served.values()) == 64, served
     assert snap["requests"]["ok"] >= 64 and snap["live_replicas"] == 2
+    live = [r for r in snap["replicas"] if r["alive"]]  # the prefix caches' series: summed over the replicas
+    assert snap["prefix_cache"]["lookups"] == sum(r["prefix_cache"]["lookups"] for r in live) >= 64
 
 
 def test_disconnect_cancels_on_the_replica(endpoint):

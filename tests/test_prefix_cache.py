@@ -190,3 +190,147 @@ def test_serve_reports_the_hit(tiny):
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert "dtrt_prefix_cache_hits_total 1" in metrics
     assert f"dtrt_prefix_cache_hit_tokens_total {cached_tokens}" in metrics
+
+
+def chat(pipe, first: str, turns: int, sampling=GREEDY) -> tuple[list, list]:
+    """`turns` turns of one conversation in which every answer ends with the stop id, as a chat template ends each
+    message (`remember` is given what `dtrt serve` gives it: the answer as generated, most cut by the token limit):
+    (generations, prompts)."""
+    tok, stop = pipe.tokenizer, pipe.eos[0]
+    ids, out, prompts = tok.encode(PREAMBLE + first, add_special_tokens=False) + [stop], [], []
+    for _ in range(turns):
+        prompts.append(ids)
+        g = pipe.generate(ids, NEW, sampling)
+        out.append(g)
+        pipe.remember(ids + g.tokens)
+        answer = g.tokens if g.tokens[-1] == stop else g.tokens + [stop]
+        ids = ids + answer + tok.encode(TURN, add_special_tokens=False)
+    return out, prompts
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_turns_restore_up_to_the_last_answer(tiny, tiny_export, backend):
+    """Calls end after every stop id: a turn restores its whole history up to the last answer's end, not the whole
+    chunks before it, and the tokens (and on torch the state) are an uncached prefill's."""
+    cached, uncached = pipes(tiny, tiny_export if backend == "onnxruntime" else None)
+    for first in PROMPTS[:2]:
+        a, prompts = chat(cached, first, 3)
+        b, _ = chat(uncached, first, 3)
+        assert [g.tokens for g in a] == [g.tokens for g in b]
+        for g, prev, ids in zip(a[1:], prompts, prompts[1:]):
+            answered = len(ids) - len(cached.tokenizer.encode(TURN, add_special_tokens=False))
+            assert g.cached_tokens == answered and answered % 64 != 0 and answered > len(prev)
+    assert sum(r.lookup for g in a for r in g.rounds) > 0 and sum(r.accepted for g in a for r in g.rounds) > 0
+    if backend == "torch":  # the last prompt's positions (the rounds' trees after them follow the clock)
+        n = len(prompts[-1])
+        for x, y in zip(cached.backend.snapshot(n), uncached.backend.snapshot(n), strict=True):
+            assert torch.equal(x, y)
+
+
+def test_lookup_index_is_restored(tiny):
+    """The second turn's lookup index is a fork of the cached one (not rebuilt), and proposes what a fresh build
+    proposes."""
+    from dtrt.tree.lookup import LookupIndex
+
+    cached, _ = pipes(tiny)
+    _, prompts = chat(cached, PROMPTS[0], 2)
+    index = cached.method.lookup_index()
+    assert index.base, "the second turn built its index afresh"
+    fresh = LookupIndex(index.tokens)
+    assert index.tokens == fresh.tokens and index.match() == fresh.match()
+    assert index.propose(max_len=4, n_alternatives=3) == fresh.propose(max_len=4, n_alternatives=3)
+
+
+def test_prompt_snapshot_is_kept_after_the_last_round(tiny):
+    """The prompt's snapshot is copied when the generation ends (run to the end, or closed by its consumer), not
+    before its first round; a generation closed after another one began keeps nothing."""
+    cached, _ = pipes(tiny)
+    cache = cached.prefix_cache
+    ids = cached.tokenizer.encode(PREAMBLE + PROMPTS[0], add_special_tokens=False)
+    steps = cached.stream(ids, NEW, GREEDY)
+    next(steps)
+    next(steps)
+    assert not cache.entries  # two rounds out, nothing copied yet
+    steps.close()
+    assert [len(e.tokens) for e in cache.entries.values()] == [64]
+    late = cached.stream(ids + ids, NEW, GREEDY)
+    next(late)
+    cached.generate(ids[:70], 4, GREEDY)
+    late.close()  # another generation owns the backend's state now
+    assert all(len(e.tokens) <= 64 for e in cache.entries.values())
+
+
+def test_remember_stops_for_a_waiting_request(tiny):
+    """remember() stopped early keeps what it prefilled, up to a boundary; the next turn restores that much and
+    gives the uncached tokens."""
+    cached, uncached = pipes(tiny)
+    tok = cached.tokenizer
+    ids = tok.encode((PREAMBLE + " ") * 3 + PROMPTS[2], add_special_tokens=False)  # 266 tokens: 256 kept
+    g = cached.generate(ids, 3 * NEW, GREEDY)
+    assert len(ids + g.tokens) >= 384  # two more calls for remember() to prefill
+    calls = []
+    cached.remember(ids + g.tokens, stop_early=lambda: calls.append(1) or True)  # asked between calls
+    cache = cached.prefix_cache
+    assert cache.stats.interrupted == 1 and len(calls) == 1
+    held = max(len(e.tokens) for e in cache.entries.values())
+    assert held == 320  # the prompt's 256 kept positions, and the one call after them
+    nxt = ids + g.tokens + tok.encode(TURN, add_special_tokens=False)
+    a, b = cached.generate(nxt, NEW, GREEDY), uncached.generate(nxt, NEW, GREEDY)
+    assert a.tokens == b.tokens and a.cached_tokens == held
+
+
+def test_a_request_coming_in_stops_remember(tiny):
+    """`dtrt serve`'s scheduler: a request that comes in while the last answer is being remembered stops that
+    prefill at its next call, and is answered as without the cache."""
+    from dtrt.serve.metrics import Metrics
+    from dtrt.serve.scheduler import Job, Scheduler
+
+    cached, uncached = pipes(tiny)
+    tok, loop = cached.tokenizer, asyncio.new_event_loop()
+    first = tok.encode((PREAMBLE + " ") * 3 + PROMPTS[2], add_special_tokens=False)
+    then = tok.encode(PREAMBLE + PROMPTS[1], add_special_tokens=False)
+    a, b = (Job(ids, 3 * NEW, GREEDY, (), False, loop) for ids in (first, then))
+    sched = Scheduler(cached, 4, Metrics(), log=print)
+    remember, stopped = cached.remember, []
+
+    def arrives(tokens, stop_early=None):  # b comes in just as a's answer starts being remembered
+        if tokens[: len(first)] == first:
+            sched.submit(b)
+            remember(tokens, stop_early)
+            stopped.append(cached.prefix_cache.stats.interrupted)
+        else:
+            remember(tokens, stop_early)
+
+    cached.remember = arrives
+
+    async def answer(job):
+        while (event := await job.events.get())[0] not in ("done", "error"):
+            pass
+        return event
+
+    async def both():
+        return await asyncio.gather(answer(a), answer(b))
+
+    sched.submit(a)
+    sched.start()
+    try:
+        (ka, ca), (kb, cb) = loop.run_until_complete(both())
+    finally:
+        sched.close()
+        sched.join(10)
+        loop.close()
+    assert ka == kb == "done" and stopped == [1]
+    assert cb.tokens == uncached.generate(then, 3 * NEW, GREEDY).tokens
+
+
+def test_summed_over_replicas():
+    from dtrt.serve.metrics import PREFIX_CACHE, prometheus, summed_caches
+
+    one = {key: i + 1 for i, (key, *_) in enumerate(PREFIX_CACHE)}
+    snaps = [{"prefix_cache": one}, {"prefix_cache": {k: 2 * v for k, v in one.items()}}, {}]
+    total = summed_caches(snaps)
+    assert total == {k: 3 * v for k, v in one.items()} and summed_caches([{}]) is None
+    assert f"dtrt_prefix_cache_hits_total {3 * one['hits']}" in prometheus(
+        {"requests": {}, "queue_length": 0, "in_flight": 0, "tau": 0, "tokens_per_s": 0, "generated_tokens": 0}
+        | {"ttft_s": {"p50": 0, "p99": 0, "sum": 0, "count": 0}, "prefix_cache": total}
+    )

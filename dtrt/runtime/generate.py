@@ -13,7 +13,7 @@ import torch
 from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.grammar import Grammar, GrammarState
 from dtrt.runtime.methods import Method
-from dtrt.runtime.prefix_cache import PrefixCache, chunk_for, kept, prefill, restore
+from dtrt.runtime.prefix_cache import PrefixCache, cacheable, kept, prefill, restore
 from dtrt.runtime.sampling import SamplingConfig, chooser, draw
 from dtrt.runtime.spec import RunSpec
 from dtrt.tree import Tree, accept, first_nodes
@@ -196,72 +196,89 @@ def generate(
 
     t0 = time.perf_counter()
     n = len(prompt)
-    hit, took = restore(backend, prefix_cache, prompt, n - 1)  # the first choice comes from a real forward
-    logits = prefill(backend, prompt, hit.tokens, drafter is not None, chunk_for(backend))
+    owner = object()
+    if prefix_cache is not None:
+        prefix_cache.owner = owner
+    hit, took = restore(backend, prefix_cache, prompt, n - 1, eos)  # the first choice comes from a real forward
+    logits, _ = prefill(backend, prompt, hit.tokens, drafter is not None, eos if cacheable(backend) else None)
     state = method.grammar = None if grammar is None else GrammarState(grammar, logits.shape[-1])
     root = choose(logits[-1:], sampling, gen, state, [()])(0)
     if state is not None and root not in eos:
         state.commit([root])
-    method.begin(prompt)
+    method.begin(prompt, hit.index)
     if drafter is not None:
         method.prepare(backend, drafter.cfg.k_draft)
     tokens, end = cut([root])
     produced += len(tokens)
     lps = token_logprobs(logits[-1:], tokens, logprobs) if logprobs is not None else None
     prefill_s = time.perf_counter() - t0
-    yield Step(tokens, prefill_s=prefill_s, end=end, logprobs=lps, cached=hit.tokens, saved_s=hit.saved_s)
-    if prefix_cache is not None and (keep := kept(n)) > hit.tokens:  # kept after the first token is out
-        seconds = took + prefill_s * (keep - hit.tokens) / (n - hit.tokens)
-        prefix_cache.store(prompt[:keep], backend.snapshot(keep), seconds)
-    # the committed rows the drafter has not read yet: its context is brought up to date only in a round that
-    # drafts, in one call, so rounds that verify the root alone (cadominotree's gate) cost what an AR step costs
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-    while end is None:
-        t0 = time.perf_counter()
-        start = backend.past
-        # where the grammar forces the root's next token, the tree is its forced tokens (fit_tree): no drafting
-        # (a cost-aware method times every round it is asked about, so it is always asked)
-        forced = state is not None and not method.cost_aware and state.forced(()) is not None
-        if forced:
-            t1 = time.perf_counter()
-            tree = Tree.chain([], root=root)
-        elif method.drafts(start, root):
-            if pending:
-                hidden_rows, positions = (torch.cat(x) for x in zip(*pending)) if len(pending) > 1 else pending[0]
-                backend.draft_context(hidden_rows, positions)
-                pending.clear()
-            tree, t1 = method.draft(backend, root, start)
-        else:
-            t1 = time.perf_counter()
-            tree = method.undrafted(root)  # lookup's chain, proposed in drafts(), or the root alone
-        if (limit := backend.max_depth(start)) is not None:
-            tree = tree.within(limit)
-        if state is not None:
-            tree = fit_tree(tree, state, room=max(budget, len(tree) - 1), max_depth=limit)
-        t2 = time.perf_counter()
-        fused = backend.fused_round(tree) if state is None and sampling.temperature == 0 else None
-        if fused is not None:  # verify, accept walk and commit as one device step (--static-shapes)
-            logits, hidden, accepted, bonus = fused
-        else:
-            logits, hidden = backend.verify(tree, start)
-            accepted, bonus = accept(tree, choose(logits, sampling, gen, state, paths(tree) if state else None))
-        from_lookup = method.observe(tree, accepted) or 0
-        t3 = time.perf_counter()
-        if fused is None:
-            backend.commit(accepted)
-        if drafter is not None:
-            a = len(accepted)
-            # a copy: the stage's outputs are valid until its next call, and a round that does not draft keeps these
-            rows = hidden[:a].clone() if first_nodes(accepted) else hidden[torch.tensor(accepted)]
-            pending.append((rows, torch.arange(start, start + a)))
-        t4 = time.perf_counter()
-        stats = RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3, from_lookup)
-        tokens, end = cut(tree.tokens[accepted[1:]].tolist() + [bonus])
-        if state is not None and end is None:
-            state.commit(tokens)
-        produced += len(tokens)
-        lps = None
-        if logprobs is not None:  # each committed token is chosen at its parent: the accepted nodes' rows, in order
-            lps = token_logprobs(logits[torch.tensor(accepted[: len(tokens)], device=logits.device)], tokens, logprobs)
-        yield Step(tokens, stats, end=end, logprobs=lps)
-        root = bonus
+    keep = kept(prompt, eos) if prefix_cache is not None else 0
+    kept_s = took + prefill_s * (keep - hit.tokens) / (n - hit.tokens) if keep > hit.tokens else 0.0
+    stands = False  # whether the prompt's positions are still the prefill's when the generation ends
+    try:
+        yield Step(tokens, prefill_s=prefill_s, end=end, logprobs=lps, cached=hit.tokens, saved_s=hit.saved_s)
+        # the committed rows the drafter has not read yet: its context is brought up to date only in a round that
+        # drafts, in one call, so rounds that verify the root alone (cadominotree's gate) cost what an AR step costs
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        while end is None:
+            t0 = time.perf_counter()
+            start = backend.past
+            # where the grammar forces the root's next token, the tree is its forced tokens (fit_tree): no drafting
+            # (a cost-aware method times every round it is asked about, so it is always asked)
+            forced = state is not None and not method.cost_aware and state.forced(()) is not None
+            if forced:
+                t1 = time.perf_counter()
+                tree = Tree.chain([], root=root)
+            elif method.drafts(start, root):
+                if pending:
+                    hidden_rows, positions = (torch.cat(x) for x in zip(*pending)) if len(pending) > 1 else pending[0]
+                    backend.draft_context(hidden_rows, positions)
+                    pending.clear()
+                tree, t1 = method.draft(backend, root, start)
+            else:
+                t1 = time.perf_counter()
+                tree = method.undrafted(root)  # lookup's chain, proposed in drafts(), or the root alone
+            if (limit := backend.max_depth(start)) is not None:
+                tree = tree.within(limit)
+            if state is not None:
+                tree = fit_tree(tree, state, room=max(budget, len(tree) - 1), max_depth=limit)
+            t2 = time.perf_counter()
+            fused = backend.fused_round(tree) if state is None and sampling.temperature == 0 else None
+            if fused is not None:  # verify, accept walk and commit as one device step (--static-shapes)
+                logits, hidden, accepted, bonus = fused
+            else:
+                logits, hidden = backend.verify(tree, start)
+                accepted, bonus = accept(tree, choose(logits, sampling, gen, state, paths(tree) if state else None))
+            from_lookup = method.observe(tree, accepted) or 0
+            t3 = time.perf_counter()
+            if fused is None:
+                backend.commit(accepted)
+            if drafter is not None:
+                a = len(accepted)
+                # a copy: the stage's outputs are valid until its next call, and a round that does not draft keeps
+                # these
+                rows = hidden[:a].clone() if first_nodes(accepted) else hidden[torch.tensor(accepted)]
+                pending.append((rows, torch.arange(start, start + a)))
+            t4 = time.perf_counter()
+            stats = RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3, from_lookup)
+            tokens, end = cut(tree.tokens[accepted[1:]].tolist() + [bonus])
+            if state is not None and end is None:
+                state.commit(tokens)
+            produced += len(tokens)
+            lps = None
+            if logprobs is not None:  # each committed token is chosen at its parent: the accepted nodes' rows
+                rows = torch.tensor(accepted[: len(tokens)], device=logits.device)
+                lps = token_logprobs(logits[rows], tokens, logprobs)
+            yield Step(tokens, stats, end=end, logprobs=lps)
+            root = bonus
+        stands = True
+    except GeneratorExit:  # its consumer stopped it (a stop string, a cancelled request): rounds only append
+        stands = True
+        raise
+    finally:
+        # the prompt's snapshot is copied after the last round, out of the rounds' time; by the generation that
+        # owns the backend's state (a generator closed late, after another one began, keeps nothing)
+        if stands and keep > hit.tokens and prefix_cache.owner is owner:
+            index = method.lookup_index()
+            index = index.fork(keep) if index is not None else None
+            prefix_cache.store(prompt[:keep], backend.snapshot(keep), kept_s, index)

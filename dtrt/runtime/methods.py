@@ -26,6 +26,7 @@ from dtrt.runtime.calibrate import cost_curve
 from dtrt.tree import CostAwareStop, Round, Tree, best_marginal_child, build_ddtree, build_heap
 from dtrt.tree.adaptive import AcceptanceMap, AdaptiveStop, NodeCost, RoundClock, SpeculationGate
 from dtrt.tree.grammar import GrammarScorer
+from dtrt.tree.lookup import LookupIndex
 from dtrt.tree.lookup_source import ChainOrDraft, LookupSource
 
 if TYPE_CHECKING:
@@ -74,8 +75,20 @@ class Method:
         """Called once per generation before the backend's caches are reset for it: a method that measures the
         backend does it here."""
 
-    def begin(self, prompt: list[int]):
-        """Called once per generation with its prompt, after prefill, for every method."""
+    def begin(self, prompt: list[int], index: LookupIndex | None = None):
+        """Called once per generation with its prompt, after prefill, for every method. `index`: the prompt-lookup
+        index over the prompt's first positions, restored from the prefix cache, for a method with lookup to extend
+        over the rest (it is this generation's own)."""
+
+    @property
+    def uses_lookup(self) -> bool:
+        """Whether the method keeps a prompt-lookup index (`lookup_index`)."""
+        return False
+
+    def lookup_index(self) -> LookupIndex | None:
+        """This generation's prompt-lookup index (over the prompt and the tokens committed so far), or None for a
+        method without lookup: the prefix cache keeps it beside the prompt's snapshot."""
+        return None
 
     def prepare(self, backend, max_depth: int):
         """Called once per generation, after prefill, for a method with a drafter."""
@@ -132,8 +145,13 @@ class Lookup(Method):
     uses_drafter = False
     has_budget = True
 
-    def begin(self, prompt):
-        self.source = LookupSource(prompt)  # the same source --lookup gives the tree methods; a fixed length here
+    def begin(self, prompt, index=None):
+        self.source = LookupSource(prompt, index=index)  # the source --lookup gives the tree methods; fixed length
+
+    uses_lookup = True
+
+    def lookup_index(self):
+        return self.source.index
 
     def draft(self, backend, root, start):
         self.source.propose(root=root, max_len=self.cfg.budget)
@@ -239,10 +257,17 @@ class DominoTree(Method):
         frontier = spec.builder == "frontier" and spec.arm == "dominotree"  # the stage scores the dominotree arm
         return super().drafter_stages(spec) + (("frontier",) if frontier else ())
 
-    def begin(self, prompt):
+    def begin(self, prompt, index=None):
         if self.cfg.lookup:
-            self.lookup = LookupSource(prompt)
+            self.lookup = LookupSource(prompt, index=index)
             self.policy.restart()
+
+    @property
+    def uses_lookup(self):
+        return self.cfg.lookup
+
+    def lookup_index(self):
+        return self.lookup.index if self.cfg.lookup else None
 
     def rows(self, backend):
         if self.cfg.builder == "frontier":  # the exported frontier stage's shapes are fixed: every row

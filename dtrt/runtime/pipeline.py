@@ -96,12 +96,20 @@ class Pipeline:
             self.prefix_cache,
         )
 
-    def remember(self, tokens: list[int]):
+    def remember(self, tokens: list[int], stop_early=None):
         """Keep `tokens` (a request's prompt and what it generated) in the prefix cache, prefilling the positions it
-        lacks: the next turn of the conversation restores them. Run where the pipeline would otherwise be idle."""
+        lacks: the next turn of the conversation restores them. Run where the pipeline would otherwise be idle;
+        `stop_early()` turning true (a request came in) ends the prefill at its next boundary, keeping what it did.
+        An answer cut short (by its token limit, a stop string) is kept closed by the stop id a chat template closes
+        a message with: the next turn's prompt holds it so, and restores the answer whole (a prompt that goes on
+        otherwise restores up to the boundary before)."""
+        if self.eos and tokens and tokens[-1] not in self.eos:
+            eos_id = self.tokenizer.eos_token_id
+            tokens = [*tokens, eos_id if eos_id in self.eos else self.eos[0]]
         limit = self.backend.max_context
         if self.prefix_cache is not None and (limit is None or len(tokens) <= limit):
-            remember(self.backend, self.prefix_cache, tokens, self.method.uses_drafter)
+            drafts, lookup = self.method.uses_drafter, self.method.uses_lookup
+            remember(self.backend, self.prefix_cache, tokens, drafts, self.eos, lookup, stop_early)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingConfig) -> Generation:
         return collect(self.stream(prompt_ids, max_new_tokens, sampling))

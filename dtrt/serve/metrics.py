@@ -127,10 +127,19 @@ PREFIX_CACHE = (  # (key, name, kind, help) of dtrt.runtime.prefix_cache.PrefixC
     ("saved_s", "saved_seconds_total", "counter", "Prefill seconds the restored tokens took, less the restores."),
     ("evictions", "evictions_total", "counter", "Snapshots dropped, least recently used first, to fit the limit."),
     ("fills", "fills_total", "counter", "Answered conversations prefilled into the cache while idle."),
+    ("interrupted", "interrupted_total", "counter", "Of those, cut short by a waiting request (its part kept)."),
     ("entries", "entries", "gauge", "Snapshots held."),
     ("bytes", "bytes", "gauge", "Bytes the snapshots hold."),
     ("limit_bytes", "limit_bytes", "gauge", "--prefix-cache-mb in bytes."),
 )
+
+
+def summed_caches(snaps: list[dict]) -> dict | None:
+    """The prefix caches of several replicas' snapshots as one: every series summed (None: no replica has one)."""
+    caches = [s["prefix_cache"] for s in snaps if "prefix_cache" in s]
+    if not caches:
+        return None
+    return {key: sum(c.get(key, 0) for c in caches) for key, *_ in PREFIX_CACHE}
 
 
 def _prefix_cache(cache: dict) -> list[str]:

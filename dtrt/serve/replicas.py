@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from dtrt.errors import DtrtError
 from dtrt.runtime.spec import RunSpec, device_kind
-from dtrt.serve.metrics import Metrics
+from dtrt.serve.metrics import Metrics, summed_caches
 from dtrt.serve.worker import ServeConfig, ServeError, Worker, timed_out
 
 RAY_INSTALL = 'pip install "dtrt[ray]"'
@@ -375,7 +375,7 @@ class ReplicaWorkers:
         replicas = await self.replicas()
         live = [r for r in replicas if r["alive"]]
         running = sum(r["in_flight"] for r in live)
-        snap = self.metrics.snapshot(max(0, self.outstanding - running), running)
+        snap = self.metrics.snapshot(max(0, self.outstanding - running), running, summed_caches(live))
         return snap | {"replicas": replicas, "live_replicas": len(live), "retried": self.retried}
 
     def _running(self) -> int:

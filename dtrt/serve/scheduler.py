@@ -121,11 +121,12 @@ class Scheduler:
 
     def _remember(self, job: Job, c):
         """The answered conversation into the prefix cache (its prompt and generated tokens prefilled), while no
-        request waits: its next turn restores them (dtrt.runtime.prefix_cache)."""
+        request waits: its next turn restores them (dtrt.runtime.prefix_cache). A request that comes in meanwhile
+        stops it at the next prefill call (what it prefilled is kept)."""
         if getattr(self.pipe, "prefix_cache", None) is None or self.waiting:
             return
         try:
-            self.pipe.remember(job.ids + c.tokens)
+            self.pipe.remember(job.ids + c.tokens, stop_early=lambda: bool(self.waiting) or self.closed)
         except Exception as e:  # the cache is an optimization: serving goes on without it
             self.log(f"prefix cache: keeping the answered tokens failed: {e.__class__.__name__}: {e}")
 

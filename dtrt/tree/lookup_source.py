@@ -16,8 +16,12 @@ CHAINS = 1
 
 
 class LookupSource:
-    def __init__(self, prompt=(), *, chains: int = CHAINS):
-        self.index = LookupIndex(prompt)
+    def __init__(self, prompt=(), *, chains: int = CHAINS, index: LookupIndex | None = None):
+        if index is None:
+            index = LookupIndex(prompt)
+        else:  # restored over the prompt's first positions (dtrt.runtime.prefix_cache): extended over the rest
+            index.extend(prompt[len(index) :])
+        self.index = index
         self.chains = chains
         self.verified: dict[int, int] = {}
         self.accepted: dict[int, int] = {}
