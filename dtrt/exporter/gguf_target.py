@@ -33,25 +33,12 @@ from dtrt.exporter.target_quant import (
     read_initializer,
     set_nodes,
 )
-from dtrt.models.blocks import BlockWeight, dequantize, pack_blocks
+from dtrt.models.blocks import BlockWeight, block_layout, codes_uint8, dequantize, pack_blocks
 from dtrt.models.quant import GgufQuant
 from dtrt.ops import DOMAIN
 
 MS_DOMAIN = "com.microsoft"
 A8_ACCURACY = 4  # MatMulNBits: activations quantized to int8 per block
-
-
-def block_layout(w: BlockWeight) -> tuple:
-    """What products merged into one must share."""
-    p = pack_blocks(w)
-    return (p.op, p.bits, p.block, p.zero)
-
-
-def codes_uint8(w: BlockWeight) -> tuple[np.ndarray, int]:
-    """(codes uint8 [N, K], zero point) of a 2-D weight: a signed format's codes offset by 128 (exact)."""
-    if w.q.dtype == torch.int8:
-        return (w.q.to(torch.int16) + 128).to(torch.uint8).numpy(), w.zero + 128
-    return w.q.numpy(), w.zero
 
 
 def cat_blocks(ws: list[BlockWeight]) -> BlockWeight:

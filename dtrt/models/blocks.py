@@ -104,6 +104,20 @@ class PackedBlocks:
     """The format packed (BlockWeight.kind), for unpack_blocks."""
 
 
+def codes_uint8(w: BlockWeight) -> tuple[np.ndarray, int]:
+    """(codes uint8 [N, K], zero point) of a 2-D weight: a signed format's codes offset by 128 (exact)."""
+    q = w.q.numpy()
+    if q.dtype == np.int8:
+        return (q.astype(np.int16) + 128).astype(np.uint8), w.zero + 128
+    return q, w.zero
+
+
+def block_layout(w: BlockWeight) -> tuple[str, int, int, int]:
+    """(op, bits, block, zero) of pack_blocks(w), without packing it: what products merged into one must share."""
+    zero = w.zero + 128 if w.q.dtype == torch.int8 else w.zero
+    return ("BlockMatMul" if w.min is None else "BlockMatMulMin"), (4 if w.kind in FOUR_BITS else 8), w.block, zero
+
+
 def pack_blocks(w: BlockWeight) -> PackedBlocks:
     """A 2-D BlockWeight [N, K] as the ops' inputs and attributes: Q4_0, Q4_1, Q4_K's codes two a byte (bits 4);
     Q5_K's and Q6_K's a byte each as they are, Q8_0's signed codes plus 128 with zero 128 (bits 8). Exact:
@@ -112,14 +126,11 @@ def pack_blocks(w: BlockWeight) -> PackedBlocks:
         raise ValueError(
             f"pack_blocks takes a 2-D {'/'.join(FOUR_BITS + EIGHT_BITS)} weight; got {w.kind} {tuple(w.shape)}"
         )
-    q = w.q.numpy()
+    q, zero = codes_uint8(w)
     n, k = q.shape
-    zero = w.zero
-    if q.dtype == np.int8:
-        q, zero = (q.astype(np.int16) + 128).astype(np.uint8), zero + 128
     if q.dtype != np.uint8 or not 0 <= zero <= 255 or k % w.block:
         raise ValueError(f"pack_blocks: {w.kind} codes {q.dtype} with zero {w.zero} and block {w.block} over {k}")
-    bits = 4 if w.kind in FOUR_BITS else 8
+    op, bits, _, _ = block_layout(w)
     if bits == 4:
         if q.size and int(q.max()) > 15:
             raise ValueError(f"pack_blocks: a {w.kind} code above 15")
@@ -132,7 +143,7 @@ def pack_blocks(w: BlockWeight) -> PackedBlocks:
         bits=bits,
         block=w.block,
         zero=zero,
-        op="BlockMatMul" if w.min is None else "BlockMatMulMin",
+        op=op,
         kind=w.kind,
     )
 
