@@ -59,7 +59,7 @@ def test_registry_refuses_a_quantized_default_without_a_passing_gate_result():
 def test_the_embedded_default_passes_its_recorded_gate():
     entry = MODELS[registry.DEFAULT_MODEL]
     assert entry.gate is not None and entry.gate.config == entry.quant and entry.gate.passed
-    assert entry.gate.kernel_paths  # the paths it was measured on (gguf's emulated avx2 run is still to come)
+    assert entry.gate.kernel_paths  # MLAS's paths it was measured on (docs/quantization.md: why gguf has one)
 
 
 def test_kernel_path_follows_the_cpu_flags():
