@@ -13,7 +13,7 @@ import torch
 from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.grammar import Grammar, GrammarState
 from dtrt.runtime.methods import Method
-from dtrt.runtime.prefix_cache import PrefixCache, cacheable, kept, prefill, restore
+from dtrt.runtime.prefix_cache import PrefixCache, boundaries, cacheable, kept, prefill, restore
 from dtrt.runtime.sampling import SamplingConfig, chooser, draw
 from dtrt.runtime.spec import RunSpec
 from dtrt.tree import Tree, accept, first_nodes
@@ -199,8 +199,9 @@ def generate(
     owner = object()
     if prefix_cache is not None:
         prefix_cache.owner = owner
-    hit, took = restore(backend, prefix_cache, prompt, n - 1, eos)  # the first choice comes from a real forward
-    logits, _ = prefill(backend, prompt, hit.tokens, drafter is not None, eos if cacheable(backend) else None)
+    ends = boundaries(prompt, eos) if cacheable(backend) else None  # where the prefill's calls end
+    hit, took = restore(backend, prefix_cache, prompt, n - 1, ends)  # the first choice comes from a real forward
+    logits, _ = prefill(backend, prompt, hit.tokens, drafter is not None, ends)
     state = method.grammar = None if grammar is None else GrammarState(grammar, logits.shape[-1])
     root = choose(logits[-1:], sampling, gen, state, [()])(0)
     if state is not None and root not in eos:
@@ -212,7 +213,7 @@ def generate(
     produced += len(tokens)
     lps = token_logprobs(logits[-1:], tokens, logprobs) if logprobs is not None else None
     prefill_s = time.perf_counter() - t0
-    keep = kept(prompt, eos) if prefix_cache is not None else 0
+    keep = kept(ends) if prefix_cache is not None else 0
     kept_s = took + prefill_s * (keep - hit.tokens) / (n - hit.tokens) if keep > hit.tokens else 0.0
     stands = False  # whether the prompt's positions are still the prefill's when the generation ends
     try:
@@ -255,8 +256,7 @@ def generate(
                 backend.commit(accepted)
             if drafter is not None:
                 a = len(accepted)
-                # a copy: the stage's outputs are valid until its next call, and a round that does not draft keeps
-                # these
+                # a copy: the stage's outputs are valid until its next call, and a round without drafts keeps them
                 rows = hidden[:a].clone() if first_nodes(accepted) else hidden[torch.tensor(accepted)]
                 pending.append((rows, torch.arange(start, start + a)))
             t4 = time.perf_counter()

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dtrt.tree.lookup import LookupIndex
+from dtrt.tree.lookup import LookupIndex, index_over
 
 DEFAULT_MB = 1024
 """--prefix-cache-mb's default: about 22K positions of SmolLM2-135M (fp32, 46 KB a position) or 7K of Qwen3-4B."""
@@ -46,9 +46,8 @@ def boundaries(tokens, stops) -> list[int]:
     return out
 
 
-def kept(tokens, stops) -> int:
-    """The positions of a prefill of `tokens` a snapshot keeps: up to the last boundary."""
-    ends = boundaries(tokens, stops)
+def kept(ends: list[int]) -> int:
+    """The positions of a prefill with boundaries `ends` that a snapshot keeps: up to the last boundary."""
     return ends[-1] if ends else 0
 
 
@@ -105,11 +104,10 @@ class PrefixCache:
     owner: object = None
     """The generation (or remember) the backend's state belongs to now: a snapshot is taken only by its owner."""
 
-    def find(self, tokens: list[int], room: int, stops) -> tuple[Entry | None, int]:
+    def find(self, tokens: list[int], room: int, ends: list[int]) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with `tokens`, and how much of it to restore: at most `room`
-        positions, up to a boundary; (None, 0) when none helps."""
+        positions, up to one of the boundaries `ends` of `tokens`; (None, 0) when none helps."""
         want = np.asarray(tokens, dtype=np.int64)
-        ends = boundaries(tokens[:room], stops)
         best, best_n = None, 0
         for entry in self.entries.values():
             n = last_boundary(ends, min(shared(entry.tokens, want), room))
@@ -155,14 +153,15 @@ class PrefixCache:
         }
 
 
-def restore(backend, cache: PrefixCache | None, tokens: list[int], room: int, stops, count=True) -> tuple[Hit, float]:
-    """After `backend.reset`: the longest cached prefix of `tokens` (at most `room` positions) restored; the hit and
-    the prefill seconds of the restored positions (what they first took). `count`: a request's lookup (the stats)."""
+def restore(backend, cache: PrefixCache | None, tokens: list[int], room: int, ends, count=True) -> tuple[Hit, float]:
+    """After `backend.reset`: the longest cached prefix of `tokens` (at most `room` positions, up to one of its
+    boundaries `ends`) restored; the hit and the prefill seconds of the restored positions (what they first took).
+    `count`: a request's lookup (the stats)."""
     if cache is None:
         return Hit(), 0.0
     t0 = time.perf_counter()
     cache.stats.lookups += count
-    entry, n = cache.find(tokens, room, stops)
+    entry, n = cache.find(tokens, room, ends)
     if entry is None:
         return Hit(), 0.0
     backend.restore(entry.state, n)
@@ -176,15 +175,15 @@ def restore(backend, cache: PrefixCache | None, tokens: list[int], room: int, st
     return hit, took
 
 
-def prefill(backend, tokens: list[int], start: int, drafts: bool, stops, stop_early=None):
+def prefill(backend, tokens: list[int], start: int, drafts: bool, ends: list[int] | None, stop_early=None):
     """Positions start..len(tokens)-1 prefilled after the `start` restored ones (a boundary), with the drafter's
-    context (`drafts`), in calls that end at the boundaries of `tokens` under `stops` (None: one call). Returns the
-    last call's logits and the positions prefilled; `stop_early()` turning true between calls ends it there."""
-    ends = [len(tokens)] if stops is None else [b for b in boundaries(tokens, stops) if b > start]
-    if not ends or ends[-1] < len(tokens):
-        ends.append(len(tokens))
+    context (`drafts`), in calls that end at the boundaries `ends` of `tokens` (None: one call). Returns the last
+    call's logits and the positions prefilled; `stop_early()` turning true between calls ends it there."""
+    calls = [b for b in ends or () if b > start]
+    if not calls or calls[-1] < len(tokens):
+        calls.append(len(tokens))
     a, logits = start, None
-    for b in ends:
+    for b in calls:
         if a > start and stop_early is not None and stop_early():
             break
         n = b - a
@@ -203,32 +202,23 @@ def cacheable(backend) -> bool:
     return backend.snapshot_refusal() is None
 
 
-def extended(index: LookupIndex | None, tokens: list[int], lookup: bool) -> LookupIndex | None:
-    """The lookup index over `tokens`: `index` (over their first positions, restored) extended, or built."""
-    if not lookup:
-        return None
-    if index is None:
-        return LookupIndex(tokens)
-    index.extend(tokens[len(index) :])
-    return index
-
-
 def remember(backend, cache: PrefixCache | None, tokens: list[int], drafts: bool, stops, lookup=False, stop_early=None):
     """Prefill `tokens` (a request's prompt and its generated tokens) from their longest cached prefix and keep the
     snapshot (with the lookup index over them where `lookup`): the next turn of the conversation restores them.
     Nothing where the cache holds them all. `stop_early()` turning true (a request waiting) ends the prefill at the
     next boundary and keeps what it reached."""
-    keep = kept(tokens, stops)
+    ends = boundaries(tokens, stops)
+    keep = kept(ends)
     if cache is None or keep == 0:
         return
     cache.owner = object()
     backend.reset(keep)
-    hit, took = restore(backend, cache, tokens, keep, stops, count=False)
+    hit, took = restore(backend, cache, tokens, keep, ends, count=False)
     if hit.tokens >= keep:
         return
     t0 = time.perf_counter()
-    _, reached = prefill(backend, tokens[:keep], hit.tokens, drafts, stops, stop_early)
+    _, reached = prefill(backend, tokens[:keep], hit.tokens, drafts, ends, stop_early)
     cache.stats.fills += 1
     cache.stats.interrupted += reached < keep
-    index = extended(hit.index, tokens[:reached], lookup)
+    index = index_over(tokens[:reached], hit.index) if lookup else None
     cache.store(tokens[:reached], backend.snapshot(reached), took + time.perf_counter() - t0, index)

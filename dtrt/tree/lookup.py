@@ -121,3 +121,12 @@ class LookupIndex:
                 if len(chains) == n_alternatives:
                     break
         return chains
+
+
+def index_over(tokens, restored: LookupIndex | None = None) -> LookupIndex:
+    """The index over `tokens`: `restored` (over their first positions, forked from the prefix cache's) extended over
+    the rest, or built afresh."""
+    if restored is None:
+        return LookupIndex(tokens)
+    restored.extend(tokens[len(restored) :])
+    return restored

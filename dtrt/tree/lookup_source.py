@@ -7,7 +7,7 @@ probability is its parent's times that rate: log_accept[d] is what the heap buil
 
 import math
 
-from dtrt.tree.lookup import LookupIndex
+from dtrt.tree.lookup import LookupIndex, index_over
 from dtrt.tree.lookup_scorer import LookupScorer, Trie
 from dtrt.tree.tree import Tree
 
@@ -17,11 +17,7 @@ CHAINS = 1
 
 class LookupSource:
     def __init__(self, prompt=(), *, chains: int = CHAINS, index: LookupIndex | None = None):
-        if index is None:
-            index = LookupIndex(prompt)
-        else:  # restored over the prompt's first positions (dtrt.runtime.prefix_cache): extended over the rest
-            index.extend(prompt[len(index) :])
-        self.index = index
+        self.index = index_over(prompt, index)  # `index`: restored over the prompt's first positions, or None
         self.chains = chains
         self.verified: dict[int, int] = {}
         self.accepted: dict[int, int] = {}

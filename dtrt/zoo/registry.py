@@ -90,10 +90,10 @@ MODELS = {
         # the reference's answers (agreement 1.0000, 40/40 answers identical) at 2.5x the fp32 target's AR speed;
         # gguf-a8 (int8 activations, what llama.cpp computes) keeps 92-96% of the greedy choices and fails it, as
         # int8 (95-96%; it answered the README's first example with a loop) and int4 (63-74%) do
-        # (docs/quantization.md, "The quality gate of the embedded default"). The gguf target's step is 18 ms
-        # against fp32's 53 and a 3-row verify ~1.35x its step (its kernel sums in fp32, per row), so it verifies
-        # trees of 2 nodes with lookup's chains: 97 tok/s at T=0 against the fp32 default's 49 (DominoTree+lookup@4)
-        # and llama.cpp's 43, 58 tok/s at T=1 (bench-results/gguf-default/; budget 2 led budgets 1 and 4 in a probe
+        # (docs/quantization.md, "The quality gate of the embedded default"). The gguf target's step is 17 ms
+        # against fp32's 50 and a 3-row verify ~1.33x its step (its kernel sums in fp32, per row), so it verifies
+        # trees of 2 nodes with lookup's chains: 105 tok/s at T=0 against the fp32 default's 53 (DominoTree+lookup@4)
+        # and llama.cpp's 47, 62 tok/s at T=1 (bench-results/gguf-default-quiet/; budget 2 led 1 and 4 in a probe
         # of 4 prompts a set, on the kernel's AVX2 path). The rest of this note is the fp32 target's. A 5-node fp32
         # verify costs ~1.2x a 1-token step and its drafter commits ~1.7 tokens a round, so 4 nodes (T=0: dominotree@4
         # 1.19x AR, ddtree@4 1.21x, cadominotree 1.11x; docs/benchmarks.md). A quantized target verifies two rows for
