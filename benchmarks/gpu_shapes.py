@@ -7,7 +7,7 @@ in CUDA graphs on a GPU) side by side, inside a wall-clock budget:
     verify  milliseconds of one target verify call of N new tokens over a past of P cached tokens, median of repeats,
             and the ratio to N=1 (N=1 is the AR step). eager: TorchBackend.time_verify, the cost probes' call;
             static: the --static-shapes round's device part at width N (verify, accept walk, commit and the one
-            read-back; a CUDA graph per width on a GPU)
+            read-back; a CUDA graph per width on a GPU) over a cache of the target's context limit, as a run has it
     rounds  DominoTree rounds (frontier builder) of the real decode loop (dtrt.runtime.generate) after a prompt of P
             random tokens at each budget: milliseconds a round spends drafting, building, verifying and committing,
             as dtrt bench reports them (dtrt.bench.report.round_ms). eager; static: --static-shapes, with
@@ -128,7 +128,8 @@ def build(*, tiny: bool, device: torch.device, dtype: torch.dtype, model: str = 
     random_init(target, seed=0)
     random_init(drafter, seed=1)
     backend = TorchBackend(target.eval(), drafter.eval(), device)
-    static = TorchBackend(target, drafter, device)  # its cache sized for the longest past asked (max_context None)
+    # its cache sized as `dtrt run` sizes it: the target's context limit (40,960 positions for Qwen3)
+    static = TorchBackend(target, drafter, device, max_context=target_json["max_position_embeddings"])
     static.prepare(RunSpec(static_shapes=True))
     backend.synchronize()
     params = sum(p.numel() for p in target.parameters()), sum(p.numel() for p in drafter.parameters())

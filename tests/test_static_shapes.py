@@ -8,9 +8,10 @@ import torch
 from helpers import PROMPTS, pipe_for, spec
 
 from dtrt.errors import DtrtError
+from dtrt.models.drafter import DraftCache
 from dtrt.models.static_kv import StaticKVCache
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.static_round import WIDTHS, ancestors, device_round, padded, walk, width_for
+from dtrt.runtime.static_round import WIDTHS, ContextAppend, ancestors, device_round, padded, walk, width_for
 from dtrt.tree import Tree, accept
 
 CONTEXT = 256  # the static cache's context limit in these tests (the tiny target's 4,096 makes every call longer)
@@ -41,6 +42,35 @@ def test_padded_fixed_width_verify_gives_ar_tokens_with_drafts_accepted(tiny, ar
     assert tokens == ar_tokens
     assert sum(taus) / len(taus) > 1
     assert isinstance(p.backend.cache, StaticKVCache) and p.backend.cache.capacity == CONTEXT
+
+
+def test_round_appends_the_drafter_context_as_the_loop_does(tiny):
+    """The fused round writes the accepted rows' drafter context itself: after the same generation the draft cache
+    holds what the loop's own appends hold (1e-4: the static verify's hidden rows round differently), every
+    committed position's, and the loop added none of its own but the prefill's."""
+    prompt = list(range(5, 25))
+    plain, static = pipe(tiny, "dominotree"), pipe(tiny, "dominotree", static_shapes=True)
+    calls = []
+    real = static.backend.draft_context
+    static.backend.draft_context = lambda *a: calls.append(a[1].numel()) or real(*a)
+    want, got = (p.generate(prompt, MAX_NEW, SamplingConfig()) for p in (plain, static))
+    assert got.tokens == want.tokens and got.tau > 1
+    assert calls == [len(prompt)], "only the prefill's context comes from the loop"
+    a, b = plain.backend.draft_cache, static.backend.draft_cache
+    assert b.length == static.backend.past == plain.backend.past
+    assert len(prompt) < a.length < b.length  # the loop's last round is still pending: it appends lazily
+    torch.testing.assert_close(b.k[:, :, : a.length], a.k[:, :, : a.length], rtol=0, atol=1e-4)
+    torch.testing.assert_close(b.v[:, :, : a.length], a.v[:, :, : a.length], rtol=0, atol=1e-4)
+
+
+def test_a_longer_generation_after_a_short_one(tiny):
+    """The static target cache is allocated once for the context limit; the draft cache follows it (with the
+    round's slack), not the first generation's need."""
+    p = pipe(tiny, "dominotree", static_shapes=True)
+    p.generate([5, 6], 2, SamplingConfig())
+    long = list(range(5, 105))
+    assert p.generate(long, 64, SamplingConfig()).tokens == pipe(tiny, "ar").generate(long, 64, SamplingConfig()).tokens
+    assert p.backend.draft_cache.capacity == CONTEXT + WIDTHS[-1]
 
 
 def test_widths_and_padding():
@@ -168,16 +198,31 @@ def _round_inputs(tiny):
     return target, caches, tokens, parents
 
 
+def _context(tiny):
+    """A drafter context append over a draft cache holding 6 committed positions."""
+    drafter = pipe(tiny, "dominotree").backend.drafter
+    cache = DraftCache(drafter.cfg, 32, drafter.dtype)
+    cache.length = 6
+    context = ContextAppend(drafter, cache)
+    context.length.fill_(6)
+    return context
+
+
 def _compiled_equals_eager(tiny, backend, exact):
+    """The round with the drafter's context append: the tiny drafter taps layers 0 and 1."""
     target, (eager, compiled), tokens, parents = _round_inputs(tiny)
+    contexts = _context(tiny), _context(tiny)
     fn = torch.compile(device_round, fullgraph=True, backend=backend)  # a graph break or a host sync raises
     with torch.no_grad():
-        got = fn(target, compiled, (0, 1), tokens, parents)
-        want = device_round(target, eager, (0, 1), tokens, parents)
+        got = fn(target, compiled, (0, 1), tokens, parents, contexts[1])
+        want = device_round(target, eager, (0, 1), tokens, parents, contexts[0])
     for g, w in zip(got, want):
         assert torch.equal(g, w) if exact or g.dtype == torch.long else torch.allclose(g, w, rtol=0, atol=1e-5)
     assert torch.equal(compiled.length, eager.length)
     torch.testing.assert_close(compiled.k, eager.k, rtol=0, atol=0 if exact else 1e-5)
+    assert int(contexts[0].length) == 6 + int(want[3]) == int(contexts[1].length)
+    torch.testing.assert_close(contexts[1].cache.k, contexts[0].cache.k, rtol=0, atol=0 if exact else 1e-5)
+    torch.testing.assert_close(contexts[1].cache.v, contexts[0].cache.v, rtol=0, atol=0 if exact else 1e-5)
 
 
 def test_round_compiles_whole(tiny):

@@ -14,7 +14,7 @@ from torch import nn
 from dtrt.models.config import DrafterConfig
 from dtrt.models.domino import DominoHead
 from dtrt.models.kv_buffer import KVBuffer
-from dtrt.models.layers import MLP, Projections, RMSNorm, attention, rope_cos_sin
+from dtrt.models.layers import MLP, Projections, RMSNorm, attention, committed_attention, rope_cos_sin
 
 
 class DraftLayer(nn.Module):
@@ -27,11 +27,14 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None, length=None):
         h = self.input_layernorm(x)
         q = self.self_attn.q(h, cos, sin)
         k, v = self.self_attn.kv(h, cos, sin)
-        if mask is None and q.dim() == 3:  # a round's block (and its exported stage)
+        if length is not None:  # the fixed-shape block: the cache's whole capacity, `length` of it committed
+            whole = torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool, device=q.device)
+            a = committed_attention(q, ctx_k, ctx_v, length, k, v, whole)
+        elif mask is None and q.dim() == 3:  # a round's block (and its exported stage)
             a = split_attention(q, ctx_k, ctx_v, k, v)
         else:
             a = attention(q, torch.cat((ctx_k, k), dim=-2), torch.cat((ctx_v, v), dim=-2), mask)
@@ -93,13 +96,13 @@ class Drafter(nn.Module):
         cos, sin = self._rope(positions, ctx.dtype)
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
-    def block(self, x, positions, ctx_kv, mask=None):
+    def block(self, x, positions, ctx_kv, mask=None, length=None):
         """x [..., B, H] block embeddings, positions [..., B], ctx_kv from `context_kv` (or the cache)
-        -> normed hidden rows [..., B, H]. `mask` [..., B, C+B]: in training, and in the fixed-shape block over
-        a whole cache (a plain round has none)."""
+        -> normed hidden rows [..., B, H]. `mask` [..., B, C+B]: in training (a plain round has none); `length`: the
+        fixed-shape block over a whole cache's capacity, the first `length` (a device tensor) committed."""
         cos, sin = self._rope(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, mask)
+            x = layer(x, cos, sin, k, v, mask, length)
         return self.norm(x)
 
     def proposal_rows(self, hidden):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrt.ops import tree_attention
+from dtrt.ops.kernels import kernel
 
 
 class RMSNorm(nn.Module):
@@ -114,3 +115,17 @@ class Projections(nn.Module):
 def attention(q, k, v, mask=None):
     """q [..., H, n, hd], k/v [..., KVH, m, hd] (GQA), mask bool [..., n, m] (True = attend): dtrt::TreeAttention."""
     return tree_attention(q, k, v, mask)
+
+
+def committed_attention(q, past_k, past_v, length, new_k, new_v, tree):
+    """Attention of N new tokens over a fixed-capacity past and themselves: q [H, N, hd], past_k/past_v [KVH, C, hd]
+    of which the first `length` columns (a device scalar) are committed and seen by every row, new_k/new_v
+    [KVH, N, hd] seen under `tree` [N, N]. The shapes never depend on the length (what a CUDA graph needs). On CUDA
+    the split kernel (dtrt.plugins.static_tree_attention) reads only the committed columns; elsewhere, the
+    reference over the joined keys under the joined mask."""
+    if (run := kernel("static_tree_attention", q, past_k, past_v, new_k, new_v)) is not None:
+        return run(q, past_k, past_v, length, new_k, new_v, tree)
+    c = past_k.shape[-2]
+    seen = (torch.arange(c, device=q.device) < length).expand(tree.shape[0], c)
+    keys, values = torch.cat((past_k, new_k), dim=-2), torch.cat((past_v, new_v), dim=-2)
+    return attention(q, keys, values, torch.cat((seen, tree), dim=-1))

@@ -6,11 +6,14 @@ Two modes share the buffer. Growing (`static` False: the prefill, any call of an
 tokens are written after the past and the keys are the past and them. Static (`static` True): the new tokens are
 written into the tail, the keys are the whole buffer (capacity + width columns) and the past's columns are those
 below `length`; `commit_order` moves the accepted tail entries after the past and advances `length` on the device.
+A static call's attention (`attend`) is dtrt.models.layers.committed_attention: on CUDA a split kernel that reads
+only the committed columns.
 """
 
 import torch
 
 from dtrt.models.config import TargetConfig
+from dtrt.models.layers import attention, committed_attention
 from dtrt.models.target import KVCache
 
 
@@ -34,6 +37,15 @@ class StaticKVCache(KVCache):
         self.k[layer, :, self.capacity : end] = k
         self.v[layer, :, self.capacity : end] = v
         return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def attend(self, q, k, v, mask):
+        """A layer's attention over update's keys (mask [N, keys]: the past's columns, then the tree's). A static
+        call's is committed_attention's: on CUDA it reads the committed length and the tree's [N, N] corner only."""
+        if not self.static:
+            return attention(q, k, v, mask)
+        c = self.capacity
+        return committed_attention(q, k[..., :c, :], v[..., :c, :], self.length, k[..., c:, :], v[..., c:, :],
+                                   mask[..., c:])  # fmt: skip
 
     def commit(self, accepted):
         """A growing call's commit (host indices); the device length follows the host's past."""

@@ -72,7 +72,8 @@ class DecoderLayer(nn.Module):
         k, v = self.self_attn.kv(h, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)
-        x = x + self.self_attn.out(attention(q, k, v, mask))
+        attend = getattr(cache, "attend", attention)  # a static cache attends by its committed length (static_kv)
+        x = x + self.self_attn.out(attend(q, k, v, mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -4,7 +4,8 @@ Each op module holds the kernel, a torch launcher (`run`, on CUDA tensors: the G
 op's eager reference in dtrt.ops) and the launch configuration both the launcher and TensorRT use. trt.py
 registers every op with TensorRT's Python plugin API under the ONNX node's name, version and namespace, with
 an ahead-of-time implementation: the kernel is compiled to PTX for the build GPU and embedded in the plan, so
-running an engine needs no Python. Importing this package needs neither Triton nor TensorRT.
+running an engine needs no Python. static_tree_attention is the torch backend's alone (the --static-shapes
+verify's attention; no ONNX node, not in OPS). Importing this package needs neither Triton nor TensorRT.
 """
 
 import hashlib

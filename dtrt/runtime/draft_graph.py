@@ -1,10 +1,10 @@
 """One round's drafting and DominoTree frontier build as one CUDA graph (`--cuda-graph`, torch backend on CUDA).
 
-Every shape in the step is fixed (the draft block attends over the draft cache's whole capacity under a mask,
-the frontier has fixed lanes and ledger) and no host value enters it: root, start and the cache's committed
-length are device tensors written before each replay. The graph is captured on the first round and again
-whenever the draft cache is reallocated. Off CUDA the same fixed-shape step runs eagerly, which is how the CPU
-tests check it.
+Every shape in the step is fixed (the draft block attends over the draft cache's whole capacity by its committed
+length, dtrt.models.layers.committed_attention; the frontier has fixed lanes and ledger) and no host value enters
+it: root, start and the cache's committed length are device tensors written before each replay. The graph is
+captured on the first round and again whenever the draft cache is reallocated. Off CUDA the same fixed-shape step
+runs eagerly, which is how the CPU tests check it.
 """
 
 import torch

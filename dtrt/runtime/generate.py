@@ -148,6 +148,14 @@ def choose(logits, sampling: SamplingConfig, gen, state, node_paths):
     return sample
 
 
+def flush(backend, pending: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The drafter's context of the committed rows it has not read yet, appended in one call."""
+    if pending:
+        hidden_rows, positions = (torch.cat(x) for x in zip(*pending)) if len(pending) > 1 else pending[0]
+        backend.draft_context(hidden_rows, positions)
+        pending.clear()
+
+
 def capacity_for(prompt_len: int, max_new_tokens: int, budget: int, block_size: int) -> int:
     return prompt_len + max_new_tokens + max(budget, block_size) + 2
 
@@ -231,10 +239,7 @@ def generate(
                 t1 = time.perf_counter()
                 tree = Tree.chain([], root=root)
             elif method.drafts(start, root):
-                if pending:
-                    hidden_rows, positions = (torch.cat(x) for x in zip(*pending)) if len(pending) > 1 else pending[0]
-                    backend.draft_context(hidden_rows, positions)
-                    pending.clear()
+                flush(backend, pending)
                 tree, t1 = method.draft(backend, root, start)
             else:
                 t1 = time.perf_counter()
@@ -244,8 +249,11 @@ def generate(
             if state is not None:
                 tree = fit_tree(tree, state, room=max(budget, len(tree) - 1), max_depth=limit)
             t2 = time.perf_counter()
-            fused = backend.fused_round(tree) if state is None and sampling.temperature == 0 else None
-            if fused is not None:  # verify, accept walk and commit as one device step (--static-shapes)
+            fused = None
+            if state is None and sampling.temperature == 0 and backend.fuses(tree):
+                flush(backend, pending)  # rows of a round it could not take (wider than its widths), before its own
+                fused = backend.fused_round(tree, context=drafter is not None)
+            if fused is not None:  # verify, accept walk, commit, drafter context as one device step (--static-shapes)
                 logits, hidden, accepted, bonus = fused
             else:
                 logits, hidden = backend.verify(tree, start)
@@ -254,7 +262,7 @@ def generate(
             t3 = time.perf_counter()
             if fused is None:
                 backend.commit(accepted)
-            if drafter is not None:
+            if drafter is not None and fused is None:
                 a = len(accepted)
                 # a copy: the stage's outputs are valid until its next call, and a round without drafts keeps them
                 rows = hidden[:a].clone() if first_nodes(accepted) else hidden[torch.tensor(accepted)]

@@ -1,8 +1,8 @@
 """A verify round at a fixed width, on the device: the tree padded to the next of WIDTHS with dead leaves, the
-tree's mask and positions made from its parents, the target's call over the static cache, the T=0 accept walk and
-the commit, all as tensor operations with no host value and no host sync inside (`device_round`), so that
-torch.compile(fullgraph=True) takes it whole and a CUDA graph can capture it. `StaticRound` runs it: one CUDA graph
-per width, captured at its first use and replayed (on a CPU it runs eagerly).
+tree's mask and positions made from its parents, the target's call over the static cache, the T=0 accept walk, the
+commit and the drafter's context of the accepted rows, all as tensor operations with no host value and no host
+sync inside (`device_round`), so that torch.compile(fullgraph=True) takes it whole and a CUDA graph can capture it.
+`StaticRound` runs it: one CUDA graph per width, captured at its first use and replayed (on a CPU it runs eagerly).
 
 A dead leaf (a padding slot) has no parent: it sees only itself (a row that sees nothing would be NaN, and NaN
 values would reach the live rows through their zero weights), no node sees it, and it is never accepted nor
@@ -76,10 +76,33 @@ def verify_at_width(target, cache, taps, tokens, parents):
     return logits, hidden, mask
 
 
-def device_round(target, cache, taps, tokens, parents):
-    """One T=0 round at the width of `tokens`: verify, accept walk, commit into the static cache. Returns (logits,
-    hidden, order, count, bonus), all on the device; cache.length has advanced by count."""
+class ContextAppend:
+    """The drafter's context of a round's accepted rows appended inside the round: the context K/V of all W rows in
+    walk order (the accepted first) written after the draft cache's committed `length` (a device tensor), which
+    advances by the accepted count; the other rows land past it, unread, in the W slots of slack the cache keeps."""
+
+    def __init__(self, drafter, draft_cache):
+        self.drafter, self.cache = drafter, draft_cache
+        self.length = torch.zeros((), dtype=torch.long, device=draft_cache.k.device)
+
+    def __call__(self, rows, start, count):
+        """rows [W, taps*H] in walk order, the root's position `start` and `count`, device tensors."""
+        index = torch.arange(rows.shape[0], device=rows.device)
+        slots = self.length + index
+        for i, (k, v) in enumerate(self.drafter.context_kv(rows.to(self.drafter.dtype), start + index)):
+            self.cache.k[i].index_copy_(1, slots, k)
+            self.cache.v[i].index_copy_(1, slots, v)
+        self.length.add_(count)
+
+
+def device_round(target, cache, taps, tokens, parents, context: ContextAppend | None = None):
+    """One T=0 round at the width of `tokens`: verify, accept walk, commit into the static cache (and, with a
+    `context`, the accepted rows' drafter context into its cache). Returns (logits, hidden, order, count, bonus),
+    all on the device; cache.length (and context.length) have advanced by count."""
+    start = cache.length.clone()
     logits, hidden, mask = verify_at_width(target, cache, taps, tokens, parents)
     _, order, count, bonus = walk(tokens, parents, mask, logits.argmax(-1))
     cache.commit_order(order, count)
+    if context is not None:
+        context(hidden.index_select(0, order), start, count)
     return logits, hidden, order, count, bonus

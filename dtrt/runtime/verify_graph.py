@@ -1,18 +1,22 @@
 """`StaticRound`: the torch backend's verify rounds at fixed widths (`--static-shapes`; dtrt.runtime.static_round).
-On CUDA each width's T=0 round (verify, accept walk, commit) is one CUDA graph, captured at its first use and again
-when the static cache is reallocated, then replayed with the padded tree written into its input buffers; elsewhere
-the same function runs eagerly. A round reads back one small tensor: the accepted count and order."""
+On CUDA each width's T=0 round (verify, accept walk, commit, the drafter's context of the accepted rows) is one CUDA
+graph, captured at its first use and again when the static cache or the draft cache is reallocated, then replayed
+with the padded tree written into its input buffers; elsewhere the same function runs eagerly. A round reads back
+one small tensor: the accepted count, the bonus token and the order. The host's lengths (the target's past, the
+draft cache's length) stay the ones the rest of the loop reads: the device's are set from them before each round
+and the host's advanced by the count read back."""
 
 import torch
 
-from dtrt.runtime.static_round import device_round, padded, verify_at_width, width_for
+from dtrt.runtime.static_round import ContextAppend, device_round, padded, verify_at_width, width_for
 from dtrt.tree import Tree
 
 
 class StaticRound:
     def __init__(self, *, target, taps: tuple[int, ...], device: torch.device):
         self.target, self.taps, self.device = target, taps, device
-        self.graphs: dict[int, tuple] = {}  # width -> (graph, tokens, parents, outputs)
+        # (width, the draft cache's buffer or None) -> (graph, tokens, parents, outputs)
+        self.graphs: dict[tuple, tuple] = {}
         self.key = None
 
     def verify(self, cache, tree: Tree, start: int):
@@ -28,44 +32,55 @@ class StaticRound:
         cache.commit_order(order, torch.tensor(len(accepted), device=self.device))
         cache.past += len(accepted)
 
-    def round(self, cache, tree: Tree):
-        """A T=0 round: (logits, hidden) of the tree's rows, the accepted node indices (root first) and the bonus."""
+    def round(self, cache, tree: Tree, context: ContextAppend | None = None):
+        """A T=0 round: (logits, hidden) of the tree's rows, the accepted node indices (root first) and the bonus;
+        with a `context`, the accepted rows' drafter context appended to its cache."""
         n, width = len(tree), width_for(len(tree))
         tokens, parents = padded(tree, width)
+        if context is not None:
+            context.length.fill_(context.cache.length)
         if self.device.type == "cuda":
-            logits, hidden, order, count, bonus = self._replay(cache, width, tokens, parents)
+            logits, hidden, order, count, bonus = self._replay(cache, width, tokens, parents, context)
         else:
             tokens, parents = tokens.to(self.device), parents.to(self.device)
-            logits, hidden, order, count, bonus = device_round(self.target, cache, self.taps, tokens, parents)
+            logits, hidden, order, count, bonus = device_round(self.target, cache, self.taps, tokens, parents, context)
         read = torch.cat((count[None], bonus[None], order)).tolist()  # the round's one host sync
         count, bonus, order = read[0], read[1], read[2:]
         cache.past += count
+        if context is not None:
+            context.cache.length += count
         return logits[:n], hidden[:n], order[:count], bonus
 
-    def _replay(self, cache, width, tokens, parents):
+    def _replay(self, cache, width, tokens, parents, context):
         key = (cache.k.data_ptr(), cache.capacity)
         if key != self.key:
             self.graphs.clear()
             self.key = key
-        if width not in self.graphs:
-            self.graphs[width] = self._capture(cache, tokens.to(self.device), parents.to(self.device))
-        graph, tokens_in, parents_in, outputs = self.graphs[width]
+        draft = context.cache.k.data_ptr() if context is not None else None
+        if (width, draft) not in self.graphs:
+            for stale in [g for g in self.graphs if g[1] not in (None, draft)]:  # a reallocated draft cache's
+                del self.graphs[stale]
+            graph = self._capture(cache, tokens.to(self.device), parents.to(self.device), context)
+            self.graphs[width, draft] = graph
+        graph, tokens_in, parents_in, outputs = self.graphs[width, draft]
         tokens_in.copy_(tokens, non_blocking=True)
         parents_in.copy_(parents, non_blocking=True)
         graph.replay()
         return outputs
 
-    def _capture(self, cache, tokens, parents):
+    def _capture(self, cache, tokens, parents, context):
         """Warm-up calls on a side stream (kernels compiled, the allocator settled), each undone, then the capture."""
-        length = cache.length.clone()
+        lengths = [t.clone() for t in (cache.length, context.length if context is not None else cache.length)]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                device_round(self.target, cache, self.taps, tokens, parents)
-                cache.length.copy_(length)
+                device_round(self.target, cache, self.taps, tokens, parents, context)
+                cache.length.copy_(lengths[0])
+                if context is not None:
+                    context.length.copy_(lengths[1])
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outputs = device_round(self.target, cache, self.taps, tokens, parents)  # recorded, not run
+            outputs = device_round(self.target, cache, self.taps, tokens, parents, context)  # recorded, not run
         return graph, tokens, parents, outputs

@@ -105,11 +105,15 @@ class Backend(ABC):
         torch backend under --static-shapes: a call at the next fixed width, the tree padded with dead leaves)."""
         return self.target_forward(tree.tokens, tree.positions(start), tree.mask)
 
-    def fused_round(self, tree: Tree) -> tuple | None:
-        """A T=0 round's verify, accept walk and commit on the device in one step, where the backend has one (the
-        torch backend under --static-shapes): (logits, hidden of the tree's rows, the accepted indices, the bonus
-        token); None: the loop walks and commits itself."""
-        return None
+    def fuses(self, tree: Tree) -> bool:
+        """Whether fused_round takes this tree (the torch backend under --static-shapes: up to its widest width)."""
+        return False
+
+    def fused_round(self, tree: Tree, *, context: bool = False) -> tuple:
+        """A T=0 round's verify, accept walk and commit on the device in one step, for a tree the backend `fuses`:
+        (logits, hidden of the tree's rows, the accepted indices, the bonus token), and with `context` the
+        accepted rows' drafter context appended as draft_context would append it."""
+        raise NotImplementedError
 
     @abstractmethod
     def draft_context(self, hidden: torch.Tensor, positions: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from dtrt.models.quant import GgufQuant, dequantized, quant_spec
 from dtrt.models.static_kv import StaticKVCache
 from dtrt.models.target import KVCache, Target
 from dtrt.runtime.backends.base import Backend, check_rows
-from dtrt.runtime.static_round import WIDTHS, width_for
+from dtrt.runtime.static_round import WIDTHS, ContextAppend, width_for
 from dtrt.runtime.verify_graph import StaticRound
 from dtrt.scoring import CondStaticScorer, DominoScorer, domino_chain
 from dtrt.tree import FrontierTrees, MarginalScorer, Round, build_frontier
@@ -48,6 +48,7 @@ class TorchBackend(Backend):
         self.draft_cache: DraftCache | None = None
         self.static: StaticRound | None = None  # --static-shapes: verify at fixed widths over a static cache
         self._verified = 0  # the width of the last static verify, which commit reads from
+        self._context: ContextAppend | None = None  # a static round's drafter context append, per draft cache
 
     def prepare(self, spec):
         """--static-shapes: the target's K/V in one buffer for the context limit, verify at fixed widths."""
@@ -115,8 +116,12 @@ class TorchBackend(Backend):
                 self.cache = StaticKVCache(target.cfg, size, WIDTHS[-1], target.dtype, self.device)
             else:
                 self.cache = self.target.new_cache(capacity)
-            if self.drafter is not None:
-                self.draft_cache = DraftCache(self.drafter.cfg, capacity, self.drafter.dtype, self.device)
+        if self.drafter is not None:
+            # static: the target's capacity, and the slack a round's context append writes past the length
+            need = self.cache.capacity + WIDTHS[-1] if self.static is not None else capacity
+            if self.draft_cache is None or self.draft_cache.capacity < need:
+                self.draft_cache = DraftCache(self.drafter.cfg, need, self.drafter.dtype, self.device)
+                self._context = None
         self.cache.reset()
         if self.draft_cache is not None:
             self.draft_cache.reset()
@@ -141,11 +146,14 @@ class TorchBackend(Backend):
         self._verified = width_for(len(tree))
         return self.static.verify(self.cache, tree, start)
 
+    def fuses(self, tree) -> bool:
+        return self.static is not None and len(tree) <= WIDTHS[-1]
+
     @torch.no_grad()
-    def fused_round(self, tree):
-        if self.static is None or len(tree) > WIDTHS[-1]:
-            return None
-        return self.static.round(self.cache, tree)
+    def fused_round(self, tree, *, context: bool = False):
+        if context and self._context is None:
+            self._context = ContextAppend(self.drafter, self.draft_cache)
+        return self.static.round(self.cache, tree, self._context if context else None)
 
     # drafter stages
     @torch.no_grad()
@@ -167,15 +175,13 @@ class TorchBackend(Backend):
     def draft_block_fixed(self, root: torch.Tensor, start: torch.Tensor, length: torch.Tensor):
         """draft_block of every row (k_draft) with fixed shapes and no host values, for a CUDA graph: root, start and
         the committed length of the draft cache are device tensors [1], and attention spans the cache's whole
-        capacity under a mask of the committed entries (the block's own columns always visible)."""
+        capacity, of which it sees the committed entries (committed_attention; the block's own columns always)."""
         cfg, cache = self.drafter.cfg, self.draft_cache
-        b, cap = cfg.block_size, cache.capacity
+        b = cfg.block_size
         ids = torch.cat((root, torch.full((b - 1,), cfg.mask_token_id, dtype=torch.long, device=self.device)))
         positions = start + torch.arange(b, device=self.device)
-        columns = torch.arange(cap + b, device=self.device)
-        mask = ((columns < length) | (columns >= cap)).expand(b, cap + b)
         ctx = [(cache.k[i], cache.v[i]) for i in range(cfg.num_layers)]
-        return self._block(ids, positions, ctx, mask)
+        return self._block(ids, positions, ctx, length=length)
 
     def graph_key(self) -> tuple:
         """What a captured drafting graph depends on: the draft cache's buffers (re-captured when they change)."""
@@ -185,10 +191,10 @@ class TorchBackend(Backend):
     def draft_columns(self):
         return self.draft_head.columns() if self.draft_head is not None else (None, None)
 
-    def _block(self, ids, positions, ctx, mask=None, rows: int | None = None):
+    def _block(self, ids, positions, ctx, length=None, rows: int | None = None):
         """The block's first `rows` proposal rows (None: all) and their base logits."""
         x = self.target.model.embed_tokens(ids).to(self.drafter.dtype)
-        ph = self.drafter.proposal_rows(self.drafter.block(x, positions, ctx, mask))[:rows]
+        ph = self.drafter.proposal_rows(self.drafter.block(x, positions, ctx, length=length))[:rows]
         return ph, self.draft_head(ph)
 
     def scorer(self, arm: str, rnd: Round, k: int, topm: int):
