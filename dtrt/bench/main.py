@@ -44,6 +44,7 @@ class BenchOptions:
     quick: bool = False
     out: str = "bench-results"
     cuda_graph: bool = False  # dominotree rows replay drafting + tree building as one CUDA graph
+    graphs: str = "eager"  # comma list of eager, captured (--static-shapes rows, CUDA graphs on a GPU): a sweep
     lookup: bool | None = None  # dominotree and cadominotree rows also take prompt lookup's chains (None: the default)
     gguf: str | None = None
     thinking: bool = False  # the chat template's thinking mode (Qwen3's enable_thinking), as `dtrt run --thinking`
@@ -140,7 +141,8 @@ def bench(o: BenchOptions, log) -> Path:
         for t in temps
     ]
     # every spec checked before any load
-    grid = contenders.grid(o.sources, methods, budgets, quants, o.cuda_graph, o.lookup)
+    modes = split_list("--graphs", o.graphs, str, contenders.GRAPHS)
+    grid = contenders.grid(o.sources, methods, budgets, quants, o.cuda_graph, o.lookup, modes)
     # missing packages fail before any model loads
     prompts = {d: datasets.load(d, n, o.seed) for d in names if d not in datasets.LONG}
     docs = {d: datasets.documents(d) for d in long_names}
@@ -168,6 +170,7 @@ def bench(o: BenchOptions, log) -> Path:
         "options": {k: v for k, v in asdict(o).items() if k not in ("out", "resume")},
         "grid": {
             "quant": list(dict.fromkeys(s.quant for s in grid)),
+            "graphs": modes,
             "rows": contenders.labels(grid),
             "sources": {k: str(v) if v is not None else None for k, v in asdict(base).items() if k in SOURCE_KEYS},
             "prompts": {d: [p.id for p in ps] for d, ps in prompts.items()},

@@ -18,19 +18,26 @@ def key(r):
     return r["dataset"], r["temperature"], r["prompt_id"], r["turn"]
 
 
+def group(r) -> tuple:
+    """What a row's AR must share with it: the target's quantization and the --graphs mode."""
+    return r.get("quant"), r.get("captured", False)
+
+
 def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None) -> list[dict]:
     """One row per method x dataset (and `all`) x temperature: mean over prompts of the per-prompt tau and tok/s,
     speedup over AR with its paired bootstrap CI, whether every T=0 output equals AR's, and the share of the
     accepted draft tokens that came from prompt lookup (pooled_lookup_share). A row is paired with the AR of its own
-    quantization (a record's `quant`); a peer (llama.cpp) with the AR of the first of `quants` (the grid's, in
-    order; None: the first AR record's). Where the run has a peer row, each of dtrt's rows also carries its speed over
-    the peer's on the same prompts (`vs_peer`: the peer's time per token over the row's, with its paired CI)."""
+    quantization and --graphs mode (a record's `quant` and `captured`); a peer (llama.cpp) with the first AR of the
+    first of `quants` (the grid's, in order; None: the first AR record's). Where the run has a peer row, each of
+    dtrt's rows also carries its speed over the peer's on the same prompts (`vs_peer`: the peer's time per token
+    over the row's, with its paired CI)."""
     ars = [r for r in records if r.get("base_method", r["method"]) == "ar"]
-    ar = {(r.get("quant"), *key(r)): r for r in ars}
-    first = quants[0] if quants else next((r.get("quant") for r in ars), None)
+    ar = {(*group(r), *key(r)): r for r in ars}
+    firsts = [group(r) for r in ars if not quants or r.get("quant") == quants[0]]
+    first = firsts[0] if firsts else (quants[0] if quants else None, False)
 
     def own_ar(r):
-        return ar.get((first if r["method"] in PEERS else r.get("quant"), *key(r)))
+        return ar.get((*(first if r["method"] in PEERS else group(r)), *key(r)))
 
     peer = {key(r): r for r in records if r["method"] in PEERS}
 
@@ -63,6 +70,7 @@ def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None)
                     {
                         "method": m,
                         "quant": rs[0].get("quant"),
+                        "captured": rs[0].get("captured", False),
                         "dataset": d,
                         "temperature": t,
                         "n": len(rs),

@@ -179,6 +179,14 @@ def quality(
     help="with --device cuda: the dominotree rows replay drafting + tree building as one CUDA graph",
 )
 @click.option(
+    "--graphs",
+    default="eager",
+    show_default=True,
+    help="comma list of eager and captured: captured rows run with --static-shapes (on --device cuda each verify "
+    "width is a CUDA graph, and the dominotree rows without lookup replay drafting as one too), each paired with its "
+    "own AR; eager,captured times both side by side (torch backend)",
+)
+@click.option(
     "--lookup/--no-lookup",
     default=None,
     help=f"the dominotree and cadominotree rows named without +lookup also take prompt lookup's chains (default: "

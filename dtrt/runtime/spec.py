@@ -71,9 +71,9 @@ class RunSpec:
     """DominoTree with the frontier on a CUDA torch backend: drafting and building replayed as one CUDA graph."""
     static_shapes: bool = False
     """Torch backend, a dense target: the target's K/V in one buffer for the context limit and every verify at a
-    fixed width (1, 2, 4, ..., 64; the tree padded with dead leaves), its mask, accept walk and commit on the device
-    at T=0; on CUDA each width's round is one CUDA graph. Off by default: a padded call rounds differently from the
-    plain one, which can turn a near-tie."""
+    fixed width (1, 2, 4, ..., 64; the tree padded with dead leaves), its mask, accept walk, commit and the drafter's
+    context on the device at T=0; on CUDA each width's round is one CUDA graph. Off by default: a padded call rounds
+    differently from the plain one, which can turn a near-tie."""
     draft_vocab: str | None = None
     """The vocabulary the drafter's base logits cover (`--draft-vocab`): None, the drafter's own d2t.safetensors
     where it has one (an export: the subset it was exported with; a model's first-use export: the registry's subset
