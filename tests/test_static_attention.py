@@ -16,13 +16,11 @@ from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.static_round import ancestors
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-pytestmark = [
-    pytest.mark.kernels,
-    pytest.mark.skipif(
-        not HAVE_TRITON or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
-        reason="runs the kernel in Triton's CPU interpreter: needs Triton, no CUDA GPU",
-    ),
-]
+pytestmark = pytest.mark.kernels
+interpreted = pytest.mark.skipif(
+    not HAVE_TRITON or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the kernel in Triton's CPU interpreter: needs Triton, no CUDA GPU",
+)
 
 
 def _case(*, heads, kv_heads, head_dim, capacity, n, length, seed=0):
@@ -39,6 +37,7 @@ def _case(*, heads, kv_heads, head_dim, capacity, n, length, seed=0):
     return q, k, v, torch.tensor(length), tree, mask
 
 
+@interpreted
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,capacity,n,length",
     [
@@ -62,6 +61,7 @@ def test_kernel_equals_the_reference(heads, kv_heads, head_dim, capacity, n, len
     torch.testing.assert_close(got, tree_attention_ref(q, k, v, mask), rtol=0, atol=2e-6)
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
 def test_grid_depends_on_shapes_alone():
     """One captured call serves every length: the launch is a function of the shapes; the splits fill what the
     rows leave of about PROGRAMS programs."""
@@ -73,6 +73,7 @@ def test_grid_depends_on_shapes_alone():
     assert many["BLOCK_R"] == 64 and many["SPLITS"] == PROGRAMS // (4 * 8)
 
 
+@interpreted
 def test_new_keys_of_any_layout():
     """The block's own K/V come from a projection, transposed (heads strided by head_dim): read as they lie."""
     from dtrt.plugins.static_tree_attention import run
@@ -95,6 +96,7 @@ def launched(monkeypatch):
     return ops
 
 
+@interpreted
 def test_fixed_draft_block_through_the_kernel(tiny, launched, monkeypatch):
     """--cuda-graph's fixed-shape block over the draft cache's whole capacity (stale entries past its length) gives
     the plain block's rows through the kernel."""
@@ -112,6 +114,7 @@ def test_fixed_draft_block_through_the_kernel(tiny, launched, monkeypatch):
     assert "static_tree_attention" in launched
 
 
+@interpreted
 @pytest.mark.slow
 def test_static_rounds_through_the_kernel_give_ar_tokens(tiny, launched, monkeypatch):
     """--static-shapes with every kernel on (DTRT_KERNELS=triton): AR's tokens with drafts accepted, and the
@@ -130,3 +133,17 @@ def test_static_rounds_through_the_kernel_give_ar_tokens(tiny, launched, monkeyp
     got, tau = run("dominotree", static_shapes=True, budget=4)
     assert got == want and tau > 1
     assert "static_tree_attention" in launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("n,length", [(1, 0), (1, 1000), (16, 4095), (64, 2500)])
+def test_kernel_on_cuda(dtype, atol, n, length):
+    """Qwen3-4B's heads (32 query, 8 K/V, head_dim 128) over a 4,096-column past, against the reference in fp32."""
+    from dtrt.plugins.static_tree_attention import run
+
+    q, k, v, length_t, tree, mask = _case(heads=32, kv_heads=8, head_dim=128, capacity=4096, n=n, length=length)
+    want = tree_attention_ref(q, k, v, mask)
+    q, k, v = (t.to("cuda", dtype) for t in (q, k, v))
+    got = run(q, k[:, :4096], v[:, :4096], length_t.cuda(), k[:, 4096:], v[:, 4096:], tree.cuda())
+    torch.testing.assert_close(got.float().cpu(), want, rtol=0, atol=atol)

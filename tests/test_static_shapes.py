@@ -84,6 +84,8 @@ def test_widths_and_padding():
     assert torch.equal(mask[:5, :5], tree.mask)
     assert torch.equal(mask[5:], torch.eye(8, dtype=torch.bool)[5:])  # a dead leaf sees only itself
     assert not mask[:5, 5:].any()  # and no node sees it
+    on = Tree(*(t.to("meta") for t in (tree.tokens, tree.parents, tree.depths, tree.scores, tree.mask)))
+    assert {t.device.type for t in padded(on, 8)} == {"meta"}  # a drafting graph's tree stays where it is
 
 
 def test_device_walk_is_the_host_walk():
@@ -253,4 +255,8 @@ def test_captured_rounds_give_ar_tokens_on_cuda(tiny):
     p = pipe_for(tiny, spec("dominotree", static_shapes=True), device="cuda")
     p.backend.max_context = CONTEXT
     tokens, taus = tokens_of(p)
-    assert tokens == ar and sum(taus) / len(taus) > 1 and p.backend.static.graphs
+    assert tokens == ar and sum(taus) / len(taus) > 1
+    assert {key[0] for key in p.backend.static.graphs} == {"round"}
+    sampled = SamplingConfig(temperature=1.0, seed=3)  # T>0: the verify alone is a graph, the host draws
+    assert tokens_of(p, sampled)[0] == tokens_of(p, sampled)[0]
+    assert {key[0] for key in p.backend.static.graphs} == {"round", "verify"}

@@ -25,10 +25,11 @@ def width_for(n: int) -> int:
 
 
 def padded(tree: Tree, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [width], parents [width]) of `tree` with dead leaves after its nodes: token 0, parent -1."""
-    n = len(tree)
-    tokens = torch.zeros(width, dtype=torch.long)
-    parents = torch.full((width,), -1, dtype=torch.long)
+    """(tokens [width], parents [width]) of `tree` with dead leaves after its nodes: token 0, parent -1. On the
+    tree's device: a tree the drafting graph left on the GPU goes to the verify without a wait on the host."""
+    n, device = len(tree), tree.tokens.device
+    tokens = torch.zeros(width, dtype=torch.long, device=device)
+    parents = torch.full((width,), -1, dtype=torch.long, device=device)
     tokens[:n], parents[:n] = tree.tokens, tree.parents
     return tokens, parents
 

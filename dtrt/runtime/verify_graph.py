@@ -1,10 +1,11 @@
 """`StaticRound`: the torch backend's verify rounds at fixed widths (`--static-shapes`; dtrt.runtime.static_round).
 On CUDA each width's T=0 round (verify, accept walk, commit, the drafter's context of the accepted rows) is one CUDA
-graph, captured at its first use and again when the static cache or the draft cache is reallocated, then replayed
-with the padded tree written into its input buffers; elsewhere the same function runs eagerly. A round reads back
-one small tensor: the accepted count, the bonus token and the order. The host's lengths (the target's past, the
-draft cache's length) stay the ones the rest of the loop reads: the device's are set from them before each round
-and the host's advanced by the count read back."""
+graph, and so is each width's verify alone (what a T>0 round or one under a grammar runs before the host draws),
+captured at first use and again when the static cache or the draft cache is reallocated, then replayed with the
+padded tree written into its input buffers; elsewhere the same functions run eagerly. A T=0 round reads back one
+small tensor: the accepted count, the bonus token and the order. The host's lengths (the target's past, the draft
+cache's length) stay the ones the rest of the loop reads: the device's are set from them before each round and the
+host's advanced by the count read back."""
 
 import torch
 
@@ -15,15 +16,19 @@ from dtrt.tree import Tree
 class StaticRound:
     def __init__(self, *, target, taps: tuple[int, ...], device: torch.device):
         self.target, self.taps, self.device = target, taps, device
-        # (width, the draft cache's buffer or None) -> (graph, tokens, parents, outputs)
+        # (step, width, the draft cache's buffer or None) -> (graph, tokens, parents, outputs)
         self.graphs: dict[tuple, tuple] = {}
         self.key = None
 
     def verify(self, cache, tree: Tree, start: int):
         """The tree's logits and hidden rows [len(tree)] from a padded call; the cache's tail holds its K/V."""
-        tokens, parents = (t.to(self.device) for t in padded(tree, width_for(len(tree))))
-        logits, hidden, _ = verify_at_width(self.target, cache, self.taps, tokens, parents)
-        return logits[: len(tree)], hidden[: len(tree)]
+        n = len(tree)
+
+        def step(tokens, parents):
+            return verify_at_width(self.target, cache, self.taps, tokens, parents)[:2]
+
+        logits, hidden = self._run(("verify", width_for(n), None), step, cache, None, *padded(tree, width_for(n)))
+        return logits[:n], hidden[:n]
 
     def commit(self, cache, accepted: list[int], width: int):
         """Commit a verified tree's `accepted` nodes (the host's walk, at T>0) from the tail."""
@@ -36,14 +41,14 @@ class StaticRound:
         """A T=0 round: (logits, hidden) of the tree's rows, the accepted node indices (root first) and the bonus;
         with a `context`, the accepted rows' drafter context appended to its cache."""
         n, width = len(tree), width_for(len(tree))
-        tokens, parents = padded(tree, width)
         if context is not None:
             context.length.fill_(context.cache.length)
-        if self.device.type == "cuda":
-            logits, hidden, order, count, bonus = self._replay(cache, width, tokens, parents, context)
-        else:
-            tokens, parents = tokens.to(self.device), parents.to(self.device)
-            logits, hidden, order, count, bonus = device_round(self.target, cache, self.taps, tokens, parents, context)
+
+        def step(tokens, parents):
+            return device_round(self.target, cache, self.taps, tokens, parents, context)
+
+        key = ("round", width, context.cache.k.data_ptr() if context is not None else None)
+        logits, hidden, order, count, bonus = self._run(key, step, cache, context, *padded(tree, width))
         read = torch.cat((count[None], bonus[None], order)).tolist()  # the round's one host sync
         count, bonus, order = read[0], read[1], read[2:]
         cache.past += count
@@ -51,36 +56,38 @@ class StaticRound:
             context.cache.length += count
         return logits[:n], hidden[:n], order[:count], bonus
 
-    def _replay(self, cache, width, tokens, parents, context):
-        key = (cache.k.data_ptr(), cache.capacity)
-        if key != self.key:
+    def _run(self, key, step, cache, context, tokens, parents):
+        """`step(tokens, parents)` on the device: eagerly off CUDA, else the replay of its graph under `key`."""
+        if self.device.type != "cuda":
+            return step(tokens.to(self.device), parents.to(self.device))
+        buffers = (cache.k.data_ptr(), cache.capacity)
+        if buffers != self.key:
             self.graphs.clear()
-            self.key = key
-        draft = context.cache.k.data_ptr() if context is not None else None
-        if (width, draft) not in self.graphs:
-            for stale in [g for g in self.graphs if g[1] not in (None, draft)]:  # a reallocated draft cache's
-                del self.graphs[stale]
-            graph = self._capture(cache, tokens.to(self.device), parents.to(self.device), context)
-            self.graphs[width, draft] = graph
-        graph, tokens_in, parents_in, outputs = self.graphs[width, draft]
+            self.key = buffers
+        if key not in self.graphs:
+            if key[2] is not None:  # a reallocated draft cache's graphs go
+                for stale in [g for g in self.graphs if g[2] not in (None, key[2])]:
+                    del self.graphs[stale]
+            self.graphs[key] = self._capture(step, cache, context, tokens.to(self.device), parents.to(self.device))
+        graph, tokens_in, parents_in, outputs = self.graphs[key]
         tokens_in.copy_(tokens, non_blocking=True)
         parents_in.copy_(parents, non_blocking=True)
         graph.replay()
         return outputs
 
-    def _capture(self, cache, tokens, parents, context):
+    def _capture(self, step, cache, context, tokens, parents):
         """Warm-up calls on a side stream (kernels compiled, the allocator settled), each undone, then the capture."""
         lengths = [t.clone() for t in (cache.length, context.length if context is not None else cache.length)]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                device_round(self.target, cache, self.taps, tokens, parents, context)
+                step(tokens, parents)
                 cache.length.copy_(lengths[0])
                 if context is not None:
                     context.length.copy_(lengths[1])
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outputs = device_round(self.target, cache, self.taps, tokens, parents, context)  # recorded, not run
+            outputs = step(tokens, parents)  # recorded, not run
         return graph, tokens, parents, outputs
