@@ -1,17 +1,19 @@
 """Costs at Qwen3-4B and Qwen3-8B shapes on the torch backend, random weights, eager against static shapes (captured
-in CUDA graphs on a GPU) side by side, inside a wall-clock budget:
+in CUDA graphs on a GPU, as they are and compiled by torch.compile first) side by side, inside a wall-clock budget:
 
     build   per model (--models), the target (Qwen/Qwen3-4B's, Qwen/Qwen3-8B's config) and a Domino-b16 drafter
             (5 layers, 5 taps, G 1024, E 256) parsed from their config.json as released and made on the device with
             random weights (bf16 on CUDA, fp32 on the CPU); nothing is written to disk
     verify  milliseconds of one target verify call of N new tokens over a past of P cached tokens, median of repeats,
             and the ratio to N=1 (N=1 is the AR step). eager: TorchBackend.time_verify, the cost probes' call;
-            static: the --static-shapes round's device part at width N (verify, accept walk, commit and the one
-            read-back; a CUDA graph per width on a GPU) over a cache of the target's context limit, as a run has it
+            captured: the --static-shapes round's device part at width N (verify, accept walk, commit and the one
+            read-back; a CUDA graph per width on a GPU) over a cache of the target's context limit, as a run has it,
+            with --no-compile; compiled: the same, compiled by torch.compile before its capture (the default on
+            CUDA). A row's first_ms is its first call's (a compiled mode's compile included)
     rounds  DominoTree rounds (frontier builder) of the real decode loop (dtrt.runtime.generate) after a prompt of P
             random tokens at each budget: milliseconds a round spends drafting, building, verifying and committing,
-            as dtrt bench reports them (dtrt.bench.report.round_ms). eager; static: --static-shapes, with
-            --cuda-graph's drafting graph on a GPU. Random weights accept nothing: these are costs, not speedups
+            as dtrt bench reports them (dtrt.bench.report.round_ms). eager; captured and compiled: --static-shapes,
+            with --cuda-graph's drafting graph on a GPU. Random weights accept nothing: these are costs, not speedups
 
 The speedup those step times give at a stated tau (--tau, an input: the paper's per-category tau, named as such,
 not measured here): tau x the AR step / a round at the first budget, 16 (its draft + build + verify + commit), per
@@ -66,7 +68,8 @@ SHAPES = {
         {"tie_word_embeddings": False},
     ),
 }
-MODES = ("eager", "static")
+MODES = ("eager", "captured", "compiled")
+STATIC = ("captured", "compiled")
 PAPER_TAU = {"qwen3-4b": (7.98, "the paper's tau for Qwen3-4B DominoTree@16, an input")}
 
 
@@ -119,7 +122,7 @@ def made_as(*, device: torch.device, dtype: torch.dtype):
 
 
 def build(*, tiny: bool, device: torch.device, dtype: torch.dtype, model: str = "qwen3-4b"):
-    """(eager backend, static backend over the same modules, what was built)."""
+    """(mode -> a backend over the same modules, what was built)."""
     target_json, drafter_json = configs(tiny=tiny, model=model)
     tcfg, dcfg, (gru, emb) = parse(target=target_json, drafter=drafter_json)
     with made_as(device=device, dtype=dtype):
@@ -129,11 +132,13 @@ def build(*, tiny: bool, device: torch.device, dtype: torch.dtype, model: str = 
     random_init(drafter, seed=1)
     backend = TorchBackend(target.eval(), drafter.eval(), device)
     # its cache sized as `dtrt run` sizes it: the target's context limit (40,960 positions for Qwen3)
-    static = TorchBackend(target, drafter, device, max_context=target_json["max_position_embeddings"])
-    static.prepare(RunSpec(static_shapes=True))
+    backends = {"eager": backend}
+    for mode in STATIC:  # caches sized as `dtrt run` sizes them: the target's context limit
+        backends[mode] = TorchBackend(target, drafter, device, max_context=target_json["max_position_embeddings"])
+        backends[mode].prepare(RunSpec(static_shapes=True, compile=mode == "compiled"))
     backend.synchronize()
     params = sum(p.numel() for p in target.parameters()), sum(p.numel() for p in drafter.parameters())
-    return backend, static, {"target_params": params[0], "drafter_params": params[1]}
+    return backends, {"target_params": params[0], "drafter_params": params[1]}
 
 
 def static_call(backend, *, n: int, past: int):
@@ -165,14 +170,14 @@ class Timer:
 
 
 def verify_section(backends: dict, rows: list, *, model: str, ns, pasts, reps, deadline: float):
-    """backends: mode -> backend; each row names its model and mode (static: the widths in WIDTHS only)."""
+    """backends: mode -> backend; each row names its model and mode (the static modes: the widths in WIDTHS only)."""
     for backend in backends.values():  # every call reads the cache's first `past` entries, whatever they hold
         backend.reset(max(pasts) + max(ns))
     timer, (warmup, repeats) = Timer(backends["eager"].device), reps
     for past in pasts:
         for n in ns:
             for mode, backend in backends.items():
-                if mode == "static" and n not in WIDTHS:
+                if mode in STATIC and n not in WIDTHS:
                     continue
                 if time.monotonic() > deadline:
                     raise Cut
@@ -180,10 +185,11 @@ def verify_section(backends: dict, rows: list, *, model: str, ns, pasts, reps, d
                     call = lambda n=n, past=past, b=backend: b.time_verify(n, past)  # noqa: E731
                 else:
                     call = lambda n=n, past=past, b=backend: static_call(b, n=n, past=past)  # noqa: E731
-                for _ in range(warmup):
+                first = timer(call)  # a compiled mode's first call of a width class compiles it
+                for _ in range(warmup - 1):
                     call()
                 times = [timer(call) for _ in range(repeats)]
-                row = {"model": model, "mode": mode, "past": past, "n": n}
+                row = {"model": model, "mode": mode, "past": past, "n": n, "first_ms": first}
                 rows.append(row | {"ms": statistics.median(times), "min_ms": min(times)})
                 one = next(
                     r["ms"] for r in rows if (r["model"], r["mode"], r["past"], r["n"]) == (model, mode, past, ns[0])
@@ -192,9 +198,9 @@ def verify_section(backends: dict, rows: list, *, model: str, ns, pasts, reps, d
 
 
 def round_spec(*, mode: str, budget: int, device: torch.device) -> RunSpec:
-    graph = mode == "static" and device.type == "cuda"  # drafting and building captured too
+    graph = mode in STATIC and device.type == "cuda"  # drafting and building captured too
     return RunSpec(method="dominotree", budget=budget, builder="frontier", device=str(device), cuda_graph=graph,
-                   static_shapes=mode == "static")  # fmt: skip
+                   static_shapes=mode in STATIC, compile=mode == "compiled")  # fmt: skip
 
 
 def rounds_section(backends: dict, rows: list, *, model: str, prompts, budgets, deadline: float, seed: int = 0):
@@ -306,8 +312,9 @@ def markdown(report: dict) -> str:
         f"### Qwen3 shapes on the torch backend ({m['device']}, {m['dtype']}, torch {m['torch']})",
         "",
         "Random weights: what a round accepts means nothing (tau is shown as it came); these are costs, not speedups.",
-        "eager: the plain torch backend; static: --static-shapes (a CUDA graph per verify width on a GPU, and "
-        "--cuda-graph's drafting graph in the rounds).",
+        "eager: the plain torch backend; captured: --static-shapes --no-compile (a CUDA graph per verify width on a "
+        "GPU, and --cuda-graph's drafting graph in the rounds); compiled: --static-shapes, each step compiled by "
+        "torch.compile before its capture.",
         "",
     ]
     if m["device"].startswith("cuda"):
@@ -406,8 +413,7 @@ def main(argv=None):
 
     def make(*, deadline):
         for m in models_asked:
-            eager, static, info = build(tiny=args.tiny, device=device, dtype=dtype, model=m)
-            models[m] = {"eager": eager, "static": static}
+            models[m], info = build(tiny=args.tiny, device=device, dtype=dtype, model=m)
             secs["build"].setdefault("models", {})[m] = info
 
     def verify(*, deadline):

@@ -40,20 +40,21 @@ def test_dry_run_measures_both_sections(tmp_path):
     assert [secs[s]["status"] for s in ("build", "verify", "rounds")] == ["done"] * 3
     assert set(secs["build"]["models"]) == {"qwen3-4b", "qwen3-8b"}
     verify = secs["verify"]["rows"]
-    expect = {(m, mode, p, n) for m in ("qwen3-4b", "qwen3-8b") for mode in ("eager", "static") for p in (32, 64)
+    modes = ("eager", "captured", "compiled")
+    expect = {(m, mode, p, n) for m in ("qwen3-4b", "qwen3-8b") for mode in modes for p in (32, 64)
               for n in (1, 2, 4, 8)}  # fmt: skip
     assert {(r["model"], r["mode"], r["past"], r["n"]) for r in verify} == expect
-    assert all(positive(r["ms"]) and positive(r["over_n1"]) for r in verify)
+    assert all(positive(r["ms"]) and positive(r["over_n1"]) and positive(r["first_ms"]) for r in verify)
     rounds = secs["rounds"]["rows"]
     keys = [(r["model"], r["mode"], r["prompt"], r["budget"]) for r in rounds]
-    assert keys == [(m, mode, 32, b) for m in ("qwen3-4b", "qwen3-8b") for b in (4, 8) for mode in ("eager", "static")]
+    assert keys == [(m, mode, 32, b) for m in ("qwen3-4b", "qwen3-8b") for b in (4, 8) for mode in modes]
     for r in rounds:
         assert r["rounds"] == 6 and positive(r["tau"]) and positive(r["total_ms"]) and r["builder"] == "frontier"
         assert set(r["round_ms"]) == {"draft", "build", "verify", "commit"}
         assert all(positive(v) for v in r["round_ms"].values())
     speedups = {(s["model"], s["mode"]): s for s in report["speedups"]}
-    assert set(speedups) == {(m, mode) for m in ("qwen3-4b", "qwen3-8b") for mode in ("eager", "static")}
-    four, eight = speedups["qwen3-4b", "static"], speedups["qwen3-8b", "eager"]
+    assert set(speedups) == {(m, mode) for m in ("qwen3-4b", "qwen3-8b") for mode in modes}
+    four, eight = speedups["qwen3-4b", "compiled"], speedups["qwen3-8b", "eager"]
     assert four["tau"] == 7.98 and "the paper's tau for Qwen3-4B DominoTree@16" in four["tau_is"]
     assert eight["tau"] == 3.5 and "given with --tau" in eight["tau_is"] and four["budget"] == 4
     assert math.isclose(eight["speedup"], 3.5 * eight["ar_ms"] / eight["round_ms"])

@@ -89,6 +89,7 @@ def method_options(f):
         option_from(RunSpec, "node_topk"),
         option_from(RunSpec, "cuda_graph"),
         option_from(RunSpec, "static_shapes"),
+        option_from(RunSpec, "compile", "--compile/--no-compile"),
         option_from(RunSpec, "lookup", "--lookup/--no-lookup", default=FILLED_IN, help=f"Default: {lookup_help()}."),
         option_from(RunSpec, "draft_vocab", replace_help=True, help=DRAFT_VOCAB_HELP),
         option_from(RunSpec, "prefix_cache_mb"),

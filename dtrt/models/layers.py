@@ -117,15 +117,34 @@ def attention(q, k, v, mask=None):
     return tree_attention(q, k, v, mask)
 
 
-def committed_attention(q, past_k, past_v, length, new_k, new_v, tree):
+def committed(q, past_k, past_v, length, new_k, new_v, tree):
     """Attention of N new tokens over a fixed-capacity past and themselves: q [H, N, hd], past_k/past_v [KVH, C, hd]
     of which the first `length` columns (a device scalar) are committed and seen by every row, new_k/new_v
     [KVH, N, hd] seen under `tree` [N, N]. The shapes never depend on the length (what a CUDA graph needs). On CUDA
     the split kernel (dtrt.plugins.static_tree_attention) reads only the committed columns; elsewhere, the
-    reference over the joined keys under the joined mask."""
+    reference over the joined keys under the joined mask. Returns a contiguous [H, N, hd]."""
     if (run := kernel("static_tree_attention", q, past_k, past_v, new_k, new_v)) is not None:
         return run(q, past_k, past_v, length, new_k, new_v, tree)
     c = past_k.shape[-2]
     seen = (torch.arange(c, device=q.device) < length).expand(tree.shape[0], c)
     keys, values = torch.cat((past_k, new_k), dim=-2), torch.cat((past_v, new_v), dim=-2)
-    return attention(q, keys, values, torch.cat((seen, tree), dim=-1))
+    return tree_attention(q, keys, values, torch.cat((seen, tree), dim=-1)).contiguous()
+
+
+@torch.library.custom_op("dtrt::committed_attention", mutates_args=())
+def committed_attention(
+    q: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+    length: torch.Tensor,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    tree: torch.Tensor,
+) -> torch.Tensor:
+    """`committed` as a custom op (the fixed-shape draft block's attention): torch.compile keeps it whole."""
+    return committed(q, past_k, past_v, length, new_k, new_v, tree)
+
+
+@committed_attention.register_fake
+def _(q, past_k, past_v, length, new_k, new_v, tree):
+    return q.new_empty(q.shape)  # contiguous, as both implementations return it

@@ -4,17 +4,46 @@ the same addresses and shapes on every call; the committed length is a device te
 
 Two modes share the buffer. Growing (`static` False: the prefill, any call of another width) is KVCache's: the new
 tokens are written after the past and the keys are the past and them. Static (`static` True): the new tokens are
-written into the tail, the keys are the whole buffer (capacity + width columns) and the past's columns are those
-below `length`; `commit_order` moves the accepted tail entries after the past and advances `length` on the device.
-A static call's attention (`attend`) is dtrt.models.layers.committed_attention: on CUDA a split kernel that reads
-only the committed columns.
+written into the tail, and every row sees the committed columns (those below `length`) and its tree ancestors;
+`commit_order` moves the accepted tail entries after the past and advances `length` on the device. A static call's
+layer writes its new K/V and attends in one custom op (`static_attend`): on CUDA a split kernel that reads only the
+committed columns.
 """
 
 import torch
 
 from dtrt.models.config import TargetConfig
-from dtrt.models.layers import attention, committed_attention
+from dtrt.models.layers import attention, committed
 from dtrt.models.target import KVCache
+
+
+@torch.library.custom_op("dtrt::static_attend", mutates_args=("k_buf", "v_buf"))
+def static_attend(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    length: torch.Tensor,
+    tree: torch.Tensor,
+    capacity: int,
+) -> torch.Tensor:
+    """A static call's layer: the N new tokens' K/V [KVH, N, hd] written into the layer's buffer [KVH, capacity +
+    width, hd] at the tail (from `capacity`), then their attention over the committed past and themselves
+    (dtrt.models.layers.committed). One op that declares what it writes: torch.compile hands it the cache's layer
+    as it lies and fuses everything around it, with no copy of the buffer (a write inside the compiled graph
+    would be functionalized into one)."""
+    n = k_new.shape[-2]
+    k_buf[:, capacity : capacity + n] = k_new
+    v_buf[:, capacity : capacity + n] = v_new
+    past_k, past_v = k_buf[:, :capacity], v_buf[:, :capacity]
+    return committed(q, past_k, past_v, length, k_buf[:, capacity : capacity + n], v_buf[:, capacity : capacity + n],
+                     tree)  # fmt: skip
+
+
+@static_attend.register_fake
+def _(q, k_new, v_new, k_buf, v_buf, length, tree, capacity):
+    return q.new_empty(q.shape)
 
 
 class StaticKVCache(KVCache):
@@ -25,27 +54,23 @@ class StaticKVCache(KVCache):
         self.static = False
 
     def past_mask(self, mask):
+        """Static: none (static_attend sees the committed length itself), so the layers' mask is the tree's."""
         if not self.static:
             return super().past_mask(mask)
-        columns = torch.arange(self.capacity, device=mask.device)
-        return (columns < self.length).expand(*mask.shape[:-1], self.capacity)
+        return mask[..., :0]
 
     def update(self, layer: int, k, v):
+        """Growing: KVCache's. Static: nothing yet (attend writes the new K/V into the tail), the new K/V as given."""
         if not self.static:
             return super().update(layer, k, v)
-        end = self.capacity + k.shape[-2]
-        self.k[layer, :, self.capacity : end] = k
-        self.v[layer, :, self.capacity : end] = v
-        return self.k[layer, :, :end], self.v[layer, :, :end]
+        return k, v
 
-    def attend(self, q, k, v, mask):
-        """A layer's attention over update's keys (mask [N, keys]: the past's columns, then the tree's). A static
-        call's is committed_attention's: on CUDA it reads the committed length and the tree's [N, N] corner only."""
+    def attend(self, layer: int, q, k, v, mask):
+        """A layer's attention: growing, over update's keys under `mask`; static, `static_attend` of the new K/V
+        under the tree's mask [N, N]."""
         if not self.static:
             return attention(q, k, v, mask)
-        c = self.capacity
-        return committed_attention(q, k[..., :c, :], v[..., :c, :], self.length, k[..., c:, :], v[..., c:, :],
-                                   mask[..., c:])  # fmt: skip
+        return static_attend(q, k, v, self.k[layer], self.v[layer], self.length, mask, self.capacity)
 
     def commit(self, accepted):
         """A growing call's commit (host indices); the device length follows the host's past."""

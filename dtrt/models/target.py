@@ -72,8 +72,11 @@ class DecoderLayer(nn.Module):
         k, v = self.self_attn.kv(h, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)
-        attend = getattr(cache, "attend", attention)  # a static cache attends by its committed length (static_kv)
-        x = x + self.self_attn.out(attend(q, k, v, mask))
+        if (attend := getattr(cache, "attend", None)) is not None:  # a static cache attends itself (static_kv)
+            a = attend(layer_idx, q, k, v, mask)
+        else:
+            a = attention(q, k, v, mask)
+        x = x + self.self_attn.out(a)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -74,6 +74,11 @@ class RunSpec:
     fixed width (1, 2, 4, ..., 64; the tree padded with dead leaves), its mask, accept walk, commit and the drafter's
     context on the device at T=0; on CUDA each width's round is one CUDA graph. Off by default: a padded call rounds
     differently from the plain one, which can turn a near-tie."""
+    compile: bool = True
+    """With --static-shapes on CUDA: each verify step is compiled by torch.compile (Inductor fuses the layers'
+    elementwise ops around their matrix products and attention) before its CUDA graph is captured, once for every
+    width but 1; the first round waits for the compile (Inductor keeps it on disk for later processes).
+    --no-compile captures the eager ops as they are."""
     draft_vocab: str | None = None
     """The vocabulary the drafter's base logits cover (`--draft-vocab`): None, the drafter's own d2t.safetensors
     where it has one (an export: the subset it was exported with; a model's first-use export: the registry's subset

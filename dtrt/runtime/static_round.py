@@ -35,12 +35,13 @@ def padded(tree: Tree, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """Bool [W, W]: row i holds i and its ancestors (the tree's mask). Parent links are closed by repeated squaring,
-    ceil(log2 W) products, so no host loop runs over nodes."""
+    """Bool [W, W]: row i holds i and its ancestors (the tree's mask). Parent links are closed by repeated squaring:
+    six products close paths of up to 64 nodes, the widest width, at any width (so a step compiled for one width
+    serves the others), and no host loop runs over nodes."""
     w = parents.shape[0]
     index = torch.arange(w, device=parents.device)
     reach = ((parents[:, None] == index[None, :]) | (index[:, None] == index[None, :])).float()
-    for _ in range(max(w - 1, 1).bit_length()):
+    for _ in range((WIDTHS[-1] - 1).bit_length()):
         reach = ((reach @ reach) > 0).float()
     return reach > 0
 
@@ -89,10 +90,11 @@ class ContextAppend:
     def __call__(self, rows, start, count):
         """rows [W, taps*H] in walk order, the root's position `start` and `count`, device tensors."""
         index = torch.arange(rows.shape[0], device=rows.device)
-        slots = self.length + index
-        for i, (k, v) in enumerate(self.drafter.context_kv(rows.to(self.drafter.dtype), start + index)):
-            self.cache.k[i].index_copy_(1, slots, k)
-            self.cache.v[i].index_copy_(1, slots, v)
+        k, v = zip(*self.drafter.context_kv(rows.to(self.drafter.dtype), start + index))
+        # one write into each whole buffer: a compiled step writes it in place (a write into each layer's view
+        # would be compiled into a copy of the layer)
+        self.cache.k.index_copy_(2, self.length + index, torch.stack(k))
+        self.cache.v.index_copy_(2, self.length + index, torch.stack(v))
         self.length.add_(count)
 
 

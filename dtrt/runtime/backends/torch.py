@@ -58,7 +58,8 @@ class TorchBackend(Backend):
                     "--static-shapes: a dense target's verify at fixed widths; this target's recurrent layers "
                     "have no static verify yet (drop --static-shapes)"
                 )
-            self.static = StaticRound(target=self.target, taps=self.taps, device=self.device)
+            compiled = spec.compile and self.device.type == "cuda"
+            self.static = StaticRound(target=self.target, taps=self.taps, device=self.device, compile=compiled)
 
     @classmethod
     def open(cls, spec, sources):
