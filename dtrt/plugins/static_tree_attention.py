@@ -21,20 +21,7 @@ import triton
 import triton.language as tl
 
 from dtrt.plugins.ptx import next_pow2
-
-
-@triton.jit
-def _attend_block(q, k, v, allowed, m_i, l_i, acc, SCALE: tl.constexpr):
-    """One key block into the rows' online softmax (fp32)."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * SCALE
-    s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return m_new, l_i, acc
+from dtrt.plugins.tree_attention import attend_block
 
 
 @triton.jit
@@ -87,7 +74,7 @@ def static_tree_attention_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         k = tl.load(past_k_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(past_v_ptr + offs, mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, v, row_ok[:, None] & col_ok[None, :], m_i, l_i, acc, SCALE)
+        m_i, l_i, acc = attend_block(q, k, v, row_ok[:, None] & col_ok[None, :], m_i, l_i, acc, SCALE)
     # the last split: the new tokens under the tree mask
     token = rows % n_q
     for start in range(0, tl.where(split == SPLITS, n_q, 0), BLOCK_M):
@@ -98,7 +85,7 @@ def static_tree_attention_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         k = tl.load(new_k_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(new_v_ptr + offs, mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, v, seen != 0, m_i, l_i, acc, SCALE)
+        m_i, l_i, acc = attend_block(q, k, v, seen != 0, m_i, l_i, acc, SCALE)
     state = split.to(tl.int64) * (n_rows * tl.num_programs(1)) + first + rows
     tl.store(m_ptr + state, m_i, mask=row_ok)
     tl.store(l_ptr + state, l_i, mask=row_ok)

@@ -16,6 +16,20 @@ from dtrt.plugins.ptx import TRITON_TYPES, next_pow2
 
 
 @triton.jit
+def attend_block(q, k, v, allowed, m_i, l_i, acc, SCALE: tl.constexpr):
+    """One key block into the rows' online softmax (fp32): the rows' running max, sum and weighted values."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * SCALE
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
 def tree_attention_kernel(
     q_ptr,
     k_ptr,
@@ -53,22 +67,13 @@ def tree_attention_kernel(
             )
             != 0
         )
-        # a key block no query of this block may see adds nothing: skip its K/V loads (the fixed-shape draft
-        # block masks the unused tail of the cache's capacity this way)
+        # a key block no query of this block may see adds nothing: skip its K/V loads
         if tl.max(allowed.to(tl.int32)) > 0:
             kv_offs = (kvh * n_kv + cols[:, None]) * HEAD_DIM + d[None, :]
             kv_mask = col_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * SCALE
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = attend_block(q, k, v, allowed, m_i, l_i, acc, SCALE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + (h * n_q + rows[:, None]) * HEAD_DIM + d[None, :],
