@@ -70,6 +70,8 @@ def test_graphs_sweep_on_tiny(tiny, tmp_path, monkeypatch, capsys):
     labels = ["ar", "dominotree@16", "ar/captured", "dominotree@16/captured"]
     assert list(dict.fromkeys(r["method"] for r in got["records"])) == labels
     assert {r["method"]: r["captured"] for r in got["records"]} == dict(zip(labels, [False, False, True, True]))
+    steps = {r["method"]: (r["builder"], r["draft_graph"]) for r in got["records"]}
+    assert steps == dict(zip(labels, [(None, False), ("heap", False)] * 2))  # which builder ran, and no drafting graph
     rows = {r["method"]: r for r in got["summary"]}
     assert all(rows[m]["exact"] is True for m in labels)  # each mode's rows equal its own AR's tokens
     assert rows["dominotree@16/captured"]["tau"] > 1, "drafts must be accepted in the captured rows"

@@ -42,6 +42,9 @@ class DtrtContender:
         self.method, self.budget = spec.method, spec.budget if spec.method_class.has_budget else None
         self.quant = spec.quant
         self.captured = spec.static_shapes
+        # how its trees were built and which steps replayed graphs: the records say which ran
+        self.builder = spec.builder if spec.uses_drafter else None
+        self.draft_graph = spec.cuda_graph
         self.lookup = spec.lookup or spec.method == "lookup"  # its trees hold prompt lookup's nodes
 
     def generate(self, text: str, max_new_tokens: int, sampling: SamplingConfig) -> dict:

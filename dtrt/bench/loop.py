@@ -99,6 +99,8 @@ def annotate(rec: dict, contender, dataset: str, prompt_id, turn: int, temperatu
         budget=contender.budget,
         quant=contender.quant,
         captured=getattr(contender, "captured", False),
+        builder=getattr(contender, "builder", None),
+        draft_graph=getattr(contender, "draft_graph", False),
         n_tokens=n,
         tokens_per_s=n / rec["decode_s"] if rec["decode_s"] > 0 else 0.0,
         tpot_s=rec["decode_s"] / n if n else 0.0,
