@@ -1,5 +1,5 @@
 """Costs at Qwen3-4B and Qwen3-8B shapes on the torch backend, random weights, eager against static shapes (captured
-in CUDA graphs on a GPU, as they are and compiled by torch.compile first) side by side, inside a wall-clock budget:
+in CUDA graphs on a GPU, with the layers' ops as they are and compiled) side by side, inside a wall-clock budget:
 
     build   per model (--models), the target (Qwen/Qwen3-4B's, Qwen/Qwen3-8B's config) and a Domino-b16 drafter
             (5 layers, 5 taps, G 1024, E 256) parsed from their config.json as released and made on the device with
@@ -8,8 +8,8 @@ in CUDA graphs on a GPU, as they are and compiled by torch.compile first) side b
             and the ratio to N=1 (N=1 is the AR step). eager: TorchBackend.time_verify, the cost probes' call;
             captured: the --static-shapes round's device part at width N (verify, accept walk, commit and the one
             read-back; a CUDA graph per width on a GPU) over a cache of the target's context limit, as a run has it,
-            with --no-compile; compiled: the same, compiled by torch.compile before its capture (the default on
-            CUDA). A row's first_ms is its first call's (a compiled mode's compile included)
+            with --no-compile; compiled: the same with the layers' parts around attention compiled by torch.compile
+            (the default on CUDA). A row's first_ms is its first call's (a compiled mode's compile included)
     rounds  DominoTree rounds (frontier builder) of the real decode loop (dtrt.runtime.generate) after a prompt of P
             random tokens at each budget: milliseconds a round spends drafting, building, verifying and committing,
             as dtrt bench reports them (dtrt.bench.report.round_ms). eager; captured and compiled: --static-shapes,
@@ -313,8 +313,8 @@ def markdown(report: dict) -> str:
         "",
         "Random weights: what a round accepts means nothing (tau is shown as it came); these are costs, not speedups.",
         "eager: the plain torch backend; captured: --static-shapes --no-compile (a CUDA graph per verify width on a "
-        "GPU, and --cuda-graph's drafting graph in the rounds); compiled: --static-shapes, each step compiled by "
-        "torch.compile before its capture.",
+        "GPU, and --cuda-graph's drafting graph in the rounds); compiled: --static-shapes, the layers' parts around "
+        "attention compiled by torch.compile.",
         "",
     ]
     if m["device"].startswith("cuda"):

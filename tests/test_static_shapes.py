@@ -239,70 +239,66 @@ def test_round_compiles_with_inductor(tiny):
     _compiled_equals_eager(tiny, "inductor", exact=False)
 
 
-def _capacity_copies(code: str, columns: int) -> list[str]:
-    """The generated code's allocations with a dimension of `columns` (a copy of a whole cache layer)."""
-    return [line for line in code.splitlines() if "empty_strided" in line and f", {columns}, " in line]
+@pytest.fixture
+def fresh_parts():
+    """compiled_parts made afresh for the test, and again after it (they are cached per process)."""
+    from dtrt.models.static_kv import compiled_parts
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled_parts.cache_clear()
+    yield
+    compiled_parts.cache_clear()
 
 
 @pytest.mark.slow
-def test_compiled_step_serves_every_width_and_writes_the_caches_in_place(tiny):
-    """--static-shapes compiles each step with Inductor (on CUDA; here on the CPU): one compile serves widths 8, 4
-    and 2, each equal to the eager step, and the generated code writes both caches where they lie (a cache written
-    inside a compiled graph is easily compiled into a copy of it: 6 GB a call at Qwen3-4B's context limit)."""
-    from torch._inductor.utils import run_and_get_code
-
-    from dtrt.runtime.verify_graph import compiled
-
+def test_compiled_layers_serve_every_layer_and_width(tiny, fresh_parts):
+    """--static-shapes compiles a layer's parts around attention with Inductor (on CUDA; here on the CPU): one compile
+    of each part serves the four layers and widths 8, 4 and 2, each round equal to the uncompiled one, the caches
+    included."""
     target = pipe(tiny, "ar").backend.target
     drafter = pipe(tiny, "dominotree").backend.drafter
     taps = tuple(drafter.cfg.target_layer_ids)
-    step, codes = compiled(device_round), []
+    graphs = []
     for width in (8, 4, 2):
         states = []
-        for _ in range(2):
-            cache = StaticKVCache(target.cfg, 1000, WIDTHS[-1], target.dtype)
+        for compiled in (True, False):
+            cache = StaticKVCache(target.cfg, 1000, WIDTHS[-1], target.dtype, compiled=compiled)
             _prefilled(target, cache, list(range(5, 11)))
             draft = DraftCache(drafter.cfg, 1000 + WIDTHS[-1], drafter.dtype)
             draft.length = 6
             context = ContextAppend(drafter, draft)
             context.length.fill_(6)
             states.append((cache, context))
-        tokens, parents = torch.tensor([5, 7, 9, 7, 11, 0, 0, 0])[:width], torch.tensor([-1, 0, 0, 1, 3, -1, -1, -1])
-        args = (target, states[0][0], taps, tokens, parents[:width], states[0][1])
+        tokens, parents = torch.tensor([5, 7, 9, 7, 11, 0, 0, 0]), torch.tensor([-1, 0, 0, 1, 3, -1, -1, -1])
         with torch.no_grad():
-            if codes:  # the later widths run what the first compiled
-                got = step(*args)
-            else:  # (run_and_get_code starts torch.compile afresh)
-                got, codes = run_and_get_code(step, *args)
-                torch._dynamo.utils.counters.clear()
-            want = device_round(target, states[1][0], taps, tokens, parents[:width], states[1][1])
+            got, want = (device_round(target, c, taps, tokens[:width], parents[:width], x) for c, x in states)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
-        for a, b in zip(states[0], states[1]):
-            cache_a, cache_b = (getattr(a, "cache", a), getattr(b, "cache", b))
-            torch.testing.assert_close(cache_a.k, cache_b.k, rtol=0, atol=1e-5)
-            assert torch.equal(a.length, b.length)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0, "compiled again for another width"
-    assert codes and not any(_capacity_copies(c, 1000 + WIDTHS[-1]) for c in codes)
+        (a, ca), (b, cb) = states
+        for x, y in ((a.k, b.k), (a.v, b.v), (ca.cache.k, cb.cache.k)):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+        assert torch.equal(a.length, b.length) and torch.equal(ca.length, cb.length)
+    assert graphs == [2, 2, 2], "each part compiles once, for every layer and width"
 
 
-def test_compiled_rounds_give_ar_tokens(tiny, ar_tokens, monkeypatch):
-    """The decode loop through compiled steps (AOTAutograd here, to keep the test fast; Inductor: the test above),
-    T=0 rounds with the drafter's context and a T=1 generation's verify steps: AR's tokens, drafts accepted, the
-    seed's tokens."""
+def test_compiled_rounds_give_ar_tokens(tiny, ar_tokens, monkeypatch, fresh_parts):
+    """The decode loop through compiled layer parts (AOTAutograd here, to keep the test fast; Inductor: the test
+    above), T=0 rounds with the drafter's context and a T=1 generation's verify steps: AR's tokens, drafts accepted,
+    the seed's tokens."""
     from dtrt.runtime.verify_graph import StaticRound
 
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **kw, backend="aot_eager"))
-    torch._dynamo.reset()
     p = pipe(tiny, "dominotree", static_shapes=True)
-    p.backend.prepare(p.spec)
     backend = p.backend
     backend.static = StaticRound(target=backend.target, taps=backend.taps, device=backend.device, compile=True)
     tokens, taus = tokens_of(p)
-    assert tokens == ar_tokens and sum(taus) / len(taus) > 1
+    assert backend.cache.compiled and tokens == ar_tokens and sum(taus) / len(taus) > 1
     sampling = SamplingConfig(temperature=1.0, seed=3)
     assert tokens_of(p, sampling)[0] == tokens_of(pipe(tiny, "dominotree"), sampling)[0]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
 
 
 def test_static_shapes_refusals(tiny):

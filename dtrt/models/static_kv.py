@@ -6,14 +6,16 @@ Two modes share the buffer. Growing (`static` False: the prefill, any call of an
 tokens are written after the past and the keys are the past and them. Static (`static` True): the new tokens are
 written into the tail, and every row sees the committed columns (those below `length`) and its tree ancestors;
 `commit_order` moves the accepted tail entries after the past and advances `length` on the device. A static call's
-layer writes its new K/V and attends in one custom op (`static_attend`): on CUDA a split kernel that reads only the
-committed columns.
+layer (`run_layer`) writes its new K/V and attends in one custom op (`static_attend`: on CUDA a split kernel that
+reads only the committed columns), between the layer's parts, compiled by torch.compile where the cache says so.
 """
+
+import functools
 
 import torch
 
 from dtrt.models.config import TargetConfig
-from dtrt.models.layers import attention, committed
+from dtrt.models.layers import committed
 from dtrt.models.target import KVCache
 
 
@@ -46,10 +48,28 @@ def _(q, k_new, v_new, k_buf, v_buf, length, tree, capacity):
     return q.new_empty(q.shape)
 
 
+def layer_qkv(layer, x, cos, sin):
+    return layer.qkv(x, cos, sin)
+
+
+def layer_finish(layer, x, a):
+    return layer.finish(x, a)
+
+
+@functools.cache
+def compiled_parts() -> tuple:
+    """A decoder layer's parts before and after attention through torch.compile (Inductor), one compile for every
+    layer of a target (the layer's weights are inputs) and every width but 1 (the width marked dynamic)."""
+    return torch.compile(layer_qkv, fullgraph=True), torch.compile(layer_finish, fullgraph=True)
+
+
 class StaticKVCache(KVCache):
-    def __init__(self, cfg: TargetConfig, capacity: int, width: int, dtype=torch.float32, device="cpu"):
+    def __init__(
+        self, cfg: TargetConfig, capacity: int, width: int, dtype=torch.float32, device="cpu", compiled: bool = False
+    ):
+        """compiled: a static call's layers run their parts before and after attention compiled (compiled_parts)."""
         super().__init__(cfg, capacity + width, dtype, device)
-        self.capacity, self.width = capacity, width
+        self.capacity, self.width, self.compiled = capacity, width, compiled
         self.length = torch.zeros((), dtype=torch.long, device=device)  # committed positions, on the device
         self.static = False
 
@@ -59,18 +79,24 @@ class StaticKVCache(KVCache):
             return super().past_mask(mask)
         return mask[..., :0]
 
-    def update(self, layer: int, k, v):
-        """Growing: KVCache's. Static: nothing yet (attend writes the new K/V into the tail), the new K/V as given."""
+    def run_layer(self, layer, x, cos, sin, mask, i: int):
+        """Decoder layer i on x [N, H]. Growing: as the layer runs over any cache. Static: its new K/V written into
+        the tail and attended by `static_attend` (mask: the tree's [N, N]) between the layer's parts, which run
+        compiled when the cache is (the write and the attention stay outside the compiled code: a compiled write
+        into the buffer, at a layer index that varies, is what compilers get wrong or copy)."""
         if not self.static:
-            return super().update(layer, k, v)
-        return k, v
-
-    def attend(self, layer: int, q, k, v, mask):
-        """A layer's attention: growing, over update's keys under `mask`; static, `static_attend` of the new K/V
-        under the tree's mask [N, N]."""
-        if not self.static:
-            return attention(q, k, v, mask)
-        return static_attend(q, k, v, self.k[layer], self.v[layer], self.length, mask, self.capacity)
+            return layer(x, cos, sin, mask, self, i)
+        if not self.compiled:
+            q, k, v = layer.qkv(x, cos, sin)
+            return layer.finish(x, static_attend(q, k, v, self.k[i], self.v[i], self.length, mask, self.capacity))
+        qkv, finish = compiled_parts()
+        for t in (x, cos, sin):  # the width: every input that has it
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        with torch._dynamo.config.patch(recompile_limit=64):  # a process may hold several targets' shapes
+            q, k, v = qkv(layer, x, cos, sin)
+            a = static_attend(q, k, v, self.k[i], self.v[i], self.length, mask, self.capacity)
+            torch._dynamo.maybe_mark_dynamic(a, 1)
+            return finish(layer, x, a)
 
     def commit(self, accepted):
         """A growing call's commit (host indices); the device length follows the host's past."""

@@ -67,15 +67,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
     def forward(self, x, cos, sin, mask, cache, layer_idx):
-        h = self.input_layernorm(x)
-        q = self.self_attn.q(h, cos, sin)
-        k, v = self.self_attn.kv(h, cos, sin)
+        q, k, v = self.qkv(x, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)
-        if (attend := getattr(cache, "attend", None)) is not None:  # a static cache attends itself (static_kv)
-            a = attend(layer_idx, q, k, v, mask)
-        else:
-            a = attention(q, k, v, mask)
+        return self.finish(x, attention(q, k, v, mask))
+
+    def qkv(self, x, cos, sin):
+        """The layer before attention: the new tokens' q [H, N, hd] and k, v [KVH, N, hd], rotated."""
+        h = self.input_layernorm(x)
+        return self.self_attn.q(h, cos, sin), *self.self_attn.kv(h, cos, sin)
+
+    def finish(self, x, a):
+        """The layer after attention `a` [H, N, hd]: the output projection, the residuals and the MLP."""
         x = x + self.self_attn.out(a)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -114,8 +117,9 @@ class Target(nn.Module):
         if cache is not None:  # every new token sees the whole past
             mask = torch.cat((cache.past_mask(mask), mask), dim=-1)
         tapped = {}
+        run = getattr(cache, "run_layer", None)  # a static cache runs its layers' static calls (static_kv)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, mask, cache, i)
+            x = run(layer, x, cos, sin, mask, i) if run is not None else layer(x, cos, sin, mask, cache, i)
             if i in taps:
                 tapped[i] = x
         logits = self.lm_head(self.model.norm(x[..., -last:, :] if last else x)).float()

@@ -75,10 +75,11 @@ class RunSpec:
     context on the device at T=0; on CUDA each width's round is one CUDA graph. Off by default: a padded call rounds
     differently from the plain one, which can turn a near-tie."""
     compile: bool = True
-    """With --static-shapes on CUDA: each verify step is compiled by torch.compile (Inductor fuses the layers'
-    elementwise ops around their matrix products and attention) before its CUDA graph is captured, once for every
-    width but 1; the first round waits for the compile (Inductor keeps it on disk for later processes).
-    --no-compile captures the eager ops as they are."""
+    """With --static-shapes on CUDA: each decoder layer's parts before and after attention run compiled by
+    torch.compile (Inductor fuses their norms, rotations and activations around the matrix products), one compile
+    for every layer and every width but 1, inside the rounds' CUDA graphs; the cache writes and the attention stay
+    outside the compiled code. The first round waits for the compile (Inductor keeps it on disk for later
+    processes). --no-compile captures the eager ops as they are."""
     draft_vocab: str | None = None
     """The vocabulary the drafter's base logits cover (`--draft-vocab`): None, the drafter's own d2t.safetensors
     where it has one (an export: the subset it was exported with; a model's first-use export: the registry's subset

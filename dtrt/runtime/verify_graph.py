@@ -1,9 +1,9 @@
 """`StaticRound`: the torch backend's verify rounds at fixed widths (`--static-shapes`; dtrt.runtime.static_round).
 On CUDA each width's T=0 round (verify, accept walk, commit, the drafter's context of the accepted rows) is one CUDA
 graph, and so is each width's verify alone (what a T>0 round or one under a grammar runs before the host draws),
-captured at first use and again when the static cache or the draft cache is reallocated (compiled by torch.compile
-first, unless --no-compile), then replayed with the padded tree written into its input buffers; elsewhere the same
-functions run eagerly. A T=0 round reads back one
+captured at first use and again when the static cache or the draft cache is reallocated (the layers' parts around
+attention compiled by torch.compile first, unless --no-compile: StaticKVCache.run_layer), then replayed with the
+padded tree written into its input buffers; elsewhere the same functions run eagerly. A T=0 round reads back one
 small tensor: the accepted count, the bonus token and the order. The host's lengths (the target's past, the draft
 cache's length) stay the ones the rest of the loop reads: the device's are set from them before each round and the
 host's advanced by the count read back."""
@@ -14,28 +14,10 @@ from dtrt.runtime.static_round import ContextAppend, device_round, padded, verif
 from dtrt.tree import Tree
 
 
-def compiled(fn):
-    """`fn` through torch.compile (Inductor, whole): a step whose width varies, marked so (its first dimension),
-    compiles once for every width but 1 (which torch specializes). It is compiled again per target, per static
-    cache and with and without the drafter's context, more variants than torch's default limit of 8 allows when a
-    process holds several models (it would run the rest uncompiled)."""
-    whole = torch.compile(fn, fullgraph=True)
-
-    def step(target, cache, taps, tokens, parents, *rest):
-        for t in (tokens, parents):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        with torch._dynamo.config.patch(recompile_limit=64):
-            return whole(target, cache, taps, tokens, parents, *rest)
-
-    return step
-
-
 class StaticRound:
     def __init__(self, *, target, taps: tuple[int, ...], device: torch.device, compile: bool = False):
-        """compile: the steps compiled by torch.compile before they run (and are captured)."""
-        self.target, self.taps, self.device = target, taps, device
-        self.round_step = compiled(device_round) if compile else device_round
-        self.verify_step = compiled(verify_at_width) if compile else verify_at_width
+        """compile: the static caches it is given run their layers' parts compiled (StaticKVCache.compiled)."""
+        self.target, self.taps, self.device, self.compile = target, taps, device, compile
         # (step, width, the draft cache's buffer or None) -> (graph, tokens, parents, outputs)
         self.graphs: dict[tuple, tuple] = {}
         self.key = None
@@ -45,7 +27,7 @@ class StaticRound:
         n = len(tree)
 
         def step(tokens, parents):
-            return self.verify_step(self.target, cache, self.taps, tokens, parents)[:2]
+            return verify_at_width(self.target, cache, self.taps, tokens, parents)[:2]
 
         logits, hidden = self._run(("verify", width_for(n), None), step, cache, None, *padded(tree, width_for(n)))
         return logits[:n], hidden[:n]
@@ -65,7 +47,7 @@ class StaticRound:
             context.length.fill_(context.cache.length)
 
         def step(tokens, parents):
-            return self.round_step(self.target, cache, self.taps, tokens, parents, context)
+            return device_round(self.target, cache, self.taps, tokens, parents, context)
 
         key = ("round", width, context.cache.k.data_ptr() if context is not None else None)
         logits, hidden, order, count, bonus = self._run(key, step, cache, context, *padded(tree, width))

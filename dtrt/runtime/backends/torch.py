@@ -114,7 +114,8 @@ class TorchBackend(Backend):
             if self.static is not None:  # allocated once for the context limit (or a longer generation's need)
                 size = max(capacity, self.max_context or 0)
                 target = self.target
-                self.cache = StaticKVCache(target.cfg, size, WIDTHS[-1], target.dtype, self.device)
+                compiled = self.static.compile
+                self.cache = StaticKVCache(target.cfg, size, WIDTHS[-1], target.dtype, self.device, compiled)
             else:
                 self.cache = self.target.new_cache(capacity)
         if self.drafter is not None:
