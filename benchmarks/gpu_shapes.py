@@ -20,7 +20,8 @@ not measured here): tau x the AR step / a round at the first budget, 16 (its dra
 model and mode.
 
 Each section gets its share of --budget-s (what an earlier one leaves over carries on); a section out of time stops
-where it is and is recorded as cut short, and --json is rewritten after every section.
+where it is and is recorded as cut short; a mode whose call raises is recorded failed (the error's first line) and
+skipped for the rest of the section, the other modes going on; --json is rewritten after every section.
 
     python benchmarks/gpu_shapes.py --device cuda --budget-s 400 --tau qwen3-4b=7.98 --json gpu-shapes.json
     python benchmarks/gpu_shapes.py --device cpu --tiny --json /tmp/dry.json        # the same paths at tiny shapes
@@ -75,6 +76,15 @@ PAPER_TAU = {"qwen3-4b": (7.98, "the paper's tau for Qwen3-4B DominoTree@16, an 
 
 class Cut(Exception):
     """A section ran out of its time."""
+
+
+def failed(rows: list, row: dict, error: Exception) -> str:
+    """A mode whose call raised: its row records the error in one line, and the section goes on without it (one
+    mode's failure, a compile that breaks say, costs its own rows, not the others')."""
+    why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+    rows.append(row | {"error": why})
+    print(f"gpu_shapes: {row} failed: {why}", flush=True)
+    return why
 
 
 def configs(*, tiny: bool, model: str = "qwen3-4b") -> tuple[dict, dict]:
@@ -174,10 +184,11 @@ def verify_section(backends: dict, rows: list, *, model: str, ns, pasts, reps, d
     for backend in backends.values():  # every call reads the cache's first `past` entries, whatever they hold
         backend.reset(max(pasts) + max(ns))
     timer, (warmup, repeats) = Timer(backends["eager"].device), reps
+    broken = set()
     for past in pasts:
         for n in ns:
             for mode, backend in backends.items():
-                if mode in STATIC and n not in WIDTHS:
+                if (mode in STATIC and n not in WIDTHS) or mode in broken:
                     continue
                 if time.monotonic() > deadline:
                     raise Cut
@@ -185,12 +196,19 @@ def verify_section(backends: dict, rows: list, *, model: str, ns, pasts, reps, d
                     call = lambda n=n, past=past, b=backend: b.time_verify(n, past)  # noqa: E731
                 else:
                     call = lambda n=n, past=past, b=backend: static_call(b, n=n, past=past)  # noqa: E731
-                first = timer(call)  # a compiled mode's first call of a width class compiles it
-                for _ in range(warmup - 1):
-                    call()
-                times = [timer(call) for _ in range(repeats)]
-                row = {"model": model, "mode": mode, "past": past, "n": n, "first_ms": first}
-                rows.append(row | {"ms": statistics.median(times), "min_ms": min(times)})
+                row = {"model": model, "mode": mode, "past": past, "n": n}
+                try:
+                    first = timer(call)  # a compiled mode's first call of a width class compiles it
+                    for _ in range(warmup - 1):
+                        call()
+                    times = [timer(call) for _ in range(repeats)]
+                except Cut:
+                    raise
+                except Exception as e:  # noqa: BLE001 - any failure of one mode is recorded, the others go on
+                    failed(rows, row, e)
+                    broken.add(mode)
+                    continue
+                rows.append(row | {"first_ms": first, "ms": statistics.median(times), "min_ms": min(times)})
                 one = next(
                     r["ms"] for r in rows if (r["model"], r["mode"], r["past"], r["n"]) == (model, mode, past, ns[0])
                 )
@@ -204,31 +222,46 @@ def round_spec(*, mode: str, budget: int, device: torch.device) -> RunSpec:
 
 
 def rounds_section(backends: dict, rows: list, *, model: str, prompts, budgets, deadline: float, seed: int = 0):
-    warm, timed = ROUNDS
+    broken = set()
     for p in prompts:
         for budget, (mode, backend) in ((b, m) for b in budgets for m in backends.items()):
+            if mode in broken:
+                continue
             vocab = backend.target.cfg.vocab_size
             prompt = torch.randint(0, vocab, (p,), generator=torch.Generator().manual_seed(seed)).tolist()
             method = make_method(round_spec(mode=mode, budget=budget, device=backend.device))
             row = {"model": model, "mode": mode, "builder": "frontier", "prompt": p, "budget": budget, "rounds": 0}
-            rows.append(row)
-            for rounds, keep in ((warm, False), (timed, True)):
-                gen = Generation()
-                # room for every round to accept its whole tree: the count of rounds, not of tokens, ends it
-                most = rounds * (budget + 1) + 1
-                steps = generate(backend, method, prompt, most, SamplingConfig(), budget=budget)
-                try:
-                    for step in steps:
-                        if time.monotonic() > deadline:
-                            row["cut"] = True
-                            raise Cut
-                        gen.add(step)
-                        if len(gen.rounds) == rounds:
-                            break
-                finally:
-                    steps.close()
-                    if keep:  # what a cut generation timed is kept
-                        row.update(summary(gen))
+            try:
+                timed_rounds(backend, method, prompt, budget, row, rows, deadline)
+            except Cut:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure of one mode is recorded, the others go on
+                rows.remove(row)
+                failed(rows, row, e)
+                broken.add(mode)
+
+
+def timed_rounds(backend, method, prompt, budget, row, rows, deadline):
+    """Warm-up rounds, then the timed ones, of one generation each; `row` (in `rows` from the start, so a cut
+    generation keeps what it timed) gets the timed rounds' summary."""
+    rows.append(row)
+    for rounds, keep in zip(ROUNDS, (False, True)):
+        gen = Generation()
+        # room for every round to accept its whole tree: the count of rounds, not of tokens, ends it
+        most = rounds * (budget + 1) + 1
+        steps = generate(backend, method, prompt, most, SamplingConfig(), budget=budget)
+        try:
+            for step in steps:
+                if time.monotonic() > deadline:
+                    row["cut"] = True
+                    raise Cut
+                gen.add(step)
+                if len(gen.rounds) == rounds:
+                    break
+        finally:
+            steps.close()
+            if keep:  # what a cut generation timed is kept
+                row.update(summary(gen))
 
 
 def summary(gen: Generation) -> dict:
@@ -290,7 +323,7 @@ class Budget:
 def speedups(report: dict, taus: dict, budget: int) -> list[dict]:
     """Per model and mode: tau x the AR step (verify N=1 at the first past) / a round at `budget` (the first
     prompt): its draft + build + verify + commit."""
-    verify = report["sections"].get("verify", {}).get("rows", [])
+    verify = [r for r in report["sections"].get("verify", {}).get("rows", []) if "ms" in r]
     rounds = [r for r in report["sections"].get("rounds", {}).get("rows", []) if "round_ms" in r]
     out = []
     for model, tau in taus.items():
@@ -332,7 +365,7 @@ def markdown(report: dict) -> str:
         lines += ["", "ms of one target verify call of N new tokens over a past of P (ratio to N=1; N=1: the AR step)"]
         lines += ["", "| model | mode | P | " + " | ".join(f"N={n}" for n in ns) + " |", "|---" * (3 + len(ns)) + "|"]
         for key in dict.fromkeys((r["model"], r["past"], r["mode"]) for r in verify):
-            cells = {r["n"]: f"{r['ms']:.2f} ({r['over_n1']:.2f}x)" for r in verify
+            cells = {r["n"]: f"{r['ms']:.2f} ({r['over_n1']:.2f}x)" if "ms" in r else "failed" for r in verify
                      if (r["model"], r["past"], r["mode"]) == key}  # fmt: skip
             model, past, mode = key
             lines.append(f"| {model} | {mode} | {past} | " + " | ".join(cells.get(n, "-") for n in ns) + " |")
@@ -349,6 +382,12 @@ def markdown(report: dict) -> str:
                 f"| {r['model']} | {r['mode']} | {r['prompt']} | {r['budget']} | {r['rounds']} | {r['tau']:.2f} | "
                 f"{r['tree_size']:.1f} | {stages} | {r['total_ms']:.2f} | {r['prefill_ms']:.1f} |"
             )
+    for section in ("verify", "rounds"):
+        for r in report["sections"].get(section, {}).get("rows", []):
+            if "error" in r:
+                where = ", ".join(f"{k} {r[k]}" for k in ("past", "n", "prompt", "budget") if k in r)
+                lines.append(f"\n- {r['model']}, {r['mode']} failed in {section} ({where}): {r['error']}; its later "
+                             "calls were skipped")  # fmt: skip
     for r in report.get("speedups", []):
         lines.append(
             f"\n- {r['model']}, {r['mode']}: {r['speedup']:.2f}x at tau {r['tau']} ({r['tau_is']}): AR step "

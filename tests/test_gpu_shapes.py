@@ -63,6 +63,35 @@ def test_dry_run_measures_both_sections(tmp_path):
     assert "at tau 7.98 (the paper's tau for Qwen3-4B DominoTree@16, an input)" in run.stdout
 
 
+def test_a_failing_mode_costs_only_its_own_rows(gpu_shapes, tmp_path, monkeypatch, capsys):
+    """A mode whose calls raise (a compile that breaks on a GPU, say) is recorded failed in one line, and the other
+    modes are measured in full: one GPU session's run still brings back what works."""
+    real = gpu_shapes.build
+
+    def build(**kw):
+        backends, info = real(**kw)
+
+        def broken(*a, **k):
+            raise RuntimeError("the compiled step broke\nsecond line")
+
+        backends["compiled"].fused_round = broken
+        return backends, info
+
+    monkeypatch.setattr(gpu_shapes, "build", build)
+    out = tmp_path / "shapes.json"
+    gpu_shapes.main(["--device", "cpu", "--tiny", "--models", "qwen3-4b", "--json", str(out)])
+    report = json.loads(out.read_text())
+    for section in ("verify", "rounds"):
+        rows = report["sections"][section]["rows"]
+        assert report["sections"][section]["status"] == "done"
+        errors = [r for r in rows if "error" in r]
+        assert [r["mode"] for r in errors] == ["compiled"]  # once: its later calls are skipped
+        assert errors[0]["error"] == "RuntimeError: the compiled step broke"
+        assert {r["mode"] for r in rows if "error" not in r} == {"eager", "captured"}
+    assert {s["mode"] for s in report["speedups"]} == {"eager", "captured"}
+    assert "qwen3-4b, compiled failed in verify (past 32, n 1): RuntimeError" in capsys.readouterr().out
+
+
 def test_no_time_left_cuts_sections_short(tmp_path):
     _, report = dry_run(tmp_path, "--budget-s", "0.001")
     statuses = [s["status"] for s in report["sections"].values()]
