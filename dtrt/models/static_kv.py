@@ -60,7 +60,17 @@ def layer_finish(layer, x, a):
 def compiled_parts() -> tuple:
     """A decoder layer's parts before and after attention through torch.compile (Inductor), one compile for every
     layer of a target (the layer's weights are inputs) and every width but 1 (the width marked dynamic)."""
-    return torch.compile(layer_qkv, fullgraph=True), torch.compile(layer_finish, fullgraph=True)
+
+    def compiled(fn):
+        whole = torch.compile(fn, fullgraph=True)
+
+        def call(*args):
+            with torch._dynamo.config.patch(recompile_limit=64):  # a process may hold several targets' shapes
+                return whole(*args)
+
+        return call
+
+    return compiled(layer_qkv), compiled(layer_finish)
 
 
 class StaticKVCache(KVCache):
@@ -86,17 +96,15 @@ class StaticKVCache(KVCache):
         into the buffer, at a layer index that varies, is what compilers get wrong or copy)."""
         if not self.static:
             return layer(x, cos, sin, mask, self, i)
-        if not self.compiled:
-            q, k, v = layer.qkv(x, cos, sin)
-            return layer.finish(x, static_attend(q, k, v, self.k[i], self.v[i], self.length, mask, self.capacity))
-        qkv, finish = compiled_parts()
-        for t in (x, cos, sin):  # the width: every input that has it
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        with torch._dynamo.config.patch(recompile_limit=64):  # a process may hold several targets' shapes
-            q, k, v = qkv(layer, x, cos, sin)
-            a = static_attend(q, k, v, self.k[i], self.v[i], self.length, mask, self.capacity)
+        qkv, finish = compiled_parts() if self.compiled else (layer_qkv, layer_finish)
+        if self.compiled:  # the width, in every input that has it
+            for t in (x, cos, sin):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        q, k, v = qkv(layer, x, cos, sin)
+        a = static_attend(q, k, v, self.k[i], self.v[i], self.length, mask, self.capacity)
+        if self.compiled:
             torch._dynamo.maybe_mark_dynamic(a, 1)
-            return finish(layer, x, a)
+        return finish(layer, x, a)
 
     def commit(self, accepted):
         """A growing call's commit (host indices); the device length follows the host's past."""

@@ -102,10 +102,9 @@ def device_round(target, cache, taps, tokens, parents, context: ContextAppend | 
     """One T=0 round at the width of `tokens`: verify, accept walk, commit into the static cache (and, with a
     `context`, the accepted rows' drafter context into its cache). Returns (logits, hidden, order, count, bonus),
     all on the device; cache.length (and context.length) have advanced by count."""
-    start = cache.length.clone()
     logits, hidden, mask = verify_at_width(target, cache, taps, tokens, parents)
     _, order, count, bonus = walk(tokens, parents, mask, logits.argmax(-1))
     cache.commit_order(order, count)
-    if context is not None:
-        context(hidden.index_select(0, order), start, count)
+    if context is not None:  # the root's position: the length before the commit
+        context(hidden.index_select(0, order), cache.length - count, count)
     return logits, hidden, order, count, bonus

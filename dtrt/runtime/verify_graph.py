@@ -15,9 +15,8 @@ from dtrt.tree import Tree
 
 
 class StaticRound:
-    def __init__(self, *, target, taps: tuple[int, ...], device: torch.device, compile: bool = False):
-        """compile: the static caches it is given run their layers' parts compiled (StaticKVCache.compiled)."""
-        self.target, self.taps, self.device, self.compile = target, taps, device, compile
+    def __init__(self, *, target, taps: tuple[int, ...], device: torch.device):
+        self.target, self.taps, self.device = target, taps, device
         # (step, width, the draft cache's buffer or None) -> (graph, tokens, parents, outputs)
         self.graphs: dict[tuple, tuple] = {}
         self.key = None
@@ -79,15 +78,15 @@ class StaticRound:
 
     def _capture(self, step, cache, context, tokens, parents):
         """Warm-up calls on a side stream (kernels compiled, the allocator settled), each undone, then the capture."""
-        lengths = [t.clone() for t in (cache.length, context.length if context is not None else cache.length)]
+        lengths = [cache.length] + ([context.length] if context is not None else [])
+        saved = [t.clone() for t in lengths]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
                 step(tokens, parents)
-                cache.length.copy_(lengths[0])
-                if context is not None:
-                    context.length.copy_(lengths[1])
+                for length, was in zip(lengths, saved):
+                    length.copy_(was)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

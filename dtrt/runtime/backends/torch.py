@@ -47,6 +47,7 @@ class TorchBackend(Backend):
         self.cache: KVCache | None = None
         self.draft_cache: DraftCache | None = None
         self.static: StaticRound | None = None  # --static-shapes: verify at fixed widths over a static cache
+        self.compile_layers = False  # --static-shapes on CUDA: the static cache's layers run compiled (--compile)
         self._verified = 0  # the width of the last static verify, which commit reads from
         self._context: ContextAppend | None = None  # a static round's drafter context append, per draft cache
 
@@ -58,8 +59,8 @@ class TorchBackend(Backend):
                     "--static-shapes: a dense target's verify at fixed widths; this target's recurrent layers "
                     "have no static verify yet (drop --static-shapes)"
                 )
-            compiled = spec.compile and self.device.type == "cuda"
-            self.static = StaticRound(target=self.target, taps=self.taps, device=self.device, compile=compiled)
+            self.static = StaticRound(target=self.target, taps=self.taps, device=self.device)
+            self.compile_layers = spec.compile and self.device.type == "cuda"
 
     @classmethod
     def open(cls, spec, sources):
@@ -114,7 +115,7 @@ class TorchBackend(Backend):
             if self.static is not None:  # allocated once for the context limit (or a longer generation's need)
                 size = max(capacity, self.max_context or 0)
                 target = self.target
-                compiled = self.static.compile
+                compiled = self.compile_layers
                 self.cache = StaticKVCache(target.cfg, size, WIDTHS[-1], target.dtype, self.device, compiled)
             else:
                 self.cache = self.target.new_cache(capacity)
