@@ -108,3 +108,19 @@ def test_cuda_graph_on_the_gpu(name, tiny, hybrid, monkeypatch):
         assert got.tokens[:48] == want.tokens == ar
         assert got.tau > 2
     assert len(captures) == 2
+
+
+def test_padding_leaves_change_nothing(tiny):
+    """One child per node (node_topk 1) reaches the drafter's depth alone, so a budget of 16 leaves padding slots:
+    the drafting graph hands them to the verify as leaves under the root (it does not read the device to count the
+    real nodes), and the rounds still give AR's tokens with the plain path's acceptance."""
+    run = dict(budget=16, builder="frontier", node_topk=1)
+    pipe = pipe_for(tiny, spec("dominotree", **run))
+    ar = pipe_for(tiny, spec("ar")).generate(PROMPT, 48, SamplingConfig()).tokens
+    plain = pipe.generate(PROMPT, 48, SamplingConfig())
+    method = make_method(spec("dominotree", **run, cuda_graph=True, device="cuda"))
+    got = collect(generate(pipe.backend, method, PROMPT, 48, SamplingConfig(), pipe.eos, 16))
+    assert got.tokens == plain.tokens == ar and got.tau > 2
+    assert [r.accepted for r in got.rounds] == [r.accepted for r in plain.rounds]
+    depth = pipe.backend.drafter.cfg.k_draft
+    assert max(r.tree_size for r in plain.rounds) <= depth + 1 < 17 == min(r.tree_size for r in got.rounds)

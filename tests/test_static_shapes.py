@@ -320,3 +320,104 @@ def test_captured_rounds_give_ar_tokens_on_cuda(tiny):
     sampled = SamplingConfig(temperature=1.0, seed=3)  # T>0: the verify alone is a graph, the host draws
     assert tokens_of(p, sampled)[0] == tokens_of(p, sampled)[0]
     assert {key[0] for key in p.backend.static.graphs} == {"round", "verify"}
+
+
+READS = ("tolist", "item", "__int__", "__bool__", "__index__", "__float__", "numpy")
+
+
+def _count_reads(monkeypatch, counts):
+    """Every read of a tensor's values on the host, counted by the function that made it."""
+    import sys
+
+    for name in READS:
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *a, _real=real, **k):
+            frame = sys._getframe(1)
+            counts[frame.f_code.co_name] = counts.get(frame.f_code.co_name, 0) + 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+
+def test_a_graph_round_reads_the_device_once(tiny, monkeypatch):
+    """DominoTree with the drafting graph and the fused round (what --cuda-graph --static-shapes runs on CUDA, here
+    eagerly): each round's only host read is the fused round's read-back; the drafting graph's tree goes to the
+    verify whole, padding leaves included, with nothing counted on the host, and the loop takes the committed tokens
+    from the read-back, not from the tree."""
+    from dtrt.runtime.draft_graph import DraftGraph
+    from dtrt.runtime.generate import generate
+    from dtrt.runtime.methods import make_method
+
+    run = spec("dominotree", budget=8, builder="frontier", static_shapes=True)
+    p = pipe(tiny, "dominotree", budget=8, builder="frontier", static_shapes=True)
+    method = make_method(spec("dominotree", budget=8, builder="frontier", cuda_graph=True, device="cuda"))
+    prompt = list(range(5, 25))
+    want = pipe(tiny, "ar").generate(prompt, MAX_NEW, SamplingConfig()).tokens
+    steps = generate(p.backend, method, prompt, MAX_NEW, SamplingConfig(), p.eos, run.budget)
+    tokens = next(steps).tokens
+    counts = {}
+    with monkeypatch.context() as mp:
+        _count_reads(mp, counts)
+        rounds = [step for step in steps]
+    tokens += [t for step in rounds for t in step.tokens]
+    assert isinstance(method.graph, DraftGraph)
+    assert tokens == want and sum(len(s.tokens) for s in rounds) > 1.5 * len(rounds)
+    assert counts == {"round": len(rounds)}
+
+
+def _on_meta(module):
+    import copy
+
+    return copy.deepcopy(module).to("meta")
+
+
+class _HostCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops that take a host tensor of more than one element into a step on another device (a copy from
+    pageable host memory, which a CUDA graph cannot capture)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs, out))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if any(t.device.type == "cpu" and t.numel() > 1 for t in tensors) and any(
+            t.device.type == "meta" for t in tensors
+        ):
+            self.ops.append(str(func))
+        return out
+
+
+def test_the_captured_steps_run_on_a_device_the_host_cannot_read(tiny):
+    """The drafting graph's step and the fused round's step on the meta device, which has shapes and no values: a
+    host read inside either (.item(), .tolist(), a data-dependent shape) raises, as it would break a CUDA graph's
+    capture, and no host tensor is copied in. Then the tree goes from one step to the other as on CUDA."""
+    from dtrt.runtime.backends.torch import TorchBackend
+    from dtrt.runtime.draft_graph import DraftGraph
+    from dtrt.runtime.methods import make_method
+
+    cpu = pipe(tiny, "dominotree", budget=8, builder="frontier").backend
+    run = spec("dominotree", budget=8, builder="frontier", static_shapes=True)
+    backend = TorchBackend(_on_meta(cpu.target), _on_meta(cpu.drafter), "meta", CONTEXT, draft_vocab=cpu.draft_vocab)
+    backend.prepare(run)
+    backend.reset(64)
+    method = make_method(run)
+    method.prepare(backend, backend.drafter.cfg.k_draft)
+    graph, context = DraftGraph(backend, method), ContextAppend(backend.drafter, backend.draft_cache)
+
+    def round_():
+        tree = graph(42, 20)
+        assert tree.tokens.device.type == "meta" and len(tree) == run.budget + 1
+        tokens, parents = padded(tree, width_for(len(tree)))
+        return device_round(backend.target, backend.cache, backend.taps, tokens, parents, context)
+
+    copies = _HostCopies()
+    with torch.no_grad():
+        round_()  # as a capture's warm-up: the first calls make their per-device constants (the rotary tables)
+        with copies:
+            out = round_()
+    assert {t.device.type for t in out} == {"meta"}
+    assert copies.ops == []

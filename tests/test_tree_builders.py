@@ -122,6 +122,13 @@ def test_heap_and_frontier_select_the_same_tree(bs, kind, topm, prefix_len, dept
         assert len(heap) == n_real + 1
         assert_same_tree(heap, ft.tree(b))
         check_padding(ft, b, n_real + 1)
+        whole = ft.whole(b)  # what a drafting graph hands the verify: every slot, the real nodes first
+        assert len(whole) == N and whole.tokens.data_ptr() != ft.tokens[b].data_ptr()
+        assert_same_tree(heap, _first(whole, n_real + 1))
+
+
+def _first(tree: Tree, n: int) -> Tree:
+    return Tree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.scores[:n], tree.mask[:n, :n])
 
 
 class LastChildScorer:

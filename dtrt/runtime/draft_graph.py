@@ -3,8 +3,9 @@
 Every shape in the step is fixed (the draft block attends over the draft cache's whole capacity by its committed
 length, dtrt.models.layers.committed_attention; the frontier has fixed lanes and ledger) and no host value enters
 it: root, start and the cache's committed length are device tensors written before each replay. The graph is
-captured on the first round and again whenever the draft cache is reallocated. Off CUDA the same fixed-shape step
-runs eagerly, which is how the CPU tests check it.
+captured on the first round and again whenever the draft cache is reallocated. The tree comes out whole, padding
+leaves included (FrontierTrees.whole), so nothing is read on the host between drafting and the verify. Off CUDA the
+same fixed-shape step runs eagerly, which is how the CPU tests check it.
 """
 
 import torch
@@ -31,14 +32,13 @@ class DraftGraph:
         self.start.fill_(start)
         self.length.fill_(cache.length)
         if self.backend.device.type != "cuda":
-            return self.step().tree(0)
+            return self.step().whole(0)
         key = self.backend.graph_key()
         if key != self.key:
             self._capture()
             self.key = key
         self.graph.replay()
-        tree = self.trees.tree(0)  # views of the graph's outputs, which the next replay overwrites
-        return Tree(*(t.clone() for t in (tree.tokens, tree.parents, tree.depths, tree.scores, tree.mask)))
+        return self.trees.whole(0)  # copies of the graph's outputs, which the next replay overwrites
 
     def _capture(self):
         side = torch.cuda.Stream(self.backend.device)

@@ -254,10 +254,11 @@ def generate(
                 flush(backend, pending)  # rows of a round it could not take (wider than its widths), before its own
                 fused = backend.fused_round(tree, context=drafter is not None)
             if fused is not None:  # verify, accept walk, commit, drafter context as one device step (--static-shapes)
-                logits, hidden, accepted, bonus = fused
+                logits, hidden, accepted, bonus, committed = fused
             else:
                 logits, hidden = backend.verify(tree, start)
                 accepted, bonus = accept(tree, choose(logits, sampling, gen, state, paths(tree) if state else None))
+                committed = tree.tokens[accepted[1:]].tolist() + [bonus]
             from_lookup = method.observe(tree, accepted) or 0
             t3 = time.perf_counter()
             if fused is None:
@@ -269,7 +270,7 @@ def generate(
                 pending.append((rows, torch.arange(start, start + a)))
             t4 = time.perf_counter()
             stats = RoundStats(len(accepted), len(tree), t1 - t0, t2 - t1, t3 - t2, t4 - t3, from_lookup)
-            tokens, end = cut(tree.tokens[accepted[1:]].tolist() + [bonus])
+            tokens, end = cut(committed)
             if state is not None and end is None:
                 state.commit(tokens)
             produced += len(tokens)

@@ -4,9 +4,9 @@ graph, and so is each width's verify alone (what a T>0 round or one under a gram
 captured at first use and again when the static cache or the draft cache is reallocated (the layers' parts around
 attention compiled by torch.compile first, unless --no-compile: StaticKVCache.run_layer), then replayed with the
 padded tree written into its input buffers; elsewhere the same functions run eagerly. A T=0 round reads back one
-small tensor: the accepted count, the bonus token and the order. The host's lengths (the target's past, the draft
-cache's length) stay the ones the rest of the loop reads: the device's are set from them before each round and the
-host's advanced by the count read back."""
+small tensor: the accepted count, the bonus token, the order and the walked nodes' tokens. The host's lengths (the
+target's past, the draft cache's length) stay the ones the rest of the loop reads: the device's are set from them
+before each round and the host's advanced by the count read back."""
 
 import torch
 
@@ -39,23 +39,26 @@ class StaticRound:
         cache.past += len(accepted)
 
     def round(self, cache, tree: Tree, context: ContextAppend | None = None):
-        """A T=0 round: (logits, hidden) of the tree's rows, the accepted node indices (root first) and the bonus;
-        with a `context`, the accepted rows' drafter context appended to its cache."""
+        """A T=0 round: (logits, hidden) of the tree's rows, the accepted node indices (root first), the bonus and
+        the tokens the round commits (the accepted nodes' after the root, then the bonus: read back with the count,
+        so the loop reads nothing of a tree that is still on the device); with a `context`, the accepted rows'
+        drafter context appended to its cache."""
         n, width = len(tree), width_for(len(tree))
         if context is not None:
             context.length.fill_(context.cache.length)
 
         def step(tokens, parents):
-            return device_round(self.target, cache, self.taps, tokens, parents, context)
+            logits, hidden, order, count, bonus = device_round(self.target, cache, self.taps, tokens, parents, context)
+            return logits, hidden, order, count, bonus, tokens.index_select(0, order)
 
         key = ("round", width, context.cache.k.data_ptr() if context is not None else None)
-        logits, hidden, order, count, bonus = self._run(key, step, cache, context, *padded(tree, width))
-        read = torch.cat((count[None], bonus[None], order)).tolist()  # the round's one host sync
-        count, bonus, order = read[0], read[1], read[2:]
+        logits, hidden, order, count, bonus, walked = self._run(key, step, cache, context, *padded(tree, width))
+        read = torch.cat((count[None], bonus[None], order, walked)).tolist()  # the round's one host sync
+        count, bonus, order, walked = read[0], read[1], read[2 : 2 + width], read[2 + width :]
         cache.past += count
         if context is not None:
             context.cache.length += count
-        return logits[:n], hidden[:n], order[:count], bonus
+        return logits[:n], hidden[:n], order[:count], bonus, walked[1:count] + [bonus]
 
     def _run(self, key, step, cache, context, tokens, parents):
         """`step(tokens, parents)` on the device: eagerly off CUDA, else the replay of its graph under `key`."""

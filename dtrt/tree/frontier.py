@@ -40,6 +40,13 @@ class FrontierTrees:
             self.tokens[b, :n], self.parents[b, :n], self.depths[b, :n], self.scores[b, :n], self.mask[b, :n, :n]
         )
 
+    def whole(self, b: int) -> Tree:
+        """Request b with its padding leaves, budget + 1 nodes, copied out: no host read (`tree` counts the real
+        nodes), which is what a drafting graph hands the verify. A padding leaf sits under the root with
+        mask_token_id and score -inf; it is accepted only where its token is the target's own choice, as any node
+        is, so it costs a verify row and never changes the output."""
+        return Tree(*(t[b].clone() for t in (self.tokens, self.parents, self.depths, self.scores, self.mask)))
+
 
 def _stable_top(x: torch.Tensor, k: int):
     """The first k along dim 1 of a stable descending sort. torch.onnx exports no stable sort, but ONNX TopK

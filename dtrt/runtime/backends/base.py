@@ -111,8 +111,9 @@ class Backend(ABC):
 
     def fused_round(self, tree: Tree, *, context: bool = False) -> tuple:
         """A T=0 round's verify, accept walk and commit on the device in one step, for a tree the backend `fuses`:
-        (logits, hidden of the tree's rows, the accepted indices, the bonus token), and with `context` the
-        accepted rows' drafter context appended as draft_context would append it."""
+        (logits, hidden of the tree's rows, the accepted indices, the bonus token, the tokens it commits: the
+        accepted nodes' after the root, then the bonus), and with `context` the accepted rows' drafter context
+        appended as draft_context would append it."""
         raise NotImplementedError
 
     @abstractmethod
