@@ -20,6 +20,9 @@ def test_rows_per_mode_and_their_names():
     assert not any(s.cuda_graph for s in grid)  # on the CPU the fixed-shape steps run eagerly
     alone = contenders.grid(SOURCES, ["dominotree"], [None], [None], lookup=False, graphs=["captured"])
     assert contenders.labels(alone) == ["ar", "dominotree@16"] and all(s.static_shapes for s in alone)
+    assert all(s.compile for s in grid)  # as `dtrt run`: on CUDA the captured layers run compiled
+    eager_ops = contenders.grid(SOURCES | {"compile": False}, ["dominotree"], [None], [None], graphs=["captured"])
+    assert not any(s.compile for s in eager_ops)  # dtrt bench --no-compile
 
 
 def test_captured_dominotree_rows_replay_drafting_on_cuda(monkeypatch):
@@ -63,7 +66,7 @@ def test_graphs_sweep_on_tiny(tiny, tmp_path, monkeypatch, capsys):
     code, text, err = run_cli(
         monkeypatch, capsys, "bench", "--model", "tiny", "--backend", "torch", "--quick", "--threads", "1",
         "--methods", "ar,dominotree", "--no-lookup", "--datasets", "humaneval", "--graphs", "eager,captured",
-        "--out", str(out),
+        "--no-compile", "--out", str(out),
     )  # fmt: skip
     assert code == 0, err
     got = records.read_report(out)
@@ -76,6 +79,7 @@ def test_graphs_sweep_on_tiny(tiny, tmp_path, monkeypatch, capsys):
     assert all(rows[m]["exact"] is True for m in labels)  # each mode's rows equal its own AR's tokens
     assert rows["dominotree@16/captured"]["tau"] > 1, "drafts must be accepted in the captured rows"
     assert got["config"]["graphs"] == ["eager", "captured"] and "--graphs eager,captured" in got["command"]
+    assert "--no-compile" in got["command"] and not any(r["compiled"] for r in got["records"])
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ class DtrtContender:
         self.method, self.budget = spec.method, spec.budget if spec.method_class.has_budget else None
         self.quant = spec.quant
         self.captured = spec.static_shapes
+        self.compiled = getattr(pipe.backend, "compile_layers", False)  # its captured layers ran compiled (CUDA)
         # how its trees were built and which steps replayed graphs: the records say which ran
         self.builder = spec.builder if spec.uses_drafter else None
         self.draft_graph = spec.cuda_graph

@@ -99,6 +99,7 @@ def annotate(rec: dict, contender, dataset: str, prompt_id, turn: int, temperatu
         budget=contender.budget,
         quant=contender.quant,
         captured=getattr(contender, "captured", False),
+        compiled=getattr(contender, "compiled", False),
         builder=getattr(contender, "builder", None),
         draft_graph=getattr(contender, "draft_graph", False),
         n_tokens=n,

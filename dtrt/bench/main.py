@@ -45,6 +45,7 @@ class BenchOptions:
     out: str = "bench-results"
     cuda_graph: bool = False  # dominotree rows replay drafting + tree building as one CUDA graph
     graphs: str = "eager"  # comma list of eager, captured (--static-shapes rows, CUDA graphs on a GPU): a sweep
+    compile: bool = True  # captured rows on CUDA run each layer's parts around attention compiled, as `dtrt run`
     lookup: bool | None = None  # dominotree and cadominotree rows also take prompt lookup's chains (None: the default)
     gguf: str | None = None
     thinking: bool = False  # the chat template's thinking mode (Qwen3's enable_thinking), as `dtrt run --thinking`
@@ -58,7 +59,7 @@ class BenchOptions:
         """The flags resolve_spec takes."""
         keys = (
             *("model", "target", "drafter", "model_dir", "backend", "export", "dtype", "quant", "threads", "device"),
-            *("engines", "draft_vocab"),
+            *("engines", "draft_vocab", "compile"),
         )
         return {k: getattr(self, k) for k in keys}
 

@@ -71,6 +71,7 @@ def summarize(records: list[dict], seed: int = 0, *, quants: list | None = None)
                         "method": m,
                         "quant": rs[0].get("quant"),
                         "captured": rs[0].get("captured", False),
+                        "compiled": rs[0].get("compiled", False),
                         "builder": rs[0].get("builder"),
                         "draft_graph": rs[0].get("draft_graph", False),
                         "dataset": d,

@@ -187,6 +187,13 @@ def quality(
     "own AR; eager,captured times both side by side (torch backend)",
 )
 @click.option(
+    "--compile/--no-compile",
+    default=True,
+    show_default=True,
+    help="the captured rows on --device cuda run each decoder layer's parts around attention compiled by "
+    "torch.compile, as `dtrt run --static-shapes` does (--no-compile: the captured graphs of the eager ops)",
+)
+@click.option(
     "--lookup/--no-lookup",
     default=None,
     help=f"the dominotree and cadominotree rows named without +lookup also take prompt lookup's chains (default: "
