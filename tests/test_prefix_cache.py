@@ -82,6 +82,25 @@ def test_conversations_on_torch(tiny):
     check_bits(*pipes(tiny))
 
 
+def test_conversations_under_static_shapes(tiny):
+    """--static-shapes restores a prefix into its fixed buffer, the device's committed length with it: the same
+    conversations, drafts and lookup nodes accepted, and a restored turn's state bit for bit a whole prefill's."""
+
+    def static(cache_mb=None):
+        p = pipe_for(tiny, spec("dominotree", lookup=True, static_shapes=True, prefix_cache_mb=cache_mb))
+        p.backend.max_context = 512  # the tiny target's 4,096 makes every static call longer on the CPU
+        return p
+
+    check_conversations(static(), static(0))
+    cached, uncached = static(), static(0)
+    check_bits(cached, uncached)
+    backend = cached.backend
+    saved = backend.snapshot(backend.past)
+    backend.reset(backend.capacity)
+    backend.restore(saved, 30)
+    assert backend.past == backend.draft_cache.length == int(backend.cache.length) == 30
+
+
 def test_conversations_on_onnxruntime(tiny, tiny_export):
     cached, uncached = pipes(tiny, tiny_export)
     check_conversations(cached, uncached)

@@ -230,8 +230,6 @@ class TorchBackend(Backend):
     def snapshot_refusal(self):
         if type(self.target) is not Target:
             return "a hybrid (Gated-DeltaNet) target's recurrent state is not snapshotted at a prefix's end"
-        if getattr(self, "static", None) is not None:
-            return "--static-shapes keeps the target's K/V in a fixed buffer that prefix snapshots do not restore"
         return None
 
     def snapshot(self, n: int) -> tuple:
@@ -244,6 +242,8 @@ class TorchBackend(Backend):
         self.cache.k[..., :n, :] = saved[0][..., :n, :]
         self.cache.v[..., :n, :] = saved[1][..., :n, :]
         self.cache.past = n
+        if isinstance(self.cache, StaticKVCache):  # --static-shapes: its rounds read the length on the device
+            self.cache.length.fill_(n)
         if self.draft_cache is not None:
             self.draft_cache.k[:, :, :n] = saved[2][:, :, :n]
             self.draft_cache.v[:, :, :n] = saved[3][:, :, :n]
