@@ -421,3 +421,33 @@ def test_the_captured_steps_run_on_a_device_the_host_cannot_read(tiny):
             out = round_()
     assert {t.device.type for t in out} == {"meta"}
     assert copies.ops == []
+
+
+@pytest.mark.gpu
+def test_a_graph_round_synchronizes_once_on_cuda(tiny):
+    """`dtrt run --device cuda --cuda-graph --static-shapes` as it runs (both graphs replayed, the layers compiled):
+    CUDA's own sync check (torch.cuda.set_sync_debug_mode) counts one synchronization a round, the read-back, once
+    the graphs are captured; AR's tokens, drafts accepted."""
+    import warnings
+
+    from dtrt.runtime.generate import generate
+
+    run = spec("dominotree", budget=8, builder="frontier", cuda_graph=True, static_shapes=True)
+    p = pipe_for(tiny, run, device="cuda")
+    p.backend.max_context = CONTEXT
+    prompt = list(range(5, 25))
+    want = pipe_for(tiny, spec("ar"), device="cuda").generate(prompt, MAX_NEW, SamplingConfig()).tokens
+    assert p.generate(prompt, MAX_NEW, SamplingConfig()).tokens == want  # captures the graphs it replays below
+    steps = generate(p.backend, p.method, prompt, MAX_NEW, SamplingConfig(), p.eos, run.budget)
+    tokens = next(steps).tokens
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as syncs:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            rounds = list(steps)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    tokens += [t for step in rounds for t in step.tokens]
+    assert tokens == want and sum(len(s.tokens) for s in rounds) > 1.5 * len(rounds)
+    assert len([w for w in syncs if "synchroniz" in str(w.message)]) == len(rounds)
