@@ -344,7 +344,8 @@ def test_a_graph_round_reads_the_device_once(tiny, monkeypatch):
     """DominoTree with the drafting graph and the fused round (what --cuda-graph --static-shapes runs on CUDA, here
     eagerly): each round's only host read is the fused round's read-back; the drafting graph's tree goes to the
     verify whole, padding leaves included, with nothing counted on the host, and the loop takes the committed tokens
-    from the read-back, not from the tree."""
+    from the read-back, not from the tree. Each fused round queues the next round's drafting from its own outputs
+    (DraftGraph.launch), and the next round takes it: one drafting for the first round, then one per round."""
     from dtrt.runtime.draft_graph import DraftGraph
     from dtrt.runtime.generate import generate
     from dtrt.runtime.methods import make_method
@@ -354,6 +355,10 @@ def test_a_graph_round_reads_the_device_once(tiny, monkeypatch):
     method = make_method(spec("dominotree", budget=8, builder="frontier", cuda_graph=True, device="cuda"))
     prompt = list(range(5, 25))
     want = pipe(tiny, "ar").generate(prompt, MAX_NEW, SamplingConfig()).tokens
+    plain = [r.accepted for r in p.generate(prompt, MAX_NEW, SamplingConfig()).rounds]  # drafting in the loop
+    drafted = []
+    real = DraftGraph.step
+    monkeypatch.setattr(DraftGraph, "step", lambda self: drafted.append(1) or real(self))
     steps = generate(p.backend, method, prompt, MAX_NEW, SamplingConfig(), p.eos, run.budget)
     tokens = next(steps).tokens
     counts = {}
@@ -363,7 +368,12 @@ def test_a_graph_round_reads_the_device_once(tiny, monkeypatch):
     tokens += [t for step in rounds for t in step.tokens]
     assert isinstance(method.graph, DraftGraph)
     assert tokens == want and sum(len(s.tokens) for s in rounds) > 1.5 * len(rounds)
+    assert [s.stats.accepted for s in rounds] == plain  # the queued drafting is the round's own
     assert counts == {"round": len(rounds)}
+    assert len(drafted) == 1 + len(rounds)  # the last round's queued drafting goes unused
+    assert method.graph.queued is not None
+    method.prepare(p.backend, p.backend.drafter.cfg.k_draft)  # the next generation drops it
+    assert method.graph.queued is None
 
 
 def _on_meta(module):
@@ -426,8 +436,8 @@ def test_the_captured_steps_run_on_a_device_the_host_cannot_read(tiny):
 @pytest.mark.gpu
 def test_a_graph_round_synchronizes_once_on_cuda(tiny):
     """`dtrt run --device cuda --cuda-graph --static-shapes` as it runs (both graphs replayed, the layers compiled):
-    CUDA's own sync check (torch.cuda.set_sync_debug_mode) counts one synchronization a round, the read-back, once
-    the graphs are captured; AR's tokens, drafts accepted."""
+    CUDA's own sync check (torch.cuda.set_sync_debug_mode) counts no more than one synchronization a round once the
+    graphs are captured (the read-back waits on an event, which it may not count); AR's tokens, drafts accepted."""
     import warnings
 
     from dtrt.runtime.generate import generate
@@ -450,4 +460,4 @@ def test_a_graph_round_synchronizes_once_on_cuda(tiny):
             torch.cuda.set_sync_debug_mode("default")
     tokens += [t for step in rounds for t in step.tokens]
     assert tokens == want and sum(len(s.tokens) for s in rounds) > 1.5 * len(rounds)
-    assert len([w for w in syncs if "synchroniz" in str(w.message)]) == len(rounds)
+    assert len([w for w in syncs if "synchroniz" in str(w.message)]) <= len(rounds)

@@ -252,7 +252,8 @@ def generate(
             fused = None
             if state is None and sampling.temperature == 0 and backend.fuses(tree):
                 flush(backend, pending)  # rows of a round it could not take (wider than its widths), before its own
-                fused = backend.fused_round(tree, context=drafter is not None)
+                # the next round drafts at once where this one is fused: no lookup, no grammar (DominoTree's graph)
+                fused = backend.fused_round(tree, context=drafter is not None, ahead=method.graph)
             if fused is not None:  # verify, accept walk, commit, drafter context as one device step (--static-shapes)
                 logits, hidden, accepted, bonus, committed = fused
             else:

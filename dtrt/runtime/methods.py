@@ -49,6 +49,10 @@ class Method:
     cuda_graph: ClassVar[bool] = False
     """Whether --cuda-graph can capture its drafting and building (the fixed-shape frontier)."""
 
+    graph = None
+    """This method's drafting graph under --cuda-graph (dtrt.runtime.draft_graph.DraftGraph), else None: a fused
+    round queues the next round's drafting on it before the host reads the round back."""
+
     @classmethod
     def needs_head(cls, spec: RunSpec) -> bool:
         """Whether it scores with Domino's correction head under `spec` (a Domino drafter is then needed)."""
@@ -240,7 +244,6 @@ class DominoTree(Method):
     builders = ("heap", "frontier")
     takes_lookup = True
     cuda_graph = True
-    graph = None
     lookup = None
     _chain_only = _measured = False  # this round: the chain alone; a drafted round whose gain counts
 
@@ -280,6 +283,8 @@ class DominoTree(Method):
             from dtrt.runtime.draft_graph import DraftGraph
 
             self.graph = DraftGraph(backend, self)
+        if self.graph is not None:
+            self.graph.cancel()  # a drafting queued by the last generation's last round
 
     def propose(self, root: int) -> float:
         """Lookup's chains for this round (see LookupSource.propose): their expected accepted tokens. They are

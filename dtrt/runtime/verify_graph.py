@@ -20,6 +20,7 @@ class StaticRound:
         # (step, width, the draft cache's buffer or None) -> (graph, tokens, parents, outputs)
         self.graphs: dict[tuple, tuple] = {}
         self.key = None
+        self.host: dict[int, torch.Tensor] = {}  # pinned read-back buffers, by size (CUDA)
 
     def verify(self, cache, tree: Tree, start: int):
         """The tree's logits and hidden rows [len(tree)] from a padded call; the cache's tail holds its K/V."""
@@ -38,11 +39,12 @@ class StaticRound:
         cache.commit_order(order, torch.tensor(len(accepted), device=self.device))
         cache.past += len(accepted)
 
-    def round(self, cache, tree: Tree, context: ContextAppend | None = None):
+    def round(self, cache, tree: Tree, context: ContextAppend | None = None, ahead=None):
         """A T=0 round: (logits, hidden) of the tree's rows, the accepted node indices (root first), the bonus and
         the tokens the round commits (the accepted nodes' after the root, then the bonus: read back with the count,
         so the loop reads nothing of a tree that is still on the device); with a `context`, the accepted rows'
-        drafter context appended to its cache."""
+        drafter context appended to its cache, and with a drafting graph `ahead` (dtrt.runtime.draft_graph) the
+        next round's drafting queued from the round's bonus and lengths before the host waits for the read-back."""
         n, width = len(tree), width_for(len(tree))
         if context is not None:
             context.length.fill_(context.cache.length)
@@ -53,12 +55,33 @@ class StaticRound:
 
         key = ("round", width, context.cache.k.data_ptr() if context is not None else None)
         logits, hidden, order, count, bonus, walked = self._run(key, step, cache, context, *padded(tree, width))
-        read = torch.cat((count[None], bonus[None], order, walked)).tolist()  # the round's one host sync
+        read = self._read(torch.cat((count[None], bonus[None], order, walked)))
+        if ahead is not None and context is not None:
+            ahead.launch(bonus, cache.length, context.length)
+        read = read()  # the round's one host sync
         count, bonus, order, walked = read[0], read[1], read[2 : 2 + width], read[2 + width :]
         cache.past += count
         if context is not None:
             context.cache.length += count
         return logits[:n], hidden[:n], order[:count], bonus, walked[1:count] + [bonus]
+
+    def _read(self, values: torch.Tensor):
+        """A function that returns `values` as a list. On CUDA the copy to pinned host memory is queued now and
+        the function waits for it alone, not for device work queued after it (the next round's drafting)."""
+        if self.device.type != "cuda":
+            return values.tolist
+        host = self.host.get(values.numel())
+        if host is None:
+            host = self.host[values.numel()] = torch.empty(values.numel(), dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def read():
+            done.synchronize()
+            return host.tolist()
+
+        return read
 
     def _run(self, key, step, cache, context, tokens, parents):
         """`step(tokens, parents)` on the device: eagerly off CUDA, else the replay of its graph under `key`."""

@@ -109,11 +109,12 @@ class Backend(ABC):
         """Whether fused_round takes this tree (the torch backend under --static-shapes: up to its widest width)."""
         return False
 
-    def fused_round(self, tree: Tree, *, context: bool = False) -> tuple:
+    def fused_round(self, tree: Tree, *, context: bool = False, ahead=None) -> tuple:
         """A T=0 round's verify, accept walk and commit on the device in one step, for a tree the backend `fuses`:
         (logits, hidden of the tree's rows, the accepted indices, the bonus token, the tokens it commits: the
         accepted nodes' after the root, then the bonus), and with `context` the accepted rows' drafter context
-        appended as draft_context would append it."""
+        appended as draft_context would append it. `ahead`: the method's drafting graph, on which the round queues
+        the next round's drafting from its own outputs before the host reads it back (DraftGraph.launch)."""
         raise NotImplementedError
 
     @abstractmethod
