@@ -461,3 +461,15 @@ def test_a_graph_round_synchronizes_once_on_cuda(tiny):
     tokens += [t for step in rounds for t in step.tokens]
     assert tokens == want and sum(len(s.tokens) for s in rounds) > 1.5 * len(rounds)
     assert len([w for w in syncs if "synchroniz" in str(w.message)]) <= len(rounds)
+
+
+def test_a_compile_that_fails_is_one_line_naming_no_compile(tiny, fresh_parts):
+    """A machine where Inductor cannot compile (here: no C++ compiler by that name) stops the run with a fault that
+    names --no-compile, not a compiler's traceback."""
+    from dtrt.errors import BackendFault
+
+    p = pipe(tiny, "dominotree", static_shapes=True)
+    p.backend.compile_layers = True  # on the CPU too: prepare compiles only on CUDA
+    broken = {"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False, "force_disable_caches": True}
+    with torch._inductor.config.patch(broken), pytest.raises(BackendFault, match=r"--compile: .*run with --no-compile"):
+        p.generate([5, 6, 7, 8], 4, SamplingConfig())

@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from dtrt.errors import BackendFault
 from dtrt.models.config import TargetConfig
 from dtrt.models.layers import committed
 from dtrt.models.target import KVCache
@@ -66,7 +67,14 @@ def compiled_parts() -> tuple:
 
         def call(*args):
             with torch._dynamo.config.patch(recompile_limit=64):  # a process may hold several targets' shapes
-                return whole(*args)
+                try:
+                    return whole(*args)
+                except torch._dynamo.exc.BackendCompilerFailed as e:  # Inductor's errors too (a missing compiler)
+                    why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+                    raise BackendFault(
+                        f"--compile: torch.compile could not compile the decoder layers on this machine ({why}); "
+                        "run with --no-compile (the captured graphs of the eager ops)"
+                    ) from e
 
         return call
 
