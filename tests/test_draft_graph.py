@@ -124,3 +124,14 @@ def test_padding_leaves_change_nothing(tiny):
     assert [r.accepted for r in got.rounds] == [r.accepted for r in plain.rounds]
     depth = pipe.backend.drafter.cfg.k_draft
     assert max(r.tree_size for r in plain.rounds) <= depth + 1 < 17 == min(r.tree_size for r in got.rounds)
+
+
+def test_a_capture_that_fails_is_one_line_naming_the_flag():
+    """Whatever breaks a CUDA graph's warm-up or capture is a fault that names the option to drop (here the CPU
+    build's own refusal of a CUDA stream)."""
+    from dtrt.errors import BackendFault
+    from dtrt.runtime.capture import capture
+
+    why = r"^--cuda-graph: capturing the step's CUDA graph failed \(.+\); run without --cuda-graph$"
+    with pytest.raises(BackendFault, match=why):
+        capture(lambda: None, device=torch.device("cuda"), flag="--cuda-graph")

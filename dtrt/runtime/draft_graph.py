@@ -12,6 +12,7 @@ drafting. Off CUDA the same fixed-shape step runs eagerly, which is how the CPU 
 
 import torch
 
+from dtrt.runtime.capture import capture
 from dtrt.tree import FrontierTrees, Round, Tree
 
 
@@ -64,12 +65,4 @@ class DraftGraph:
         return self.trees
 
     def _capture(self):
-        side = torch.cuda.Stream(self.backend.device)
-        side.wait_stream(torch.cuda.current_stream(self.backend.device))
-        with torch.cuda.stream(side):  # compiles the Triton kernels and settles the allocator outside the capture
-            for _ in range(2):
-                self.step()
-        torch.cuda.current_stream(self.backend.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.trees = self.step()
+        self.graph, self.trees = capture(self.step, device=self.backend.device, flag="--cuda-graph")

@@ -10,6 +10,7 @@ before each round and the host's advanced by the count read back."""
 
 import torch
 
+from dtrt.runtime.capture import capture
 from dtrt.runtime.static_round import ContextAppend, device_round, padded, verify_at_width, width_for
 from dtrt.tree import Tree
 
@@ -103,18 +104,13 @@ class StaticRound:
         return outputs
 
     def _capture(self, step, cache, context, tokens, parents):
-        """Warm-up calls on a side stream (kernels compiled, the allocator settled), each undone, then the capture."""
+        """The step's graph over these input buffers; each warm-up call's advance of the lengths undone."""
         lengths = [cache.length] + ([context.length] if context is not None else [])
         saved = [t.clone() for t in lengths]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step(tokens, parents)
-                for length, was in zip(lengths, saved):
-                    length.copy_(was)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outputs = step(tokens, parents)  # recorded, not run
+
+        def undo():
+            for length, was in zip(lengths, saved):
+                length.copy_(was)
+
+        graph, outputs = capture(lambda: step(tokens, parents), device=self.device, flag="--static-shapes", undo=undo)
         return graph, tokens, parents, outputs
