@@ -8,6 +8,12 @@ library error, a device fault). It is not the user's to fix by changing the requ
 """
 
 
+def first_line(e: BaseException) -> str:
+    """An exception as one line for a one-line message: its class and the first line of its text."""
+    text = str(e).strip()
+    return f"{e.__class__.__name__}: {text.splitlines()[0][:160]}" if text else e.__class__.__name__
+
+
 class DtrtError(Exception):
     """A user-facing error: the CLI prints its message as one line and exits non-zero."""
 

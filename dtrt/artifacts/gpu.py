@@ -9,7 +9,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dtrt.errors import DtrtError
+from dtrt.errors import DtrtError, first_line
 
 TRT_INSTALL = 'pip install "dtrt[trt]" on a machine with a CUDA GPU'
 LABELS = {
@@ -44,11 +44,6 @@ def slug(name: str) -> str:
 
 def engine_dir(root, machine: Machine, model: str) -> Path:
     return Path(root) / machine.key / model
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{e.__class__.__name__}: {text.splitlines()[0][:160]}" if text else e.__class__.__name__
 
 
 def tensorrt_status() -> tuple[str | None, str]:

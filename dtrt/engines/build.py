@@ -14,10 +14,10 @@ from dtrt import __version__
 from dtrt.artifacts.engine import FORMAT, TIMING_CACHE, Engine, export_digest, read_engine
 from dtrt.artifacts.export import Export, load_export
 from dtrt.artifacts.files import staging, write_manifest
-from dtrt.artifacts.gpu import Machine, engine_dir, first_line, probe_machine
+from dtrt.artifacts.gpu import Machine, engine_dir, probe_machine
 from dtrt.artifacts.verify import record_verified
 from dtrt.engines.profile_bounds import Limits, onnx_signature, stage_profiles
-from dtrt.errors import DtrtError
+from dtrt.errors import DtrtError, first_line
 from dtrt.plugins import NAMESPACE, OPS, PLUGIN_VERSION, sources_sha256
 
 

@@ -10,8 +10,9 @@ import sys
 from dataclasses import asdict, dataclass
 
 from dtrt import __version__
-from dtrt.artifacts.gpu import TRT_INSTALL, cuda_status, first_line, tensorrt_status
+from dtrt.artifacts.gpu import TRT_INSTALL, cuda_status, tensorrt_status
 from dtrt.artifacts.kernel_path import this_path
+from dtrt.errors import first_line
 from dtrt.plugins import NAMESPACE, OPS, PLUGIN_VERSION, triton_status
 
 

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from dtrt.errors import BackendFault
+from dtrt.errors import BackendFault, first_line
 from dtrt.models.config import TargetConfig
 from dtrt.models.layers import committed
 from dtrt.models.target import KVCache
@@ -70,10 +70,9 @@ def compiled_parts() -> tuple:
                 try:
                     return whole(*args)
                 except torch._dynamo.exc.BackendCompilerFailed as e:  # Inductor's errors too (a missing compiler)
-                    why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
                     raise BackendFault(
-                        f"--compile: torch.compile could not compile the decoder layers on this machine ({why}); "
-                        "run with --no-compile (the captured graphs of the eager ops)"
+                        f"--compile: torch.compile could not compile the decoder layers on this machine "
+                        f"({first_line(e)}); run with --no-compile (the captured graphs of the eager ops)"
                     ) from e
 
         return call

@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import torch
 
-from dtrt.errors import BackendFault
+from dtrt.errors import BackendFault, first_line
 
 
 def capture(step: Callable[[], object], *, device: torch.device, flag: str, undo: Callable[[], None] = lambda: None):
@@ -26,7 +26,6 @@ def capture(step: Callable[[], object], *, device: torch.device, flag: str, undo
     except BackendFault:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of the capture is reported as one
-        text = str(e).strip()
-        why = f"{type(e).__name__}: {text.splitlines()[0][:160]}" if text else type(e).__name__
+        why = first_line(e)
         raise BackendFault(f"{flag}: capturing the step's CUDA graph failed ({why}); run without {flag}") from e
     return graph, outputs

@@ -12,8 +12,7 @@ import torch
 from dtrt.artifacts.engine import export_digest
 from dtrt.artifacts.export import Export
 from dtrt.artifacts.files import MANIFEST
-from dtrt.artifacts.gpu import first_line
-from dtrt.errors import BackendFault, DtrtError
+from dtrt.errors import BackendFault, DtrtError, first_line
 from dtrt.models.draft_vocab import load_draft_vocab
 from dtrt.models.drafter import block_cache_inputs
 from dtrt.models.hybrid import RecurrentState, recurrent_parents
