@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import pipe_for, spec
 
-from dtrt.runtime.sampling import SamplingConfig, target_probs
+from dtrt.runtime.sampling import Draws, SamplingConfig, draw, draw_rows, target_probs, uniforms
 from dtrt.tree.tree import Tree
 
 PROMPTS = [
@@ -92,9 +92,15 @@ def sample(pipe, ids, n=N, first_seed=0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ar", "dflash", "domino", "ddtree", "caddtree", "dominotree"])
+@pytest.mark.parametrize("method", ["ar", "dflash", "domino", "ddtree", "caddtree", "dominotree", "dominotree-static"])
 def test_tokens_follow_target_distribution(tiny, exact, method):
-    pipe = pipe_for(tiny, spec(method))
+    """dominotree-static: --static-shapes, where a round draws every node on the device (a fixed-width verify)."""
+    if method.endswith("-static"):
+        method = method.removesuffix("-static")
+        pipe = pipe_for(tiny, spec(method, static_shapes=True))
+        pipe.backend.max_context = 256  # the static cache's context limit (the tiny target's 4,096 is slower)
+    else:
+        pipe = pipe_for(tiny, spec(method))
     # the prompt where this method's drafts are accepted most often (a short pilot run, other seeds)
     pilot = {p: sample(pipe, exact[p][0], PILOT, 10_000)[1] for p in exact} if method != "ar" else {}
     prompt = max(pilot, key=pilot.get) if pilot else next(iter(exact))
@@ -122,8 +128,8 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 @pytest.mark.parametrize("method", ["dflash", "domino", "ddtree", "dominotree"])
 def test_same_seed_commits_ar_tokens(tiny, method):
-    """A round draws once per token it commits (only the nodes the acceptance walk reaches are sampled), as AR draws
-    once per step: with the same seed a method commits AR's very tokens at T>0, drafts accepted."""
+    """The token at each position is drawn with that position's uniform, under every method: with the same seed a
+    method commits AR's very tokens at T>0, drafts accepted."""
     ar, pipe = pipe_for(tiny, spec("ar")), pipe_for(tiny, spec(method))
     accepted = 0
     for prompt in PROMPTS[:4]:
@@ -138,11 +144,60 @@ def test_same_seed_commits_ar_tokens(tiny, method):
 
 def test_draw_follows_the_nucleus():
     """draw() samples target_probs: the nucleus only, in proportion (4,000 draws, a bound of 4 standard errors)."""
-    from dtrt.runtime.sampling import draw
-
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    g = torch.Generator().manual_seed(0)
+    u = uniforms(0, 4000).tolist()
     for top_p, want in ((0.8, [0.625, 0.375, 0.0, 0.0]), (1.0, [0.5, 0.3, 0.15, 0.05])):
-        counts = torch.bincount(torch.tensor([draw(logits, 1.0, top_p, g) for _ in range(4000)]), minlength=4)
+        counts = torch.bincount(torch.tensor([draw(logits, 1.0, top_p, x) for x in u]), minlength=4)
         for c, p in zip((counts / 4000).tolist(), want):
             assert abs(c - p) <= 4 * (p * (1 - p) / 4000) ** 0.5 + 1e-9
+
+
+def _rows_and_host(logits, temperature, top_p, u):
+    rows = draw_rows(logits, torch.tensor(temperature), torch.tensor(top_p), u, nucleus=top_p < 1.0)
+    return rows.tolist(), [draw(logits[i], temperature, top_p, float(u[i])) for i in range(len(u))]
+
+
+@pytest.mark.parametrize("vocab", [40, 300, 5000])
+def test_draw_rows_is_draw_at_every_row(vocab):
+    """The device's draw at every row (a round's T>0 choice under --static-shapes) picks draw()'s token, row for
+    row: plain logits, logits rounded to integers (many equal probabilities: both order them by token id), half the
+    vocabulary at zero mass, temperatures and nuclei, and a uniform next to 1."""
+    g = torch.Generator().manual_seed(vocab)
+    picked = set()
+    for trial in range(12):
+        logits = torch.randn(8, vocab, generator=g) * 3
+        if trial % 3 == 1:
+            logits = logits.round()
+        if trial % 4 == 2:
+            logits[:, : vocab // 2] = -1e4
+        for temperature in (0.5, 1.0, 1.7):
+            for top_p in (1.0, 0.9, 0.5, 0.05):
+                u = torch.rand(8, dtype=torch.float64, generator=g)
+                u[0] = 1 - 2**-53
+                rows, host = _rows_and_host(logits, temperature, top_p, u)
+                assert rows == host, (trial, temperature, top_p)
+                picked.update(rows)
+    assert len(picked) > 20  # the draws spread over the vocabulary
+
+
+def test_a_tie_across_the_first_64_is_settled_by_token_id():
+    """Where the 64th most likely token ties with tokens past it and the tie reaches the nucleus, which of them are
+    in depends on the order of equals: draw() looks past the top 64 and orders them by token id, as the device's
+    sort does. Every uniform on a fine grid picks the same token both ways, the tied tokens included."""
+    probs = torch.cat((torch.full((60,), 0.01), torch.full((200,), 0.002), torch.full((740,), 0.0001)))
+    logits = torch.log(probs)[torch.randperm(1000, generator=torch.Generator().manual_seed(0))]
+    u = torch.linspace(0, 1 - 1e-9, 2001, dtype=torch.float64)
+    rows, host = _rows_and_host(logits.expand(len(u), -1).contiguous(), 1.0, 0.7, u)
+    assert rows == host
+    tied = set(torch.nonzero(torch.isclose(torch.softmax(logits, -1), torch.tensor(0.002 / 1.074))).flatten().tolist())
+    assert len(set(rows) & tied) > 4  # the tie is in the nucleus, past the top 64
+
+
+def test_uniforms_are_keyed_by_position():
+    """u[p] of a seed is the same whatever length the table has (a Draws grown on demand keeps its values), and
+    seeds differ."""
+    short, long = uniforms(5, 10), uniforms(5, 10_000)
+    assert (short == long[:10]).all() and not (short == uniforms(6, 10)).all()
+    draws = Draws(SamplingConfig(1.0, 1.0, 5), 4)
+    assert draws.at(9_999) == long[9_999] and (draws.table(4)[:10] == short).all()
+    assert ((0 <= long) & (long < 1)).all()

@@ -10,8 +10,8 @@ from helpers import PROMPTS, pipe_for, spec
 from dtrt.errors import DtrtError
 from dtrt.models.drafter import DraftCache
 from dtrt.models.static_kv import StaticKVCache
-from dtrt.runtime.sampling import SamplingConfig
-from dtrt.runtime.static_round import WIDTHS, ContextAppend, ancestors, device_round, padded, walk, width_for
+from dtrt.runtime.sampling import SamplingConfig, uniforms
+from dtrt.runtime.static_round import WIDTHS, ContextAppend, Sampled, ancestors, device_round, padded, walk, width_for
 from dtrt.tree import Tree, accept
 
 CONTEXT = 256  # the static cache's context limit in these tests (the tiny target's 4,096 makes every call longer)
@@ -180,12 +180,20 @@ def test_commit_moves_the_same_entries_bit_for_bit(tiny):
     assert torch.equal(static.k[:, :, :13], grow.k[:, :, :13]) and torch.equal(static.v[:, :, :13], grow.v[:, :, :13])
 
 
-def test_sampling_consumes_randomness_as_the_plain_path(tiny):
-    """At T>0 the loop draws on the host walk (only the nodes it reaches), over the padded call's rows: the same
-    seed gives the non-static path's tokens."""
-    sampling = SamplingConfig(temperature=1.0, seed=3)
-    plain = tokens_of(pipe(tiny, "dominotree"), sampling)[0]
-    assert tokens_of(pipe(tiny, "dominotree", static_shapes=True), sampling)[0] == plain
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_sampled_rounds_run_on_the_device_and_give_ar_tokens(tiny, top_p):
+    """At T>0 the fused round draws every row's token on the device, at the position it lands at, so no verify goes
+    to the host walk; with the same seed DominoTree under --static-shapes commits AR's tokens (the plain path's),
+    drafts accepted."""
+    sampling = SamplingConfig(temperature=1.0, top_p=top_p, seed=3)
+    ar = tokens_of(pipe(tiny, "ar"), sampling)[0]
+    p = pipe(tiny, "dominotree", static_shapes=True)
+    verifies = []
+    real = p.backend.static.verify
+    p.backend.static.verify = lambda *a: verifies.append(1) or real(*a)
+    tokens, taus = tokens_of(p, sampling)
+    assert tokens == ar and sum(taus) / len(taus) > 1.2
+    assert verifies == []
 
 
 def _round_inputs(tiny):
@@ -210,14 +218,24 @@ def _context(tiny):
     return context
 
 
-def _compiled_equals_eager(tiny, backend, exact):
+def _sampled(mode, capacity, device="cpu"):
+    """The T>0 draws of a round ("sample": top_p 1, "nucleus": top_p 0.9) over a table of uniforms; None: T=0."""
+    if mode is None:
+        return None
+    table = torch.from_numpy(uniforms(3, capacity + WIDTHS[-1] + 1)).to(device)
+    top_p = 0.9 if mode == "nucleus" else 1.0
+    return Sampled(table, torch.tensor(0.8, device=device), torch.tensor(top_p, device=device), nucleus=top_p < 1)
+
+
+def _compiled_equals_eager(tiny, backend, exact, mode=None):
     """The round with the drafter's context append: the tiny drafter taps layers 0 and 1."""
     target, (eager, compiled), tokens, parents = _round_inputs(tiny)
     contexts = _context(tiny), _context(tiny)
+    sampled = _sampled(mode, eager.capacity)
     fn = torch.compile(device_round, fullgraph=True, backend=backend)  # a graph break or a host sync raises
     with torch.no_grad():
-        got = fn(target, compiled, (0, 1), tokens, parents, contexts[1])
-        want = device_round(target, eager, (0, 1), tokens, parents, contexts[0])
+        got = fn(target, compiled, (0, 1), tokens, parents, contexts[1], sampled)
+        want = device_round(target, eager, (0, 1), tokens, parents, contexts[0], sampled)
     for g, w in zip(got, want):
         assert torch.equal(g, w) if exact or g.dtype == torch.long else torch.allclose(g, w, rtol=0, atol=1e-5)
     assert torch.equal(compiled.length, eager.length)
@@ -227,10 +245,12 @@ def _compiled_equals_eager(tiny, backend, exact):
     torch.testing.assert_close(contexts[1].cache.v, contexts[0].cache.v, rtol=0, atol=0 if exact else 1e-5)
 
 
-def test_round_compiles_whole(tiny):
-    """torch.compile(fullgraph=True) traces the round whole (Dynamo and AOTAutograd; bit for bit the eager round)."""
+@pytest.mark.parametrize("mode", [None, "sample", "nucleus"])
+def test_round_compiles_whole(tiny, mode):
+    """torch.compile(fullgraph=True) traces the round whole (Dynamo and AOTAutograd; bit for bit the eager round),
+    at T=0 and with the T>0 draws at every row, with and without a nucleus."""
     torch._dynamo.reset()
-    _compiled_equals_eager(tiny, "aot_eager", exact=True)
+    _compiled_equals_eager(tiny, "aot_eager", exact=True, mode=mode)
 
 
 @pytest.mark.slow
@@ -317,9 +337,12 @@ def test_captured_rounds_give_ar_tokens_on_cuda(tiny):
     tokens, taus = tokens_of(p)
     assert tokens == ar and sum(taus) / len(taus) > 1
     assert {key[0] for key in p.backend.static.graphs} == {"round"}
-    sampled = SamplingConfig(temperature=1.0, seed=3)  # T>0: the verify alone is a graph, the host draws
-    assert tokens_of(p, sampled)[0] == tokens_of(p, sampled)[0]
-    assert {key[0] for key in p.backend.static.graphs} == {"round", "verify"}
+    for top_p, mode in ((1.0, "sample"), (0.9, "nucleus")):  # T>0: each row drawn inside the round's graph
+        sampled = SamplingConfig(temperature=1.0, top_p=top_p, seed=3)
+        want = tokens_of(pipe_for(tiny, spec("ar"), device="cuda"), sampled)[0]
+        assert tokens_of(p, sampled)[0] == want
+        assert {key[3] for key in p.backend.static.graphs} >= {None, mode}
+    assert {key[0] for key in p.backend.static.graphs} == {"round"}
 
 
 READS = ("tolist", "item", "__int__", "__bool__", "__index__", "__float__", "numpy")
@@ -340,12 +363,14 @@ def _count_reads(monkeypatch, counts):
         monkeypatch.setattr(torch.Tensor, name, read)
 
 
-def test_a_graph_round_reads_the_device_once(tiny, monkeypatch):
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(1.0, 0.9, 3)], ids=["T=0", "T=1"])
+def test_a_graph_round_reads_the_device_once(tiny, monkeypatch, sampling):
     """DominoTree with the drafting graph and the fused round (what --cuda-graph --static-shapes runs on CUDA, here
     eagerly): each round's only host read is the fused round's read-back; the drafting graph's tree goes to the
     verify whole, padding leaves included, with nothing counted on the host, and the loop takes the committed tokens
     from the read-back, not from the tree. Each fused round queues the next round's drafting from its own outputs
-    (DraftGraph.launch), and the next round takes it: one drafting for the first round, then one per round."""
+    (DraftGraph.launch), and the next round takes it: one drafting for the first round, then one per round. At
+    T>0 too: every row's token is drawn inside the round, on the device."""
     from dtrt.runtime.draft_graph import DraftGraph
     from dtrt.runtime.generate import generate
     from dtrt.runtime.methods import make_method
@@ -354,12 +379,12 @@ def test_a_graph_round_reads_the_device_once(tiny, monkeypatch):
     p = pipe(tiny, "dominotree", budget=8, builder="frontier", static_shapes=True)
     method = make_method(spec("dominotree", budget=8, builder="frontier", cuda_graph=True, device="cuda"))
     prompt = list(range(5, 25))
-    want = pipe(tiny, "ar").generate(prompt, MAX_NEW, SamplingConfig()).tokens
-    plain = [r.accepted for r in p.generate(prompt, MAX_NEW, SamplingConfig()).rounds]  # drafting in the loop
+    want = pipe(tiny, "ar").generate(prompt, MAX_NEW, sampling).tokens
+    plain = [r.accepted for r in p.generate(prompt, MAX_NEW, sampling).rounds]  # drafting in the loop
     drafted = []
     real = DraftGraph.step
     monkeypatch.setattr(DraftGraph, "step", lambda self: drafted.append(1) or real(self))
-    steps = generate(p.backend, method, prompt, MAX_NEW, SamplingConfig(), p.eos, run.budget)
+    steps = generate(p.backend, method, prompt, MAX_NEW, sampling, p.eos, run.budget)
     tokens = next(steps).tokens
     counts = {}
     with monkeypatch.context() as mp:
@@ -401,10 +426,12 @@ class _HostCopies(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def test_the_captured_steps_run_on_a_device_the_host_cannot_read(tiny):
+@pytest.mark.parametrize("mode", [None, "nucleus"])
+def test_the_captured_steps_run_on_a_device_the_host_cannot_read(tiny, mode):
     """The drafting graph's step and the fused round's step on the meta device, which has shapes and no values: a
     host read inside either (.item(), .tolist(), a data-dependent shape) raises, as it would break a CUDA graph's
-    capture, and no host tensor is copied in. Then the tree goes from one step to the other as on CUDA."""
+    capture, and no host tensor is copied in. Then the tree goes from one step to the other as on CUDA. At T=0 and
+    with the T>0 draws under a nucleus."""
     from dtrt.runtime.backends.torch import TorchBackend
     from dtrt.runtime.draft_graph import DraftGraph
     from dtrt.runtime.methods import make_method
@@ -417,12 +444,13 @@ def test_the_captured_steps_run_on_a_device_the_host_cannot_read(tiny):
     method = make_method(run)
     method.prepare(backend, backend.drafter.cfg.k_draft)
     graph, context = DraftGraph(backend, method), ContextAppend(backend.drafter, backend.draft_cache)
+    sampled = _sampled(mode, backend.cache.capacity, "meta")
 
     def round_():
         tree = graph(42, 20)
         assert tree.tokens.device.type == "meta" and len(tree) == run.budget + 1
         tokens, parents = padded(tree, width_for(len(tree)))
-        return device_round(backend.target, backend.cache, backend.taps, tokens, parents, context)
+        return device_round(backend.target, backend.cache, backend.taps, tokens, parents, context, sampled)
 
     copies = _HostCopies()
     with torch.no_grad():
@@ -434,7 +462,8 @@ def test_the_captured_steps_run_on_a_device_the_host_cannot_read(tiny):
 
 
 @pytest.mark.gpu
-def test_a_graph_round_synchronizes_once_on_cuda(tiny):
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(1.0, 0.9, 3)], ids=["T=0", "T=1"])
+def test_a_graph_round_synchronizes_once_on_cuda(tiny, sampling):
     """`dtrt run --device cuda --cuda-graph --static-shapes` as it runs (both graphs replayed, the layers compiled):
     CUDA's own sync check (torch.cuda.set_sync_debug_mode) counts no more than one synchronization a round once the
     graphs are captured (the read-back waits on an event, which it may not count); AR's tokens, drafts accepted."""
@@ -446,9 +475,9 @@ def test_a_graph_round_synchronizes_once_on_cuda(tiny):
     p = pipe_for(tiny, run, device="cuda")
     p.backend.max_context = CONTEXT
     prompt = list(range(5, 25))
-    want = pipe_for(tiny, spec("ar"), device="cuda").generate(prompt, MAX_NEW, SamplingConfig()).tokens
-    assert p.generate(prompt, MAX_NEW, SamplingConfig()).tokens == want  # captures the graphs it replays below
-    steps = generate(p.backend, p.method, prompt, MAX_NEW, SamplingConfig(), p.eos, run.budget)
+    want = pipe_for(tiny, spec("ar"), device="cuda").generate(prompt, MAX_NEW, sampling).tokens
+    assert p.generate(prompt, MAX_NEW, sampling).tokens == want  # captures the graphs it replays below
+    steps = generate(p.backend, p.method, prompt, MAX_NEW, sampling, p.eos, run.budget)
     tokens = next(steps).tokens
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as syncs:

@@ -14,7 +14,7 @@ from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.grammar import Grammar, GrammarState
 from dtrt.runtime.methods import Method
 from dtrt.runtime.prefix_cache import PrefixCache, boundaries, cacheable, kept, prefill, restore
-from dtrt.runtime.sampling import SamplingConfig, chooser, draw
+from dtrt.runtime.sampling import Draws, SamplingConfig, chooser
 from dtrt.runtime.spec import RunSpec
 from dtrt.tree import Tree, accept, first_nodes
 from dtrt.tree.grammar import fit_tree, paths
@@ -132,20 +132,33 @@ class Generation:
         return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def choose(logits, sampling: SamplingConfig, gen, state, node_paths):
-    """The target's choice at each node (`chooser`), under the grammar's mask at the node's path where there is one."""
+def choose(logits, draws: Draws | None, state, node_paths, position):
+    """The target's choice at each node (`chooser`), under the grammar's mask at the node's path where there is one;
+    at T>0 the token after node i is drawn at `position(i)`."""
     if state is None:
-        return chooser(logits, sampling, gen)
-    if sampling.temperature == 0:
+        return chooser(logits, draws, position)
+    if draws is None:
         return lambda i: state.greedy(logits[i], node_paths[i])
 
-    def sample(i):  # a forced token takes no draw (under AR as under any method, so a seed still gives AR's tokens)
+    def sample(i):  # a forced token is taken, not drawn
         forced = state.forced(node_paths[i])
         if forced is not None:
             return forced
-        return draw(state.masked(logits[i], node_paths[i]), sampling.temperature, sampling.top_p, gen)
+        return draws.draw(state.masked(logits[i], node_paths[i]), position(i))
 
     return sample
+
+
+def after(tree: Tree, start: int):
+    """position(i): where the token after node i of `tree` (rooted at `start`) lands; the depths read on first use."""
+    depths = []
+
+    def position(i: int) -> int:
+        if not depths:
+            depths.extend(tree.depths.tolist())
+        return start + depths[i] + 1
+
+    return position
 
 
 def flush(backend, pending: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -191,8 +204,9 @@ def generate(
     drafter = backend.drafter if method.uses_drafter else None
     block = drafter.cfg.block_size if drafter is not None else 1
     method.calibrate(backend)
-    backend.reset(capacity_for(len(prompt), max_new_tokens, budget, block))
-    gen = torch.Generator(backend.device).manual_seed(sampling.seed)  # samples are drawn where the logits are
+    capacity = capacity_for(len(prompt), max_new_tokens, budget, block)
+    backend.reset(capacity)
+    draws = Draws(sampling, capacity + 1) if sampling.temperature > 0 else None  # a uniform per position
     produced = 0
 
     def cut(tokens: list[int]) -> tuple[list[int], str | None]:
@@ -211,7 +225,7 @@ def generate(
     hit, took = restore(backend, prefix_cache, prompt, n - 1, ends)  # the first choice comes from a real forward
     logits, _ = prefill(backend, prompt, hit.tokens, drafter is not None, ends)
     state = method.grammar = None if grammar is None else GrammarState(grammar, logits.shape[-1])
-    root = choose(logits[-1:], sampling, gen, state, [()])(0)
+    root = choose(logits[-1:], draws, state, [()], lambda _: n)(0)
     if state is not None and root not in eos:
         state.commit([root])
     method.begin(prompt, hit.index)
@@ -250,15 +264,16 @@ def generate(
                 tree = fit_tree(tree, state, room=max(budget, len(tree) - 1), max_depth=limit)
             t2 = time.perf_counter()
             fused = None
-            if state is None and sampling.temperature == 0 and backend.fuses(tree):
+            if state is None and backend.fuses(tree):
                 flush(backend, pending)  # rows of a round it could not take (wider than its widths), before its own
                 # the next round drafts at once where this one is fused: no lookup, no grammar (DominoTree's graph)
-                fused = backend.fused_round(tree, context=drafter is not None, ahead=method.graph)
+                fused = backend.fused_round(tree, context=drafter is not None, ahead=method.graph, draws=draws)
             if fused is not None:  # verify, accept walk, commit, drafter context as one device step (--static-shapes)
                 logits, hidden, accepted, bonus, committed = fused
             else:
                 logits, hidden = backend.verify(tree, start)
-                accepted, bonus = accept(tree, choose(logits, sampling, gen, state, paths(tree) if state else None))
+                choice = choose(logits, draws, state, paths(tree) if state else None, after(tree, start))
+                accepted, bonus = accept(tree, choice)
                 committed = tree.tokens[accepted[1:]].tolist() + [bonus]
             from_lookup = method.observe(tree, accepted) or 0
             t3 = time.perf_counter()

@@ -1,8 +1,9 @@
 """A verify round at a fixed width, on the device: the tree padded to the next of WIDTHS with dead leaves, the
-tree's mask and positions made from its parents, the target's call over the static cache, the T=0 accept walk, the
-commit and the drafter's context of the accepted rows, all as tensor operations with no host value and no host
-sync inside (`device_round`), so that torch.compile(fullgraph=True) takes it whole and a CUDA graph can capture it.
-`StaticRound` runs it: one CUDA graph per width, captured at its first use and replayed (on a CPU it runs eagerly).
+tree's mask and positions made from its parents, the target's call over the static cache, the accept walk (T=0,
+or T>0 with every row's draw made on the device), the commit and the drafter's context of the accepted rows, all as
+tensor operations with no host value and no host sync inside (`device_round`), so that torch.compile(fullgraph=True)
+takes it whole and a CUDA graph can capture it. `StaticRound` runs it: one CUDA graph per width (and sampling mode),
+captured at its first use and replayed (on a CPU it runs eagerly).
 
 A dead leaf (a padding slot) has no parent: it sees only itself (a row that sees nothing would be NaN, and NaN
 values would reach the live rows through their zero weights), no node sees it, and it is never accepted nor
@@ -11,6 +12,7 @@ committed, whatever its token.
 
 import torch
 
+from dtrt.runtime.sampling import draw_rows
 from dtrt.tree import Tree
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -98,12 +100,28 @@ class ContextAppend:
         self.length.add_(count)
 
 
-def device_round(target, cache, taps, tokens, parents, context: ContextAppend | None = None):
-    """One T=0 round at the width of `tokens`: verify, accept walk, commit into the static cache (and, with a
-    `context`, the accepted rows' drafter context into its cache). Returns (logits, hidden, order, count, bonus),
-    all on the device; cache.length (and context.length) have advanced by count."""
+class Sampled:
+    """The T>0 choice at every row of a round, on the device (`draw_rows`): the token after row i is drawn with
+    the uniform of the position it lands at, read from `uniforms` (float64, a generation's table, dtrt.runtime.sampling
+    .Draws), with device scalars `temperature` and `top_p`; `nucleus` whether top_p filters."""
+
+    def __init__(self, uniforms, temperature, top_p, *, nucleus: bool):
+        self.uniforms, self.temperature, self.top_p, self.nucleus = uniforms, temperature, top_p, nucleus
+
+    def __call__(self, logits, positions):
+        u = self.uniforms.index_select(0, positions)
+        return draw_rows(logits, self.temperature, self.top_p, u, nucleus=self.nucleus)
+
+
+def device_round(target, cache, taps, tokens, parents, context: ContextAppend | None = None, sampled=None):
+    """One round at the width of `tokens`: verify, accept walk (the target's argmax at each row, or with `sampled`
+    its T>0 draw), commit into the static cache (and, with a `context`, the accepted rows' drafter context into its
+    cache). Returns (logits, hidden, order, count, bonus), all on the device; cache.length (and context.length) have
+    advanced by count."""
     logits, hidden, mask = verify_at_width(target, cache, taps, tokens, parents)
-    _, order, count, bonus = walk(tokens, parents, mask, logits.argmax(-1))
+    # the token after row i lands one past it: the cache's length plus i's depth (the root's is 0) plus one
+    choice = logits.argmax(-1) if sampled is None else sampled(logits, cache.length + mask.sum(-1))
+    _, order, count, bonus = walk(tokens, parents, mask, choice)
     cache.commit_order(order, count)
     if context is not None:  # the root's position: the length before the commit
         context(hidden.index_select(0, order), cache.length - count, count)

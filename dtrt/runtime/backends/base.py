@@ -109,8 +109,9 @@ class Backend(ABC):
         """Whether fused_round takes this tree (the torch backend under --static-shapes: up to its widest width)."""
         return False
 
-    def fused_round(self, tree: Tree, *, context: bool = False, ahead=None) -> tuple:
-        """A T=0 round's verify, accept walk and commit on the device in one step, for a tree the backend `fuses`:
+    def fused_round(self, tree: Tree, *, context: bool = False, ahead=None, draws=None) -> tuple:
+        """A round's verify, accept walk and commit on the device in one step, for a tree the backend `fuses`
+        (`draws`, dtrt.runtime.sampling.Draws: T>0, every row's token drawn on the device; None: T=0):
         (logits, hidden of the tree's rows, the accepted indices, the bonus token, the tokens it commits: the
         accepted nodes' after the root, then the bonus), and with `context` the accepted rows' drafter context
         appended as draft_context would append it. `ahead`: the method's drafting graph, on which the round queues

@@ -153,10 +153,10 @@ class TorchBackend(Backend):
         return self.static is not None and len(tree) <= WIDTHS[-1]
 
     @torch.no_grad()
-    def fused_round(self, tree, *, context: bool = False, ahead=None):
+    def fused_round(self, tree, *, context: bool = False, ahead=None, draws=None):
         if context and self._context is None:
             self._context = ContextAppend(self.drafter, self.draft_cache)
-        return self.static.round(self.cache, tree, self._context if context else None, ahead)
+        return self.static.round(self.cache, tree, self._context if context else None, ahead, draws)
 
     # drafter stages
     @torch.no_grad()
