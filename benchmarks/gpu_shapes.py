@@ -12,8 +12,10 @@ in CUDA graphs on a GPU, with the layers' ops as they are and compiled) side by 
             (the default on CUDA). A row's first_ms is its first call's (a compiled mode's compile included)
     rounds  DominoTree rounds (frontier builder) of the real decode loop (dtrt.runtime.generate) after a prompt of P
             random tokens at each budget: milliseconds a round spends drafting, building, verifying and committing,
-            as dtrt bench reports them (dtrt.bench.report.round_ms). eager; captured and compiled: --static-shapes,
-            with --cuda-graph's drafting graph on a GPU. Random weights accept nothing: these are costs, not speedups
+            as dtrt bench reports them (dtrt.bench.report.round_ms); then at T=1 (top-p 0.95) at the first prompt
+            and budget, where the static rounds draw every row inside the round's graph. eager; captured and
+            compiled: --static-shapes, with --cuda-graph's drafting graph on a GPU. Random weights accept nothing:
+            these are costs, not speedups
 
 The speedup those step times give at a stated tau (--tau, an input: the paper's per-category tau, named as such,
 not measured here): tau x the AR step / a round at the first budget, 16 (its draft + build + verify + commit), per
@@ -221,18 +223,24 @@ def round_spec(*, mode: str, budget: int, device: torch.device) -> RunSpec:
                    static_shapes=mode in STATIC, compile=mode == "compiled")  # fmt: skip
 
 
+SAMPLED = SamplingConfig(temperature=1.0, top_p=0.95)  # the rounds section's T>0 rows: every row drawn in the round
+
+
 def rounds_section(backends: dict, rows: list, *, model: str, prompts, budgets, deadline: float, seed: int = 0):
+    """T=0 rounds at every prompt and budget, then T=1 (top-p 0.95) at the first prompt and budget."""
     broken = set()
-    for p in prompts:
-        for budget, (mode, backend) in ((b, m) for b in budgets for m in backends.items()):
+    cases = [(p, b, SamplingConfig()) for p in prompts for b in budgets] + [(prompts[0], budgets[0], SAMPLED)]
+    for p, budget, sampling in cases:
+        for mode, backend in backends.items():
             if mode in broken:
                 continue
             vocab = backend.target.cfg.vocab_size
             prompt = torch.randint(0, vocab, (p,), generator=torch.Generator().manual_seed(seed)).tolist()
             method = make_method(round_spec(mode=mode, budget=budget, device=backend.device))
-            row = {"model": model, "mode": mode, "builder": "frontier", "prompt": p, "budget": budget, "rounds": 0}
+            row = {"model": model, "mode": mode, "builder": "frontier", "prompt": p, "budget": budget,
+                   "temperature": sampling.temperature, "top_p": sampling.top_p, "rounds": 0}  # fmt: skip
             try:
-                timed_rounds(backend, method, prompt, budget, row, rows, deadline)
+                timed_rounds(backend, method, prompt, budget, row, rows, deadline, sampling)
             except Cut:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure of one mode is recorded, the others go on
@@ -241,7 +249,7 @@ def rounds_section(backends: dict, rows: list, *, model: str, prompts, budgets, 
                 broken.add(mode)
 
 
-def timed_rounds(backend, method, prompt, budget, row, rows, deadline):
+def timed_rounds(backend, method, prompt, budget, row, rows, deadline, sampling: SamplingConfig):
     """Warm-up rounds, then the timed ones, of one generation each; `row` (in `rows` from the start, so a cut
     generation keeps what it timed) gets the timed rounds' summary."""
     rows.append(row)
@@ -249,7 +257,7 @@ def timed_rounds(backend, method, prompt, budget, row, rows, deadline):
         gen = Generation()
         # room for every round to accept its whole tree: the count of rounds, not of tokens, ends it
         most = rounds * (budget + 1) + 1
-        steps = generate(backend, method, prompt, most, SamplingConfig(), budget=budget)
+        steps = generate(backend, method, prompt, most, sampling, budget=budget)
         try:
             for step in steps:
                 if time.monotonic() > deadline:
@@ -329,7 +337,8 @@ def speedups(report: dict, taus: dict, budget: int) -> list[dict]:
     for model, tau in taus.items():
         for mode in MODES:
             ar = [r for r in verify if (r["model"], r["mode"], r["n"]) == (model, mode, 1)]
-            rnd = [r for r in rounds if (r["model"], r["mode"], r["budget"]) == (model, mode, budget)]
+            key = (model, mode, budget, 0.0)
+            rnd = [r for r in rounds if (r["model"], r["mode"], r["budget"], r["temperature"]) == key]
             if ar and rnd:
                 ar_ms, round_ms_ = ar[0]["ms"], rnd[0]["total_ms"]
                 out.append(
@@ -373,14 +382,15 @@ def markdown(report: dict) -> str:
     if rounds:
         lines += ["", "DominoTree rounds: ms a round per stage (dtrt bench's round_ms), mean over the timed rounds", ""]
         lines += [
-            f"| model | mode | prompt | budget | rounds | tau | nodes | {' | '.join(STAGES)} | total | prefill ms |"
+            f"| model | mode | T | prompt | budget | rounds | tau | nodes | {' | '.join(STAGES)} | total | prefill ms |"
         ]
-        lines += ["|---" * (9 + len(STAGES)) + "|"]
+        lines += ["|---" * (10 + len(STAGES)) + "|"]
         for r in rounds:
             stages = " | ".join(f"{r['round_ms'][k]:.2f}" for k in STAGES)
             lines.append(
-                f"| {r['model']} | {r['mode']} | {r['prompt']} | {r['budget']} | {r['rounds']} | {r['tau']:.2f} | "
-                f"{r['tree_size']:.1f} | {stages} | {r['total_ms']:.2f} | {r['prefill_ms']:.1f} |"
+                f"| {r['model']} | {r['mode']} | {r['temperature']:g} | {r['prompt']} | {r['budget']} | "
+                f"{r['rounds']} | {r['tau']:.2f} | {r['tree_size']:.1f} | {stages} | {r['total_ms']:.2f} | "
+                f"{r['prefill_ms']:.1f} |"
             )
     for section in ("verify", "rounds"):
         for r in report["sections"].get(section, {}).get("rows", []):

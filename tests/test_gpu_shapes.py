@@ -46,8 +46,10 @@ def test_dry_run_measures_both_sections(tmp_path):
     assert {(r["model"], r["mode"], r["past"], r["n"]) for r in verify} == expect
     assert all(positive(r["ms"]) and positive(r["over_n1"]) and positive(r["first_ms"]) for r in verify)
     rounds = secs["rounds"]["rows"]
-    keys = [(r["model"], r["mode"], r["prompt"], r["budget"]) for r in rounds]
-    assert keys == [(m, mode, 32, b) for m in ("qwen3-4b", "qwen3-8b") for b in (4, 8) for mode in modes]
+    keys = [(r["model"], r["mode"], r["prompt"], r["budget"], r["temperature"]) for r in rounds]
+    # T=0 at every budget, then T=1 (every row drawn inside the static rounds) at the first
+    cases = [(b, 0.0) for b in (4, 8)] + [(4, 1.0)]
+    assert keys == [(m, mode, 32, b, t) for m in ("qwen3-4b", "qwen3-8b") for b, t in cases for mode in modes]
     for r in rounds:
         assert r["rounds"] == 6 and positive(r["tau"]) and positive(r["total_ms"]) and r["builder"] == "frontier"
         assert set(r["round_ms"]) == {"draft", "build", "verify", "commit"}
@@ -59,7 +61,7 @@ def test_dry_run_measures_both_sections(tmp_path):
     assert eight["tau"] == 3.5 and "given with --tau" in eight["tau_is"] and four["budget"] == 4
     assert math.isclose(eight["speedup"], 3.5 * eight["ar_ms"] / eight["round_ms"])
     assert "| model | mode | P | N=1 | N=2 | N=4 | N=8 |" in run.stdout
-    assert "| model | mode | prompt | budget |" in run.stdout
+    assert "| model | mode | T | prompt | budget |" in run.stdout
     assert "at tau 7.98 (the paper's tau for Qwen3-4B DominoTree@16, an input)" in run.stdout
 
 
