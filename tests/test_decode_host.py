@@ -8,7 +8,7 @@ from test_tree_builders import make_round, make_scorer
 
 from dtrt.runtime.backends.exported import ExportedBackend, pad_rows
 from dtrt.runtime.backends.kv import TargetKV
-from dtrt.runtime.sampling import SamplingConfig, chooser
+from dtrt.runtime.sampling import chooser
 from dtrt.tree import Tree, build_heap, first_nodes
 
 
@@ -33,7 +33,7 @@ def test_pad_rows_on_the_host_is_the_torch_form(n, rows):
 def test_argmax_choices_are_torchs_first_of_equals():
     g = torch.Generator().manual_seed(0)
     logits = torch.randint(0, 4, (6, 300), generator=g).float()  # many ties per row
-    choose = chooser(logits, SamplingConfig())
+    choose = chooser(logits)  # no draws: T=0
     assert [choose(i) for i in range(6)] == logits.argmax(-1).tolist()
 
 
