@@ -305,8 +305,8 @@ def test_compiled_layers_serve_every_layer_and_width(tiny, fresh_parts):
 
 def test_compiled_rounds_give_ar_tokens(tiny, ar_tokens, monkeypatch, fresh_parts):
     """The decode loop through compiled layer parts (AOTAutograd here, to keep the test fast; Inductor: the test
-    above), T=0 rounds with the drafter's context and a T=1 generation's verify steps: AR's tokens, drafts accepted,
-    the seed's tokens."""
+    above), T=0 rounds with the drafter's context and a T=1 generation's rounds (every row drawn in the round): AR's
+    tokens, drafts accepted, the seed's tokens."""
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **kw, backend="aot_eager"))
     p = pipe(tiny, "dominotree", static_shapes=True)
