@@ -102,8 +102,8 @@ class ContextAppend:
 
 class Sampled:
     """The T>0 choice at every row of a round, on the device (`draw_rows`): the token after row i is drawn with
-    the uniform of the position it lands at, read from `uniforms` (float64, a generation's table, dtrt.runtime.sampling
-    .Draws), with device scalars `temperature` and `top_p`; `nucleus` whether top_p filters."""
+    the uniform of the position it lands at, read from `uniforms` (float64: a generation's table, Draws in
+    dtrt.runtime.sampling), with device scalars `temperature` and `top_p`; `nucleus`: whether top_p filters."""
 
     def __init__(self, uniforms, temperature, top_p, *, nucleus: bool):
         self.uniforms, self.temperature, self.top_p, self.nucleus = uniforms, temperature, top_p, nucleus

@@ -4,10 +4,9 @@ row's draw too, one graph per sampling mode) is one CUDA graph, and so is each w
 under a grammar runs before the host walk), captured at first use and again when the static cache or the draft
 cache is reallocated (the layers' parts around attention compiled by torch.compile first, unless --no-compile:
 StaticKVCache.run_layer), then replayed with the padded tree written into its input buffers; elsewhere the same
-functions run eagerly. A round reads back one
-small tensor: the accepted count, the bonus token, the order and the walked nodes' tokens. The host's lengths (the
-target's past, the draft cache's length) stay the ones the rest of the loop reads: the device's are set from them
-before each round and the host's advanced by the count read back."""
+functions run eagerly. A round reads back one small tensor: the accepted count, the bonus token, the order and the
+walked nodes' tokens. The host's lengths (the target's past, the draft cache's length) stay the ones the rest of the
+loop reads: the device's are set from them before each round and the host's advanced by the count read back."""
 
 import torch
 
