@@ -74,6 +74,11 @@ def drafted_starts(pipe) -> list[int]:
     return starts
 
 
+def drafting_without_a_chain(policy):
+    """A round with no chain drafts, whatever the clock says (the root alone never pays: test_lookup_tree's own)."""
+    policy.bare_gain, policy.seconds["root"] = math.inf, 1.0
+
+
 def test_a_chain_worth_a_drafted_round_is_verified_alone():
     """Where lookup's chain is expected to be accepted for at least what drafted rounds have been accepting (the
     running gain), the round verifies the chain alone and the drafter is not called; AR's tokens all the same.
@@ -82,6 +87,7 @@ def test_a_chain_worth_a_drafted_round_is_verified_alone():
     want = fake_pipeline("ar").generate(repeating(), NEW, SamplingConfig()).tokens
     cheap = fake_pipeline("dominotree", lookup=True, budget=BUDGET)
     cheap.method.policy.gain = -1.0  # a drafted round gives nothing: any chain beats it, however long it takes
+    drafting_without_a_chain(cheap.method.policy)
     starts = drafted_starts(cheap)
     g = cheap.generate(repeating(), NEW, SamplingConfig())
     assert g.tokens == want
@@ -92,6 +98,7 @@ def test_a_chain_worth_a_drafted_round_is_verified_alone():
 
     dear = fake_pipeline("dominotree", lookup=True, budget=BUDGET)
     dear.method.policy.gain = math.inf
+    drafting_without_a_chain(dear.method.policy)
     starts = drafted_starts(dear)
     g = dear.generate(repeating(), NEW, SamplingConfig())
     assert g.tokens == want and len(starts) == len(g.rounds) and sum(r.lookup for r in g.rounds) > 0
@@ -110,6 +117,7 @@ def test_a_chain_just_accepted_whole_is_proposed_as_deep_as_a_tree_goes():
     want = fake_pipeline("ar").generate(repeating(), NEW, SamplingConfig()).tokens
     pipe = fake_pipeline("dominotree", lookup=True, budget=2)
     pipe.method.policy.gain = -1.0  # every round with a chain verifies it alone: its length is the tree's
+    drafting_without_a_chain(pipe.method.policy)
     g = pipe.generate(repeating(), NEW, SamplingConfig())
     assert g.tokens == want
     sizes = [r.tree_size - 1 for r in g.rounds]
@@ -123,21 +131,59 @@ def test_a_chain_just_accepted_whole_is_proposed_as_deep_as_a_tree_goes():
 
 def test_chain_or_draft_weighs_tokens_by_the_seconds_they_take():
     """A chain expected to give 0.6 tokens against drafted rounds that give 1: drafted while both kinds take as
-    long, alone once drafted rounds take 1.8x a chain round (1.6 tokens a chain round, 2 in 1.8 of them); no chain
-    always drafts; the time between generations counts for neither kind."""
+    long, alone once drafted rounds take 1.8x a chain round (1.6 tokens a chain round, 2 in 1.8 of them); the time
+    between generations counts for no kind."""
     from dtrt.tree.lookup_source import ChainOrDraft
 
     p = ChainOrDraft(gain=1.0)
     assert not p.choose(0.6, now=0.0) and not p.choose(0.0, now=1.0)  # both drafted: one timed kind only
-    assert p.seconds == {False: 1.0}
+    assert p.seconds == {"draft": 1.0}
     assert p.choose(1.0, now=2.0)  # 1 + 1 >= 1 + 1 at equal (assumed) times
     assert not p.choose(0.6, now=3.0)  # the chain round took 1 s: still equal times
     p.restart()
-    p.seconds = {True: 1.0, False: 1.8}
+    p.seconds = {"chain": 1.0, "draft": 1.8, "bare": 1.8, "root": 1.0}
     assert p.choose(0.6, now=100.0) and not p.choose(0.0, now=101.0)
-    assert p.seconds[True] == pytest.approx(1.0)
-    p.observe_drafted(3)
-    assert p.gain == pytest.approx(1.2)
+    assert p.seconds["chain"] == pytest.approx(1.0)
+    p.observe_drafted(3)  # a round without a chain: both gains
+    assert p.gain == pytest.approx(1.2) and p.bare_gain == pytest.approx(1.2)
+
+
+def test_the_root_goes_alone_where_drafting_does_not_pay():
+    """With no chain: a drafted round first (nothing to weigh), then the root alone once, to time it; then the root
+    alone while drafted rounds without a chain give no more tokens a second than root-alone rounds (1.3 tokens in
+    1.4 s against 1 in 1 s), a drafted round again after EXPLORE root-alone rounds, and drafting where it pays (2.5
+    tokens in 1.4 s)."""
+    from dtrt.tree.lookup_source import ChainOrDraft
+
+    p = ChainOrDraft(gain=1.0)
+    assert not p.choose(0.0, now=0.0)  # drafts: nothing timed yet
+    p.observe_drafted(0)
+    assert p.choose(0.0, now=1.4)  # the root alone, once, to be timed
+    assert p.seconds == {"draft": 1.4, "bare": 1.4}
+    p.seconds, p.bare_gain = {"draft": 1.4, "bare": 1.4, "root": 1.0}, 0.3
+    t = 2.4
+    kinds = []
+    for _ in range(2 * (ChainOrDraft.EXPLORE + 1)):
+        kinds.append(p.choose(0.0, now=t))
+        p.seconds = {"draft": 1.4, "bare": 1.4, "root": 1.0}  # keep the figures fixed
+        t += 1.0
+    e = ChainOrDraft.EXPLORE  # the timing round was the first root-alone round since the last drafted one
+    assert kinds == [True] * (e - 1) + [False] + [True] * e + [False] + [True], kinds
+    p.bare_gain = 1.5
+    assert not p.choose(0.0, now=t)  # 2.5 tokens in 1.4 s beat 1 in 1 s
+    assert p.choose(2.0, now=t + 1)  # a chain goes alone by its own rule
+
+
+def test_greedy_and_sampled_generations_keep_their_own_figures():
+    from dtrt.runtime.methods import make_method
+
+    method = make_method(RunSpec(method="dominotree", lookup=True))
+    method.begin([1, 2, 3])
+    greedy = method.policy
+    method.begin([1, 2, 3], sampled=True)
+    assert method.policy is method.policies[True] is not greedy
+    method.begin([1, 2, 3])
+    assert method.policy is greedy
 
 
 def test_lookup_partly_wrong_is_measured():

@@ -228,7 +228,7 @@ def generate(
     root = choose(logits[-1:], draws, state, [()], lambda _: n)(0)
     if state is not None and root not in eos:
         state.commit([root])
-    method.begin(prompt, hit.index)
+    method.begin(prompt, hit.index, sampled=draws is not None)
     if drafter is not None:
         method.prepare(backend, drafter.cfg.k_draft)
     tokens, end = cut([root])

@@ -79,10 +79,10 @@ class Method:
         """Called once per generation before the backend's caches are reset for it: a method that measures the
         backend does it here."""
 
-    def begin(self, prompt: list[int], index: LookupIndex | None = None):
+    def begin(self, prompt: list[int], index: LookupIndex | None = None, *, sampled: bool = False):
         """Called once per generation with its prompt, after prefill, for every method. `index`: the prompt-lookup
         index over the prompt's first positions, restored from the prefix cache, for a method with lookup to extend
-        over the rest (it is this generation's own)."""
+        over the rest (it is this generation's own); `sampled`: whether the generation samples (T>0)."""
 
     @property
     def uses_lookup(self) -> bool:
@@ -149,7 +149,7 @@ class Lookup(Method):
     uses_drafter = False
     has_budget = True
 
-    def begin(self, prompt, index=None):
+    def begin(self, prompt, index=None, *, sampled=False):
         self.source = LookupSource(prompt, index=index)  # the source --lookup gives the tree methods; fixed length
 
     uses_lookup = True
@@ -237,7 +237,9 @@ class DominoTree(Method):
     """With --lookup, a round first proposes lookup's chain: where its expected accepted tokens (at the request's
     running acceptance per depth) per second of a chain-alone round reach what drafted rounds have been accepting
     per second (ChainOrDraft: running means over this method's rounds of each kind), the chain alone is verified
-    and nothing is drafted; otherwise the drafter's tree takes the chain's nodes too (one budget)."""
+    and nothing is drafted; otherwise the drafter's tree takes the chain's nodes too (one budget). Where there is no
+    chain, the root goes alone while drafted rounds give no more tokens a second than root-alone rounds. Greedy and
+    sampled generations keep their own figures (a drafter's trees are followed far less often at T>0)."""
 
     name = "dominotree"
     has_budget = True
@@ -249,7 +251,9 @@ class DominoTree(Method):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.policy = ChainOrDraft()  # what drafted and chain-alone rounds give, carried between generations
+        # what each kind of round gives, carried between generations: greedy ones, sampled ones
+        self.policies = {False: ChainOrDraft(), True: ChainOrDraft()}
+        self.policy = self.policies[False]
 
     @classmethod
     def needs_head(cls, spec):
@@ -260,9 +264,11 @@ class DominoTree(Method):
         frontier = spec.builder == "frontier" and spec.arm == "dominotree"  # the stage scores the dominotree arm
         return super().drafter_stages(spec) + (("frontier",) if frontier else ())
 
-    def begin(self, prompt, index=None):
+    def begin(self, prompt, index=None, *, sampled=False):
         if self.cfg.lookup:
             self.lookup = LookupSource(prompt, index=index)
+            self.policy.restart()
+            self.policy = self.policies[sampled]
             self.policy.restart()
 
     @property
@@ -297,7 +303,7 @@ class DominoTree(Method):
         if self.lookup is None:
             return True
         expected = self.propose(root)
-        self._chain_only = self.policy.choose(expected, time.perf_counter())  # no chain: draft
+        self._chain_only = self.policy.choose(expected, time.perf_counter())  # the chain, or the root, alone
         self._measured = not self._chain_only
         return self._measured
 

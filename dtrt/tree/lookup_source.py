@@ -79,19 +79,26 @@ class LookupSource:
 
 
 class ChainOrDraft:
-    """Whether a round verifies lookup's chain alone or drafts, by tokens per second: a chain expected to give
-    `expected` accepted tokens, in a round of `chain_s` seconds, against drafted rounds that have been accepting
-    `gain` draft tokens in `draft_s` seconds (running means, decay 0.9, over the rounds of each kind). Each round's
-    seconds run from its `choose` to the next one's, so commit and the loop count for both kinds; `restart` drops the
-    round under way (the time between generations is no round's). Until both kinds have been timed they count as
-    equally long: the chain goes alone where it is expected to give what a drafted round gives."""
+    """Whether a round drafts, by tokens per second (running means, decay 0.9, over the rounds of each kind):
+    - with a chain expected to give `expected` accepted tokens, the chain goes alone where 1 + expected tokens in a
+      chain-alone round's seconds reach the 1 + `gain` tokens drafted rounds have been giving in theirs (until both
+      kinds have been timed they count as equally long);
+    - with no chain, the root goes alone where drafted rounds without a chain have been giving no more tokens a
+      second than root-alone rounds (AR steps) give: a drafter whose trees are rarely followed (a small target's
+      samples at T>0) then costs nothing. The root goes alone once to be timed, and a round drafts again after
+      EXPLORE root-alone rounds, so that the drafted rounds' figures stay current.
+    Each round's seconds run from its `choose` to the next one's, so commit and the loop count for every kind;
+    `restart` drops the round under way (the time between generations is no round's)."""
 
     DECAY = 0.9
+    EXPLORE = 16  # root-alone rounds after which a round without a chain drafts anyway
 
     def __init__(self, gain: float = 1.0):
         self.gain = gain  # prior: a drafted round accepts one draft token (a tau of 2)
-        self.seconds: dict[bool, float] = {}  # chain alone? -> running seconds a round
-        self._round: tuple[bool, float] | None = None
+        self.bare_gain = gain  # the same over drafted rounds that had no chain
+        self.seconds: dict[str, float] = {}  # "chain", "draft", "bare" (drafted, no chain), "root" -> seconds a round
+        self.idle = 0  # root-alone rounds since the last drafted round
+        self._round: tuple[str, float] | None = None
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else self.DECAY * old + (1 - self.DECAY) * new
@@ -100,19 +107,30 @@ class ChainOrDraft:
         self._round = None
 
     def choose(self, expected: float, now: float) -> bool:
-        """Whether this round (its chain expected to give `expected` tokens; 0: no chain) verifies the chain
-        alone; `now`: the clock at the round's start."""
+        """Whether this round (its chain expected to give `expected` tokens; 0: no chain) verifies its chain, or
+        its root, alone; `now`: the clock at the round's start."""
         if self._round is not None:
-            alone, t0 = self._round
-            self.seconds[alone] = self._mean(self.seconds.get(alone), now - t0)
-        if len(self.seconds) == 2:
-            chain_s, draft_s = self.seconds[True], self.seconds[False]
+            kind, t0 = self._round
+            for k in ("draft", kind) if kind == "bare" else (kind,):
+                self.seconds[k] = self._mean(self.seconds.get(k), now - t0)
+        s = self.seconds
+        if expected > 0:
+            chain_s, draft_s = (s["chain"], s["draft"]) if "chain" in s and "draft" in s else (1.0, 1.0)
+            kind = "chain" if (1 + expected) * draft_s >= (1 + self.gain) * chain_s else "draft"
+        elif "bare" not in s:
+            kind = "bare"
+        elif "root" not in s:
+            kind = "root"
+        elif self.idle >= self.EXPLORE:
+            kind = "bare"
         else:
-            chain_s = draft_s = 1.0
-        alone = expected > 0 and (1 + expected) * draft_s >= (1 + self.gain) * chain_s
-        self._round = (alone, now)
-        return alone
+            kind = "root" if s["bare"] >= (1 + self.bare_gain) * s["root"] else "bare"
+        self.idle = 0 if kind in ("draft", "bare") else self.idle + (kind == "root")
+        self._round = (kind, now)
+        return kind in ("chain", "root")
 
     def observe_drafted(self, accepted_drafts: int):
         """A drafted round's accepted draft tokens."""
         self.gain = self._mean(self.gain, accepted_drafts)
+        if self._round is not None and self._round[0] == "bare":
+            self.bare_gain = self._mean(self.bare_gain, accepted_drafts)
