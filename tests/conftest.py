@@ -48,6 +48,19 @@ def _threads_kept():
 
 
 @pytest.fixture(autouse=True)
+def _rounds_without_a_chain_draft():
+    """DominoTree with lookup verifies the root alone where drafting has not been paying by the clock
+    (ChainOrDraft.root_alone). On the tests' tiny pairs a verify costs next to nothing, so that would depend on the
+    machine's timing; rounds with no chain draft here, as the tests of drafting expect. The rule's own tests
+    (test_lookup_tree.py) turn it on. Set outside monkeypatch, which a test may undo halfway."""
+    from dtrt.tree.lookup_source import ChainOrDraft
+
+    ChainOrDraft.root_alone = False
+    yield
+    ChainOrDraft.root_alone = True
+
+
+@pytest.fixture(autouse=True)
 def cost_store(tmp_path, monkeypatch):
     """Where this test's cost-aware methods keep their measured cost curves: its own, so none is read from
     another test or an earlier run."""

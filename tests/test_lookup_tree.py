@@ -74,11 +74,6 @@ def drafted_starts(pipe) -> list[int]:
     return starts
 
 
-def drafting_without_a_chain(policy):
-    """A round with no chain drafts, whatever the clock says (the root alone never pays: test_lookup_tree's own)."""
-    policy.bare_gain, policy.seconds["root"] = math.inf, 1.0
-
-
 def test_a_chain_worth_a_drafted_round_is_verified_alone():
     """Where lookup's chain is expected to be accepted for at least what drafted rounds have been accepting (the
     running gain), the round verifies the chain alone and the drafter is not called; AR's tokens all the same.
@@ -87,7 +82,6 @@ def test_a_chain_worth_a_drafted_round_is_verified_alone():
     want = fake_pipeline("ar").generate(repeating(), NEW, SamplingConfig()).tokens
     cheap = fake_pipeline("dominotree", lookup=True, budget=BUDGET)
     cheap.method.policy.gain = -1.0  # a drafted round gives nothing: any chain beats it, however long it takes
-    drafting_without_a_chain(cheap.method.policy)
     starts = drafted_starts(cheap)
     g = cheap.generate(repeating(), NEW, SamplingConfig())
     assert g.tokens == want
@@ -98,7 +92,6 @@ def test_a_chain_worth_a_drafted_round_is_verified_alone():
 
     dear = fake_pipeline("dominotree", lookup=True, budget=BUDGET)
     dear.method.policy.gain = math.inf
-    drafting_without_a_chain(dear.method.policy)
     starts = drafted_starts(dear)
     g = dear.generate(repeating(), NEW, SamplingConfig())
     assert g.tokens == want and len(starts) == len(g.rounds) and sum(r.lookup for r in g.rounds) > 0
@@ -117,7 +110,6 @@ def test_a_chain_just_accepted_whole_is_proposed_as_deep_as_a_tree_goes():
     want = fake_pipeline("ar").generate(repeating(), NEW, SamplingConfig()).tokens
     pipe = fake_pipeline("dominotree", lookup=True, budget=2)
     pipe.method.policy.gain = -1.0  # every round with a chain verifies it alone: its length is the tree's
-    drafting_without_a_chain(pipe.method.policy)
     g = pipe.generate(repeating(), NEW, SamplingConfig())
     assert g.tokens == want
     sizes = [r.tree_size - 1 for r in g.rounds]
@@ -156,6 +148,7 @@ def test_the_root_goes_alone_where_drafting_does_not_pay():
     from dtrt.tree.lookup_source import ChainOrDraft
 
     p = ChainOrDraft(gain=1.0)
+    p.root_alone = True  # off for the other tests (conftest)
     assert not p.choose(0.0, now=0.0)  # drafts: nothing timed yet
     p.observe_drafted(0)
     assert p.choose(0.0, now=1.4)  # the root alone, once, to be timed
@@ -172,6 +165,8 @@ def test_the_root_goes_alone_where_drafting_does_not_pay():
     p.bare_gain = 1.5
     assert not p.choose(0.0, now=t)  # 2.5 tokens in 1.4 s beat 1 in 1 s
     assert p.choose(2.0, now=t + 1)  # a chain goes alone by its own rule
+    p.bare_gain, p.root_alone = 0.3, False
+    assert not p.choose(0.0, now=t + 2)  # the rule off: a round with no chain drafts
 
 
 def test_greedy_and_sampled_generations_keep_their_own_figures():
