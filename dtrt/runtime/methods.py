@@ -267,9 +267,8 @@ class DominoTree(Method):
     def begin(self, prompt, index=None, *, sampled=False):
         if self.cfg.lookup:
             self.lookup = LookupSource(prompt, index=index)
-            self.policy.restart()
             self.policy = self.policies[sampled]
-            self.policy.restart()
+            self.policy.restart()  # a round left under way by its last generation is no round
 
     @property
     def uses_lookup(self):
