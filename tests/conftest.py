@@ -141,31 +141,17 @@ def tiny_export(tiny, tmp_path_factory):
         return export_pair(tiny, path, ExportConfig(max_context=512), model="tiny")
 
 
-def drafter_quant_export(tiny_export, tmp_path_factory, quant: str):
-    """tiny_export with its drafters' stages quantized as `dtrt export --drafter-quant <quant>` does."""
-    import json
-    import shutil
-
-    from dtrt.artifacts.export import load_export
-    from dtrt.artifacts.files import MANIFEST, write_manifest
-    from dtrt.exporter.quantize import quantize_drafters
-
-    path = tmp_path_factory.mktemp("export") / f"tiny-{quant}"
-    shutil.copytree(tiny_export.path, path)
-    manifest = json.loads((path / MANIFEST).read_text())
-    manifest["drafter_quant"] = quant
-    manifest["quantized_stages"] = quantize_drafters(path, manifest["stages"], quant)
-    write_manifest(path, manifest)
-    return load_export(path)
-
-
 @pytest.fixture(scope="session")
 def tiny_export_int8(tiny_export, tmp_path_factory):
+    from helpers import drafter_quant_export
+
     return drafter_quant_export(tiny_export, tmp_path_factory, "int8")
 
 
 @pytest.fixture(scope="session")
 def tiny_export_int4(tiny_export, tmp_path_factory):
+    from helpers import drafter_quant_export
+
     return drafter_quant_export(tiny_export, tmp_path_factory, "int4")
 
 

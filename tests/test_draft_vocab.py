@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import PROMPTS, generate_all, pipe_for, run_cli, spec
+from helpers import PROMPTS, drafter_quant_export, generate_all, pipe_for, run_cli, spec
 from safetensors.torch import load_file, save_file
 from test_bad_input import expect_error
 from test_methods import LINEAR_COST
@@ -156,16 +156,10 @@ def test_drafts_never_leave_the_subset(tiny, subset):
 
 @pytest.fixture(scope="module")
 def exported(tiny, subset, tmp_path_factory):
+    """The pair exported over the subset, and copies with its drafter stages quantized as `--drafter-quant` does."""
     root = tmp_path_factory.mktemp("export")
-    return {
-        quant: export_pair(
-            tiny,
-            root / quant,
-            ExportConfig(max_context=512, draft_vocab=str(subset), drafter_quant=quant),
-            model="tiny",
-        )
-        for quant in ("none", "int8", "int4")
-    }
+    full = export_pair(tiny, root / "none", ExportConfig(max_context=512, draft_vocab=str(subset)), model="tiny")
+    return {"none": full, **{q: drafter_quant_export(full, tmp_path_factory, q) for q in ("int8", "int4")}}
 
 
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])

@@ -224,6 +224,10 @@ def test_the_dry_run_runs_every_call_within_the_limits(tmp_path):
         "return_depth=2",
         "--keep",
         str(tmp_path / "dry"),
+        "--train-s",
+        "20",
+        "--measure-s",
+        "30",
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "dry run: fits" in res.stdout and "stage-1" in res.stdout  # several parts, each its own call
@@ -236,7 +240,7 @@ def test_the_dry_run_runs_every_call_within_the_limits(tmp_path):
 
 @pytest.mark.slow
 def test_preflight_runs_the_training_call_on_the_tiny_pair(tmp_path):
-    res = job("preflight", "--out", str(tmp_path / "out"), "--piece-bytes", "1 MiB")
+    res = job("preflight", "--out", str(tmp_path / "out"), "--piece-bytes", "1 MiB", "--budget-s", "20")
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.startswith("preflight on cpu") and "held-out tau" in res.stdout
     assert (tmp_path / "out" / "drafter.json").is_file() and (tmp_path / "out" / "train.json").is_file()

@@ -244,7 +244,14 @@ def cmd_returned(args):
 def cmd_dry_run(args):
     import dry_run
 
-    return dry_run.main(REPO, limits.load(args.limits, args.limit), keep=args.keep, set_aside=args.set_aside)
+    return dry_run.main(
+        REPO,
+        limits.load(args.limits, args.limit),
+        keep=args.keep,
+        set_aside=args.set_aside,
+        train_s=args.train_s,
+        measure_s=args.measure_s,
+    )
 
 
 def _limit_flags(p):
@@ -315,6 +322,8 @@ def main(argv=None):
     d.add_argument(
         "--set-aside", nargs="*", default=[], metavar="PATH", help="working-tree paths counted as set aside, as a job's"
     )
+    d.add_argument("--train-s", type=int, default=45, help="the training call's seconds")
+    d.add_argument("--measure-s", type=int, default=60, help="the measurement call's seconds")
     d.set_defaults(fn=cmd_dry_run)
     args = ap.parse_args(argv)
     try:
