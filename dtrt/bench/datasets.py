@@ -107,11 +107,23 @@ def read_dataset(name: str) -> bytes:
     return f.read_bytes()
 
 
+def is_prompt_file(name: str) -> bool:
+    """Whether a --datasets item names a prompts file (anything that is not a dataset's name)."""
+    return name not in SOURCES
+
+
 def load_all(name: str) -> list[Prompt]:
     """Every prompt of dataset `name`, in the package's order, templated (not for the LONG datasets: see
-    documents)."""
-    if name not in SOURCES:
-        raise DtrtError(f"--datasets {name!r}: use some of {', '.join(DATASETS)}")
+    documents); or of the prompts file `name` (dtrt.frontend.prompts.prompt_file), in its order, as written."""
+    if is_prompt_file(name):
+        from dtrt.frontend.prompts import prompt_file
+
+        if not Path(name).is_file():
+            raise DtrtError(f"--datasets {name!r}: neither a dataset (use some of {', '.join(DATASETS)}) nor a file")
+        prompts = [Prompt(i, turns) for i, turns in prompt_file(name, "--datasets")]
+        if not prompts:
+            raise DtrtError(f"--datasets {name}: holds no prompts; give a file with at least one")
+        return prompts
     if name in LONG:
         raise ValueError(f"{name}: a long-context dataset; its prompts are cut by dtrt.bench.longctx from documents()")
     raw = read_dataset(name)

@@ -149,7 +149,9 @@ def quality(
     show_default=True,
     help="comma list of mt-bench, humaneval, math500, aime, aime24, code-edit (HumanEval's functions, each with a "
     "small edit asked for: the answer copies its prompt), and the long-context summarisation datasets lexsum "
-    "(Multi-LexSum) and essays (windows of Paul Graham's essays), run per --context-bins",
+    "(Multi-LexSum) and essays (windows of Paul Graham's essays), run per --context-bins; or a prompts file of "
+    'your own: JSONL, a line each, {"prompt": ...} or {"turns": [...]} with an optional "id", or plain text, a '
+    "prompt a line (its rows are labelled with the path as given)",
 )
 @click.option(
     "--context-bins",

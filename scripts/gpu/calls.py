@@ -126,7 +126,8 @@ def plan(
         calls.append(
             Call(
                 "measure",
-                f"PYTHONUNBUFFERED=1 bash scripts/gpu/measure.sh $OUT {max(1, measure_s - 20)}{measure_args}",
+                f"PYTHONUNBUFFERED=1 MEASURE_PAIR={remote} bash scripts/gpu/measure.sh $OUT {max(1, measure_s - 20)}"
+                f"{measure_args}",
                 [],
                 timeout_s=measure_s + MEASURE_TIMEOUT_S,
                 expected_s=measure_s,

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # An offline GPU job's measurement call: the verify-cost curve and a DominoTree round's breakdown at Qwen3-4B shapes
-# (benchmarks/gpu_shapes.py), then scripts/gpu_check.sh (the gpu/kernels tests on CUDA, the tree-build time heap
-# vs frontier, the CUDA-graph round), each under its share of the seconds given; everything it wrote comes back
-# as OUT/measure.tgz, the log as OUT/measure.log.
+# (benchmarks/gpu_shapes.py); then, where the training call left its pair in MEASURE_PAIR (its work folder: the
+# rebuilt target/ and the stage's drafter and held-out prompts), `dtrt bench` end to end on that real pair on the
+# GPU (AR and DominoTree, eager and captured side by side, T=0); then scripts/gpu_check.sh (the gpu/kernels tests
+# on CUDA, the tree-build time heap vs frontier, the CUDA-graph round); each under its share of the seconds given.
+# Everything it wrote comes back as OUT/measure.tgz, the log as OUT/measure.log.
 #
-#   bash scripts/gpu/measure.sh OUT SECONDS [--dry-run]     # --dry-run: the same steps on the CPU, tiny shapes
+#   [MEASURE_PAIR=DIR] bash scripts/gpu/measure.sh OUT SECONDS [--dry-run]  # --dry-run: the steps on the CPU, tiny
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # dtrt is the checkout there, not an installed package
@@ -20,7 +22,21 @@ log="$out/measure.log"
 start=$SECONDS
 rc=0
 shapes_s=$((seconds * 45 / 100))
+# dtrt bench on the pair the training call rebuilt, where there is one: DEVICE PROMPTS TOKENS SECONDS
+e2e() {
+    local pair="${MEASURE_PAIR:-}" prompts
+    if [ -z "$pair" ] || [ ! -f "$pair/target/config.json" ] || [ ! -d "$pair/stage/drafter" ]; then
+        echo "measure: no pair in MEASURE_PAIR (${pair:-unset}): the end-to-end bench is skipped" | tee -a "$log"
+        return 0
+    fi
+    prompts=$(ls "$pair"/stage/held-out/*.jsonl | paste -sd, -)
+    timeout "$4" python3 -c 'from dtrt.entry import main; main()' bench --target "$pair/target" \
+        --drafter "$pair/stage/drafter" --device "$1" --graphs eager,captured --no-compile --methods ar,dominotree \
+        --datasets "$prompts" --prompts "$2" --max-new-tokens "$3" --temperatures 0 --out "$work/bench-e2e" \
+        2>&1 | tee -a "$log" || rc=1
+}
 if [ "$dry" = "--dry-run" ]; then
+    e2e cpu 1 12 120
     python3 benchmarks/gpu_shapes.py --device cpu --tiny --budget-s "$shapes_s" --json "$work/gpu_shapes.json" \
         2>&1 | tee -a "$log" || rc=1
     python3 benchmarks/tree_build.py --device cpu --vocab 512 --hidden 64 --gru 32 --emb 16 --topm 8 --depth 4 \
@@ -34,6 +50,7 @@ else
         timeout "$((shapes_s + 20))" python3 benchmarks/gpu_shapes.py --device cuda --budget-s "$shapes_s" \
             --json "$work/gpu_shapes.json" 2>&1 | tee -a "$log" || rc=1
     fi
+    e2e cuda 5 128 "$((seconds * 25 / 100))"
     left=$((seconds - (SECONDS - start) - 5))
     GPU_CHECK_OUT="$work/gpu-check" GPU_CHECK_TESTS_S=$((left * 70 / 100)) timeout "$left" bash scripts/gpu_check.sh 2>&1 | tee -a "$log" || rc=1
 fi
