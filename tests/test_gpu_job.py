@@ -349,6 +349,44 @@ def test_the_documented_limits_file_is_one_the_job_reads(tmp_path):
     assert every.part_bytes and every.command_chars and every.return_depth is not None and every.missing_packages
 
 
+def test_a_measure_only_job_carries_the_pair_and_unpacks_it_for_the_measurement(tmp_path):
+    """`stage --measure-only`: no data, no training call; the pair (target, drafter, held-out prompts) in parts,
+    the last part's call unpacking it where the measurement call's MEASURE_PAIR points. The calls before the
+    measurement run here as written (the measurement itself: the dry run's)."""
+    from dtrt.zoo.registry import tiny_pair
+
+    (tmp_path / "limits.toml").write_text(MACHINE)
+    remote = tmp_path / "remote"
+    given = ["stage", "--limits", str(tmp_path / "limits.toml"), "--model", "tiny", "--out", str(tmp_path / "job")]
+    flags = ["--limit", f"scratch_dir={remote}", "--limit", "part_bytes=1MiB", "--measure-only"]
+    res = job(*given, *flags, "--measure-s", "200")
+    assert res.returncode == 0, res.stderr
+    plan = json.loads((tmp_path / "job" / "plan.json").read_text())
+    names = [c["name"] for c in plan["calls"]]
+    assert names[-2:] == ["unpack", "measure"] and "train" not in names and len(names) >= 3
+    assert "the pair alone" in plan["staged"]["summary"]
+    assert "No training call" in (tmp_path / "job" / "PLAN.md").read_text()
+    assert f"MEASURE_PAIR={remote} " in plan["calls"][-1]["command"]
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # the commands' python3 is this one
+    for c in plan["calls"][:-1]:
+        env = {**os.environ, "OUT": str(tmp_path / "out" / c["name"]), "PATH": path}
+        command = c["command"].replace("nvidia-smi -L", "true")  # no GPU here
+        done = subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    target = tiny_pair().target
+    assert (remote / "target" / "model.safetensors").read_bytes() == (target / "model.safetensors").read_bytes()
+    assert (remote / "stage" / "drafter" / "config.json").is_file()
+    assert sorted(p.name for p in (remote / "stage" / "held-out").iterdir()) == ["a.jsonl", "b.jsonl"]
+    assert not (remote / "stage" / "data").exists() and not (remote / "stage" / "corpus.txt").exists()
+    for wrong, says in [
+        (["--measure-only"], "--measure-only stages the pair for a measurement: give --measure-s, and no --data"),
+        (["--measure-only", "--measure-s", "60", "--data", str(tmp_path)], "give --measure-s, and no --data"),
+        ([], "--data: the drafter-data folders to train on (or --measure-only, to measure alone)"),
+    ]:
+        res = job(*given, *wrong)
+        assert res.returncode == 1 and says in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
+
+
 def test_stage_refuses_a_job_folder_that_would_travel_with_every_call(tmp_path):
     (tmp_path / "limits.toml").write_text(MACHINE)
     given = ["stage", "--limits", str(tmp_path / "limits.toml"), "--data", str(tmp_path / "none")]

@@ -12,6 +12,7 @@ from limits import Limits, MiB
 RECEIVE_S, RECEIVE_TIMEOUT_S = 25, 90  # a part's call: its copy into the scratch folder and the GPU's listing
 TRAIN_OVERHEAD_S, TRAIN_TIMEOUT_S = 15, 45  # the training call past its budget: start-up expected, and allowed
 MEASURE_TIMEOUT_S = 30
+UNPACK_S, UNPACK_TIMEOUT_S = 20, 90  # a measure-only job's last call: the parts joined, the target rebuilt
 RETURNED_RECORDS = (
     3  # besides the checkpoint's pieces, the training call brings back drafter.json, train.json, train.log
 )
@@ -93,8 +94,10 @@ def plan(
     gpu: str = "nvidia-smi -L",
     train_args: str = "",
     measure_args: str = "",
+    measure_only: bool = False,
 ) -> list[Call]:
-    """The calls for these staged parts: one per part, the last one training, then the measurement if `measure_s`.
+    """The calls for these staged parts: one per part, the last one training (`measure_only`: unpacking the pair),
+    then the measurement if `measure_s`.
     The dry run gives its own `gpu` check and extra arguments."""
     repo = Path(repo)
     job = "python3 scripts/gpu/job.py"
@@ -111,17 +114,28 @@ def plan(
                 expected_s=RECEIVE_S,
             )
         )
-    calls.append(
-        Call(
-            "train",
-            f"set -o pipefail; {job} receive {rel[-1]} --into {remote}/parts && "
-            f"PYTHONUNBUFFERED=1 {job} train --parts {remote}/parts --work {remote} --out $OUT --budget-s {train_s} "
-            f"--piece-bytes {limits.return_file_bytes}{train_args} 2>&1 | tee $OUT/train.log",
-            [rel[-1]],
-            timeout_s=train_s + TRAIN_TIMEOUT_S,
-            expected_s=train_s + TRAIN_OVERHEAD_S,
+    if measure_only:  # the last part received, the pair unpacked for the measurement
+        calls.append(
+            Call(
+                "unpack",
+                f"{job} receive {rel[-1]} --into {remote}/parts && {job} unpack --parts {remote}/parts --work {remote}",
+                [rel[-1]],
+                timeout_s=min(RECEIVE_TIMEOUT_S + UNPACK_TIMEOUT_S, limits.call_s),
+                expected_s=RECEIVE_S + UNPACK_S,
+            )
         )
-    )
+    else:
+        calls.append(
+            Call(
+                "train",
+                f"set -o pipefail; {job} receive {rel[-1]} --into {remote}/parts && "
+                f"PYTHONUNBUFFERED=1 {job} train --parts {remote}/parts --work {remote} --out $OUT "
+                f"--budget-s {train_s} --piece-bytes {limits.return_file_bytes}{train_args} 2>&1 | tee $OUT/train.log",
+                [rel[-1]],
+                timeout_s=train_s + TRAIN_TIMEOUT_S,
+                expected_s=train_s + TRAIN_OVERHEAD_S,
+            )
+        )
     if measure_s:
         calls.append(
             Call(
@@ -176,7 +190,16 @@ def markdown(calls: list[Call], limits: Limits, *, staged: dict, set_aside: list
         for i, c in enumerate(calls, 1)
     )
     aside = " and ".join(set_aside) or "nothing"
-    if "measure" in {c.name for c in calls}:
+    names = {c.name for c in calls}
+    if "train" in names:
+        step3 = (
+            "After the training call: `python scripts/gpu/job.py returned --from <its returned files> --into "
+            "runs/gpu`\n   rebuilds the checkpoint (refused if a piece is missing or corrupted); measure its held-out "
+            "tau again where the\n   drafter it started from was measured, and keep it only if it is better there."
+        )
+    else:
+        step3 = "No training call (a measure-only job): the last part's call unpacks the pair for the measurement."
+    if "measure" in names:
         step4 = "After the measurement call: unpack its `measure.tgz`; the summary is at the end of `measure.log`."
     else:
         step4 = "No measurement call: stage with `--measure-s SECONDS` for one."
@@ -191,9 +214,7 @@ Staged: {staged["summary"]}. Expected: {expected_s(calls, limits) / 60:.1f} minu
 2. Make the calls below in order, each as soon as the one before returns: the machine goes back after
    {limits.idle_s}s idle, and with it the parts already sent. Run each command from the repository root, with the
    paths it carries; `$OUT` is the folder whose files come back.
-3. After the training call: `python scripts/gpu/job.py returned --from <its returned files> --into runs/gpu`
-   rebuilds the checkpoint (refused if a piece is missing or corrupted); measure its held-out tau again where the
-   drafter it started from was measured, and keep it only if it is better there.
+3. {step3}
 4. {step4}
 5. After the last call: `python scripts/gpu/job.py put-back --job {job_dir}`.
 

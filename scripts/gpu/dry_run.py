@@ -1,7 +1,7 @@
 """Every call of the plan on the CPU, on the tiny pair at tiny sizes, each in its own process with the packages
 the GPU machine lacks (`missing_packages`) hidden: staging in parts, each part received, the training call (probe,
-in-memory features, evaluations, the checkpoint brought back in pieces), the measurement call; and every limit
-given checked on what the calls carry and bring back."""
+in-memory features, evaluations, the checkpoint brought back in pieces; a measure-only job: the pair unpacked), the
+measurement call; and every limit given checked on what the calls carry and bring back."""
 
 import json
 import os
@@ -74,6 +74,7 @@ def main(
     set_aside: list[str] = (),
     train_s: int = 45,
     measure_s: int = 60,
+    measure_only: bool = False,
 ) -> int:
     """The plan staged and run under `limits`, its scratch folder and the returned files kept in `keep` (or a
     temporary folder); the working tree that travels counted without `set_aside`, as a job would set them aside."""
@@ -100,14 +101,10 @@ def main(
             "tiny",
             "--out",
             str(work / "job"),
-            "--data",
-            str(data),
-            "--corpus",
-            str(corpus),
+            *(["--measure-only"] if measure_only else ["--data", str(data), "--corpus", str(corpus)]),
             "--init-from",
             str(init),
-            "--train-s",
-            str(train_s),
+            *([] if measure_only else ["--train-s", str(train_s)]),
             "--measure-s",
             str(measure_s),
             *(["--set-aside", *set_aside] if set_aside else []),
@@ -125,8 +122,9 @@ def main(
         dirs,
         limits,
         tree_bytes=calls.tree_bytes(repo, without=set_aside),
-        train_s=train_s,
+        train_s=0 if measure_only else train_s,
         measure_s=measure_s,
+        measure_only=measure_only,
         gpu="echo 'no GPU: dry run'",
         train_args=" --device cpu --eval-every-s 10 --min-train-s 10",  # a busy CPU's probe must not eat it all
         measure_args=" --dry-run",
@@ -153,15 +151,16 @@ def main(
         if took > c.timeout_s + grown_s(out):
             problems.append(f"{c.name} took {took:.0f}s, over its timeout {c.timeout_s}s")
         problems += returned_problems(out, limits)
-    rebuilt = subprocess.run(
-        [*job, "returned", "--from", str(work / "out" / "train"), "--into", str(work / "back")],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    print(rebuilt.stdout.strip() or rebuilt.stderr.strip())
-    if rebuilt.returncode:
-        problems.append(f"the returned checkpoint: {rebuilt.stderr.strip()}")
+    if not measure_only:
+        rebuilt = subprocess.run(
+            [*job, "returned", "--from", str(work / "out" / "train"), "--into", str(work / "back")],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        print(rebuilt.stdout.strip() or rebuilt.stderr.strip())
+        if rebuilt.returncode:
+            problems.append(f"the returned checkpoint: {rebuilt.stderr.strip()}")
     for p in problems:
         print(f"dry run: {p}", file=sys.stderr)
     print(f"dry run: {'fits' if not problems else 'does not fit'}; its folders: {work}")

@@ -7,6 +7,7 @@ sequence of calls (PLAN.md says which, in order). The machine's limits are the u
     python scripts/gpu/job.py set-aside | put-back        # the inputs that travel inside the parts, moved out/back
     python scripts/gpu/job.py receive PART --into D       # on the GPU: one part arrived whole
     python scripts/gpu/job.py train --parts D ...         # on the GPU: every part there, unpacked, checked, trained
+    python scripts/gpu/job.py unpack --parts D --work W   # on the GPU, a --measure-only job: unpacked, checked
     python scripts/gpu/job.py preflight --out D           # the training call on the tiny pair, in seconds
     python scripts/gpu/job.py returned --from D --into runs/gpu   # here: the returned checkpoint rebuilt
     python scripts/gpu/job.py dry-run --limits L          # every call on the CPU, tiny pair and sizes, limits checked
@@ -64,6 +65,10 @@ def cmd_stage(args):
             f"stage: --out {folder}: in the working tree and not ignored by git, so every part would "
             "travel with every call; give an ignored folder (the default .gpu-job/ is one)"
         )
+    if args.measure_only and (args.data or not args.measure_s):
+        raise SystemExit("stage: --measure-only stages the pair for a measurement: give --measure-s, and no --data")
+    if not args.measure_only and not args.data:
+        raise SystemExit("stage: --data: the drafter-data folders to train on (or --measure-only, to measure alone)")
     data = [Path(p) for p in args.data]
     for d in data:
         if not d.is_dir():
@@ -91,13 +96,20 @@ def cmd_stage(args):
             held_out={name: [p.turns[0] for p in load(name, n, seed=0)] for name in ("mt-bench", "humaneval")},
             settings=stage.SMOLLM2,
         )
+    if args.measure_only:
+        spec["corpus"] = []
     for p in spec["corpus"]:
         if not p.exists():
             raise SystemExit(
                 f"stage: --corpus {p}: not there (python scripts/drafter_data.py --out data/drafter writes one)"
             )
     t0 = time.perf_counter()
-    built = stage.build(folder / "stage", data=data, **spec)
+    if args.measure_only:
+        pair = {k: spec[k] for k in ("target", "gguf", "drafter", "held_out")}
+        stage.build_pair(folder / "stage", **pair)
+        built = {"data": [], "held_out": list(spec["held_out"])}
+    else:
+        built = stage.build(folder / "stage", data=data, **spec)
     staged_bytes = calls.path_bytes(folder / "stage")
     aside = calls.to_set_aside(REPO, [*data, spec["drafter"], *spec["corpus"]], args.set_aside)
     tree = calls.tree_bytes(REPO, without=aside)
@@ -108,12 +120,19 @@ def cmd_stage(args):
             f"call_bytes ({lim.call_bytes / MiB:.1f} MiB); set more aside (--set-aside PATH) or give part_bytes"
         )
     dirs = parts.split(folder / "stage", folder, part_bytes=part_bytes)
-    train_s = args.train_s if args.train_s is not None else calls.default_train_s(lim, len(dirs), args.measure_s)
-    plan = calls.plan(REPO, dirs, lim, tree_bytes=tree, train_s=train_s, measure_s=args.measure_s)
-    summary = f"{staged_bytes / MiB:.1f} MiB in {len(dirs)} parts ({', '.join(map(str, built['data']))}, " + (
-        f"{built['config']['corpus_chars']:,} corpus characters, held out: {', '.join(built['held_out'])})"
+    if args.measure_only:
+        train_s = 0
+        summary = f"{staged_bytes / MiB:.1f} MiB in {len(dirs)} parts (the pair alone, held out: "
+    else:
+        train_s = args.train_s if args.train_s is not None else calls.default_train_s(lim, len(dirs), args.measure_s)
+        summary = f"{staged_bytes / MiB:.1f} MiB in {len(dirs)} parts ({', '.join(map(str, built['data']))}, " + (
+            f"{built['config']['corpus_chars']:,} corpus characters, held out: "
+        )
+    summary += f"{', '.join(built['held_out'])})"
+    plan = calls.plan(
+        REPO, dirs, lim, tree_bytes=tree, train_s=train_s, measure_s=args.measure_s, measure_only=args.measure_only
     )
-    checkpoint = (spec["drafter"] / "model.safetensors").stat().st_size
+    checkpoint = 0 if args.measure_only else (spec["drafter"] / "model.safetensors").stat().st_size
     calls.write(
         plan,
         lim,
@@ -169,15 +188,26 @@ def cmd_receive(args):
     print(f"received {args.part}: {len(have)} of {len(manifest['parts'])} parts there ({', '.join(have)})")
 
 
+def _unpack(parts_dir: str, work: Path) -> Path:
+    """Every part joined and checked into `work`/stage, the target rebuilt into `work`/target."""
+    t0 = time.perf_counter()
+    unpacked = parts.join([Path(parts_dir).expanduser()], work / "stage")
+    stage.restore_target(unpacked, work / "target")
+    print(f"unpacked and checked the parts, rebuilt the target in {time.perf_counter() - t0:.1f}s")
+    return unpacked
+
+
+def cmd_unpack(args):
+    _unpack(args.parts, Path(args.work).expanduser())
+
+
 def cmd_train(args):
     import train_call
 
     work = Path(args.work).expanduser()
     piece = limits.size(args.piece_bytes, f"--piece-bytes {args.piece_bytes}")
     t0 = time.perf_counter()
-    unpacked = parts.join([Path(args.parts).expanduser()], work / "stage")
-    stage.restore_target(unpacked, work / "target")
-    print(f"unpacked and checked the parts, rebuilt the target in {time.perf_counter() - t0:.1f}s")
+    unpacked = _unpack(args.parts, work)
     device = args.device or ("cuda" if _cuda() else "cpu")
     report = train_call.run(
         unpacked,
@@ -251,6 +281,7 @@ def cmd_dry_run(args):
         set_aside=args.set_aside,
         train_s=args.train_s,
         measure_s=args.measure_s,
+        measure_only=args.measure_only,
     )
 
 
@@ -266,7 +297,12 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("stage", help="stage the job's inputs in parts and write the plan")
     _limit_flags(s)
-    s.add_argument("--data", nargs="+", required=True, help="the drafter-data folders to train on (dtrt drafter-data)")
+    s.add_argument("--data", nargs="+", default=[], help="the drafter-data folders to train on (dtrt drafter-data)")
+    s.add_argument(
+        "--measure-only",
+        action="store_true",
+        help="no training: stage the pair alone (target, drafter, held-out prompts) for the measurement call",
+    )
     s.add_argument("--model", choices=["smollm2-135m", "tiny"], default="smollm2-135m")
     s.add_argument("--out", default=str(JOB), help="the job's folder (default .gpu-job/, ignored by git)")
     s.add_argument("--init-from", help="the drafter the run starts from (default: the shipped one)")
@@ -289,6 +325,10 @@ def main(argv=None):
     r.add_argument("part")
     r.add_argument("--into", required=True)
     r.set_defaults(fn=cmd_receive)
+    u = sub.add_parser("unpack", help="join the parts, rebuild the target (a measure-only job's last part)")
+    u.add_argument("--parts", required=True)
+    u.add_argument("--work", required=True)
+    u.set_defaults(fn=cmd_unpack)
     t = sub.add_parser("train", help="join the parts, rebuild the target, train (the training call)")
     t.add_argument("--parts", required=True)
     t.add_argument("--work", required=True)
@@ -324,6 +364,7 @@ def main(argv=None):
     )
     d.add_argument("--train-s", type=int, default=45, help="the training call's seconds")
     d.add_argument("--measure-s", type=int, default=60, help="the measurement call's seconds")
+    d.add_argument("--measure-only", action="store_true", help="the plan of a measure-only job (stage --measure-only)")
     d.set_defaults(fn=cmd_dry_run)
     args = ap.parse_args(argv)
     try:

@@ -59,6 +59,24 @@ def build(
     """`out`/ as the training call reads it; returns run.json."""
     from dtrt.train.data import read_corpus
 
+    out = build_pair(out, target=target, gguf=gguf, drafter=drafter, held_out=held_out)
+    for d in data:
+        shutil.copytree(d, out / "data" / d.name, ignore=shutil.ignore_patterns(".lock", "*.tmp*"))
+    text = read_corpus(corpus, settings["corpus_chars"])
+    (out / "corpus.txt").write_text(text)
+    spec = {
+        "config": {**settings["config"], **shape_of(drafter), "corpus_chars": len(text)},
+        "data": [f"data/{d.name}" for d in data],
+        "held_out": [f"held-out/{name}.jsonl" for name in held_out],
+        "probe_batches": settings["probe_batches"],
+    }
+    (out / "run.json").write_text(json.dumps(spec, indent=1) + "\n")
+    return spec
+
+
+def build_pair(out: Path, *, target: Path, gguf: Path | None, drafter: Path, held_out: dict[str, list[str]]) -> Path:
+    """`out`/ with what a measurement needs of the pair: the target (its compact weights, or the checkpoint as it
+    is), the drafter and the held-out prompts (a JSONL file a set, `dtrt bench --datasets` reads them)."""
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
@@ -69,22 +87,11 @@ def build(
         shutil.copytree(target, out / "target")
         record = {"model.safetensors": sha256(target / "model.safetensors")}
         (out / "target" / target_codec.FINGERPRINT).write_text(json.dumps(record) + "\n")
-    for d in data:
-        shutil.copytree(d, out / "data" / d.name, ignore=shutil.ignore_patterns(".lock", "*.tmp*"))
     shutil.copytree(drafter, out / "drafter")
-    text = read_corpus(corpus, settings["corpus_chars"])
-    (out / "corpus.txt").write_text(text)
     (out / "held-out").mkdir()
     for name, texts in held_out.items():
         (out / "held-out" / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    spec = {
-        "config": {**settings["config"], **shape_of(drafter), "corpus_chars": len(text)},
-        "data": [f"data/{d.name}" for d in data],
-        "held_out": [f"held-out/{name}.jsonl" for name in held_out],
-        "probe_batches": settings["probe_batches"],
-    }
-    (out / "run.json").write_text(json.dumps(spec, indent=1) + "\n")
-    return spec
+    return out
 
 
 def shape_of(drafter: Path) -> dict:
