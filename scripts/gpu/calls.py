@@ -199,6 +199,11 @@ def markdown(calls: list[Call], limits: Limits, *, staged: dict, set_aside: list
         )
     else:
         step3 = "No training call (a measure-only job): the last part's call unpacks the pair for the measurement."
+    later = (
+        "\nA later job continues from the returned checkpoint: stage again with `--init-from runs/gpu/domino`.\n"
+        if "train" in names
+        else ""
+    )
     if "measure" in names:
         step4 = "After the measurement call: unpack its `measure.tgz`; the summary is at the end of `measure.log`."
     else:
@@ -217,9 +222,7 @@ Staged: {staged["summary"]}. Expected: {expected_s(calls, limits) / 60:.1f} minu
 3. {step3}
 4. {step4}
 5. After the last call: `python scripts/gpu/job.py put-back --job {job_dir}`.
-
-A later job continues from the returned checkpoint: stage again with `--init-from runs/gpu/domino`.
-
+{later}
 | # | call | command | carries | MiB carried | timeout s | expected min |
 |---|---|---|---|---|---|---|
 {rows}
