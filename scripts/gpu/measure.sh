@@ -50,7 +50,7 @@ else
         timeout "$((shapes_s + 20))" python3 benchmarks/gpu_shapes.py --device cuda --budget-s "$shapes_s" \
             --json "$work/gpu_shapes.json" 2>&1 | tee -a "$log" || rc=1
     fi
-    e2e cuda 5 128 "$((seconds * 25 / 100))"
+    e2e cuda 3 128 "$((seconds * 30 / 100))"
     left=$((seconds - (SECONDS - start) - 5))
     GPU_CHECK_OUT="$work/gpu-check" GPU_CHECK_TESTS_S=$((left * 70 / 100)) timeout "$left" bash scripts/gpu_check.sh 2>&1 | tee -a "$log" || rc=1
 fi
