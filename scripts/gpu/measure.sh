@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # An offline GPU job's measurement call: the verify-cost curve and a DominoTree round's breakdown at Qwen3-4B shapes
-# (benchmarks/gpu_shapes.py); then, where the training call left its pair in MEASURE_PAIR (its work folder: the
-# rebuilt target/ and the stage's drafter and held-out prompts), `dtrt bench` end to end on that real pair on the
-# GPU (AR and DominoTree, eager and captured side by side, T=0); then scripts/gpu_check.sh (the gpu/kernels tests
-# on CUDA, the tree-build time heap vs frontier, the CUDA-graph round); each under its share of the seconds given.
+# (benchmarks/gpu_shapes.py); then, where the job's last part's call (the training call, or a measure-only job's
+# unpack) left the pair in MEASURE_PAIR (its work folder: the rebuilt target/ and the stage's drafter and held-out
+# prompts), `dtrt bench` end to end on that real pair on the GPU (AR and DominoTree, eager and captured side by
+# side, T=0); then scripts/gpu_check.sh (the gpu/kernels tests on CUDA, the tree-build time heap vs frontier, the
+# CUDA-graph round); each under its share of the seconds given.
 # Everything it wrote comes back as OUT/measure.tgz, the log as OUT/measure.log.
 #
 #   [MEASURE_PAIR=DIR] bash scripts/gpu/measure.sh OUT SECONDS [--dry-run]  # --dry-run: the steps on the CPU, tiny
@@ -22,7 +23,7 @@ log="$out/measure.log"
 start=$SECONDS
 rc=0
 shapes_s=$((seconds * 45 / 100))
-# dtrt bench on the pair the training call rebuilt, where there is one: DEVICE PROMPTS TOKENS SECONDS
+# dtrt bench on the pair the job rebuilt there, where there is one: DEVICE PROMPTS TOKENS SECONDS
 e2e() {
     local pair="${MEASURE_PAIR:-}" prompts
     if [ -z "$pair" ] || [ ! -f "$pair/target/config.json" ] || [ ! -d "$pair/stage/drafter" ]; then
