@@ -107,15 +107,10 @@ def read_dataset(name: str) -> bytes:
     return f.read_bytes()
 
 
-def is_prompt_file(name: str) -> bool:
-    """Whether a --datasets item names a prompts file (anything that is not a dataset's name)."""
-    return name not in SOURCES
-
-
 def load_all(name: str) -> list[Prompt]:
     """Every prompt of dataset `name`, in the package's order, templated (not for the LONG datasets: see
     documents); or of the prompts file `name` (dtrt.frontend.prompts.prompt_file), in its order, as written."""
-    if is_prompt_file(name):
+    if name not in SOURCES:  # a prompts file
         from dtrt.frontend.prompts import prompt_file
 
         if not Path(name).is_file():

@@ -121,14 +121,11 @@ def cmd_stage(args):
         )
     dirs = parts.split(folder / "stage", folder, part_bytes=part_bytes)
     if args.measure_only:
-        train_s = 0
-        summary = f"{staged_bytes / MiB:.1f} MiB in {len(dirs)} parts (the pair alone, held out: "
+        train_s, what = 0, "the pair alone"
     else:
         train_s = args.train_s if args.train_s is not None else calls.default_train_s(lim, len(dirs), args.measure_s)
-        summary = f"{staged_bytes / MiB:.1f} MiB in {len(dirs)} parts ({', '.join(map(str, built['data']))}, " + (
-            f"{built['config']['corpus_chars']:,} corpus characters, held out: "
-        )
-    summary += f"{', '.join(built['held_out'])})"
+        what = f"{', '.join(map(str, built['data']))}, {built['config']['corpus_chars']:,} corpus characters"
+    summary = f"{staged_bytes / MiB:.1f} MiB in {len(dirs)} parts ({what}, held out: {', '.join(built['held_out'])})"
     plan = calls.plan(
         REPO, dirs, lim, tree_bytes=tree, train_s=train_s, measure_s=args.measure_s, measure_only=args.measure_only
     )
