@@ -272,8 +272,8 @@ def test_lookup_share_per_record_and_row():
 def test_a_prompts_file_is_a_dataset(tiny, tmp_path, monkeypatch, capsys):
     """`--datasets FILE`: the user's own prompts (JSONL turns or prompt, with or without an id), run like a
     dataset's, rows labelled with the path as given; every method gives AR's tokens, a later turn follows the
-    method's own answer."""
-    mine = tmp_path / "mine.jsonl"
+    method's own answer; a path that holds a comma is taken whole."""
+    mine = tmp_path / "my,prompts.jsonl"
     rows = [{"id": "two", "turns": ["The cat sees ", "The dog "]}, {"prompt": "A quick fox "}]
     mine.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out_dir = tmp_path / "out"

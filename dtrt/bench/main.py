@@ -114,7 +114,9 @@ def resumed(o: BenchOptions, given: set[str]) -> BenchOptions:
 
 def bench(o: BenchOptions, log) -> Path:
     methods = split_list("--methods", o.methods, str, contenders.ROW_METHODS) if o.methods else list(METHODS)
-    names = split_list("--datasets", o.dataset_names, str)  # a name or a prompts file: checked by load
+    # a name or a prompts file, checked by load; a file's path that holds a comma is taken whole
+    whole = Path(o.dataset_names).is_file()
+    names = [o.dataset_names] if whole else split_list("--datasets", o.dataset_names, str)
     temps = split_list("--temperatures", o.temperatures, float)
     budgets = split_list("--budget", o.budget, int) if o.budget is not None else [None]
     quants = split_list("--quant", o.quant, str, QUANTS) if o.quant is not None else [None]
