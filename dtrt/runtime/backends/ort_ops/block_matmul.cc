@@ -35,7 +35,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -804,28 +803,13 @@ Status* create(const CustomOp*, Api api, const KernelInfo* info, void** kernel, 
 
 template <bool MIN>
 CustomOp make_op() {
-  CustomOp op{};
-  op.version = kApiVersion;
+  CustomOp op = cpu_op<Kernel>();
   op.GetName = [](const CustomOp*) { return MIN ? "BlockMatMulMin" : "BlockMatMul"; };
-  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
   op.GetInputType = [](const CustomOp*, size_t i) -> int { return i == 1 ? kUInt8 : kFloat; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return MIN ? 4 : 3; };
-  op.GetOutputType = [](const CustomOp*, size_t) -> int { return kFloat; };
-  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 1; };
-  op.KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
-  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return kRequired; };
-  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return kRequired; };
-  op.GetInputMemoryType = [](const CustomOp*, size_t) { return kMemDefault; };
-  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
   op.CreateKernelV2 = [](const CustomOp* o, Api api, const KernelInfo* info, void** kernel) -> Status* {
     return create(o, api, info, kernel, MIN);
   };
-  op.KernelComputeV2 = [](void* k, KernelContext* ctx) { return static_cast<Kernel*>(k)->Compute(ctx); };
-  op.GetStartVersion = [](const CustomOp*) { return 1; };
-  op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
   return op;
 }
 

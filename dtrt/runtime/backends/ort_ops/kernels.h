@@ -4,6 +4,7 @@
 
 #include "ort_abi.h"
 
+#include <climits>
 #include <vector>
 
 namespace dtrt_ort {
@@ -30,6 +31,30 @@ inline Status* read_input(const Calls& ort, KernelContext* ctx, size_t i, Tensor
   if (info) ort.release(info);
   t->data = data;
   return s;
+}
+
+// an op of the CPU provider whose kernel is a K (made by the caller's CreateKernelV2; its Compute(ctx) runs a
+// call): required inputs, one fp32 output, every opset version; the caller sets the name, the inputs and the
+// kernel's creation
+template <typename K>
+CustomOp cpu_op() {
+  CustomOp op{};
+  op.version = kApiVersion;
+  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
+  op.GetOutputType = [](const CustomOp*, size_t) -> int { return kFloat; };
+  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 1; };
+  op.KernelDestroy = [](void* k) { delete static_cast<K*>(k); };
+  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return kRequired; };
+  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return kRequired; };
+  op.GetInputMemoryType = [](const CustomOp*, size_t) { return kMemDefault; };
+  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
+  op.KernelComputeV2 = [](void* k, KernelContext* ctx) { return static_cast<K*>(k)->Compute(ctx); };
+  op.GetStartVersion = [](const CustomOp*) { return 1; };
+  op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
+  return op;
 }
 
 const CustomOp* tree_attention_op();   // tree_attention.cc

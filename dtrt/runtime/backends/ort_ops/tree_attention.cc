@@ -9,7 +9,6 @@
 
 #include "kernels.h"
 
-#include <climits>
 #include <cmath>
 #include <vector>
 
@@ -223,29 +222,14 @@ static int input_type(const CustomOp*, size_t i) {
 }
 
 static CustomOp make_op() {
-  CustomOp op{};
-  op.version = kApiVersion;
+  CustomOp op = cpu_op<Kernel>();
   op.GetName = [](const CustomOp*) { return "TreeAttentionPlanned"; };
-  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
   op.GetInputType = input_type;
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 23; };
-  op.GetOutputType = [](const CustomOp*, size_t) -> int { return kFloat; };
-  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 1; };
-  op.KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
-  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return kRequired; };
-  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return kRequired; };
-  op.GetInputMemoryType = [](const CustomOp*, size_t) { return kMemDefault; };
-  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
   op.CreateKernelV2 = [](const CustomOp*, Api api, const KernelInfo*, void** kernel) -> Status* {
     *kernel = new Kernel{Calls{api}};
     return nullptr;
   };
-  op.KernelComputeV2 = [](void* k, KernelContext* ctx) { return static_cast<Kernel*>(k)->Compute(ctx); };
-  op.GetStartVersion = [](const CustomOp*) { return 1; };
-  op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
   return op;
 }
 
