@@ -40,22 +40,36 @@ def strip_hidden_params(ptx: str, name: str, n_args: int) -> str:
     return f"{ptx[: head.end()]}\n\t{kept}\n{ptx[end:]}"
 
 
-def compile_ptx(
-    fn, signature: dict[str, str], constexprs: dict, num_warps: int, num_stages: int, compute_capability: str
-) -> tuple[str, str, int]:
-    """(kernel name, PTX with the TensorRT launch ABI, static shared memory bytes) of `fn` for sm<cc>."""
+def compile_kernel(
+    fn,
+    signature: dict[str, str],
+    constexprs: dict,
+    num_warps: int,
+    num_stages: int,
+    compute_capability: str,
+    attrs: dict | None = None,
+):
+    """Triton's compiled kernel of `fn` for sm<cc>, on any machine (no GPU needed): `signature` types every
+    parameter ("constexpr" for those in `constexprs`), `attrs` maps a parameter's (index,) to its specializations
+    (e.g. [["tt.divisibility", 16]])."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     major, minor = (int(x) for x in compute_capability.split("."))
-    src = triton.compiler.ASTSource(
-        fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs
-    )
-    kernel = triton.compile(
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(
         src,
         target=GPUTarget("cuda", major * 10 + minor, 32),
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
+
+
+def compile_ptx(
+    fn, signature: dict[str, str], constexprs: dict, num_warps: int, num_stages: int, compute_capability: str
+) -> tuple[str, str, int]:
+    """(kernel name, PTX with the TensorRT launch ABI, static shared memory bytes) of `fn` for sm<cc>."""
+    full = {**signature, **{k: "constexpr" for k in constexprs}}
+    kernel = compile_kernel(fn, full, constexprs, num_warps, num_stages, compute_capability)
     meta = kernel.metadata
     if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
         raise ValueError(f"{meta.name}: needs Triton scratch memory, which a TensorRT AOT launch cannot provide")
