@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -109,30 +108,23 @@ def launches(monkeypatch):
     yield log
 
 
-def parsed(target: dict, drafter: dict):
-    from dtrt.models.config import DrafterConfig, TargetConfig
+@pytest.fixture
+def gpu_shapes(monkeypatch):
+    """benchmarks/gpu_shapes.py: the Qwen3 configs as released, and how it parses and makes the pair."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_shapes
 
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "config.json"
-        path.write_text(json.dumps(target))
-        tcfg = TargetConfig.from_json(path)
-    dflash = drafter["dflash_config"]
-    return tcfg, DrafterConfig.from_dict(drafter, head=True), (dflash["gru_hidden_dim"], dflash["emb_dim"])
+    return gpu_shapes
 
 
-def pair_on_meta(target: dict, drafter: dict, dtype: torch.dtype):
+def pair_on_meta(gpu_shapes, target: dict, drafter: dict, dtype: torch.dtype):
     from dtrt.models.domino import DominoHead
     from dtrt.models.drafter import Drafter
     from dtrt.models.target import Target
 
-    tcfg, dcfg, (gru, emb) = parsed(target, drafter)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            return Target(tcfg).eval(), Drafter(dcfg, DominoHead(dcfg.hidden_size, gru, emb, dcfg.vocab_size)).eval()
-    finally:
-        torch.set_default_dtype(old)
+    tcfg, dcfg, (gru, emb) = gpu_shapes.parse(target=target, drafter=drafter)
+    with gpu_shapes.made_as(device=torch.device("meta"), dtype=dtype):
+        return Target(tcfg).eval(), Drafter(dcfg, DominoHead(dcfg.hidden_size, gru, emb, dcfg.vocab_size)).eval()
 
 
 def run_the_gpu_paths(target, drafter, context: int, past: int = 1000):
@@ -168,7 +160,7 @@ def run_the_gpu_paths(target, drafter, context: int, past: int = 1000):
             eager.time_verify(n, past)
 
 
-def run_a_gated_deltanet_layer():
+def run_a_gated_deltanet_layer(gpu_shapes):
     """A Qwen3-Next Gated-DeltaNet layer (its released dims: HybridConfig's defaults) verifying a tree of 17 nodes."""
     from dtrt.models.config import HybridConfig
     from dtrt.models.hybrid import GatedDeltaNet, HybridCache
@@ -177,13 +169,8 @@ def run_a_gated_deltanet_layer():
                        num_heads=16, num_kv_heads=2, head_dim=256, rms_norm_eps=1e-6, rope_theta=1e7,
                        tie_word_embeddings=False,
                        layer_types=("linear_attention",) * 3 + ("full_attention",))  # fmt: skip
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            layer = GatedDeltaNet(cfg, 0)
-    finally:
-        torch.set_default_dtype(old)
+    with gpu_shapes.made_as(device=torch.device("meta"), dtype=torch.bfloat16):
+        layer = GatedDeltaNet(cfg, 0)
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 4, 5, 6, 6, 7, 8, 9, 10, 11, 12], device="meta")
     cache = HybridCache(cfg, 64, torch.bfloat16, "meta")  # as the hybrid target makes its own
     with torch.no_grad():
@@ -210,17 +197,15 @@ def compiled(launches: list, arch: str, tmp_path: Path) -> list[dict]:
     return json.loads(done.stdout)
 
 
-def test_every_launch_of_the_gpu_path_compiles(launches, tmp_path, monkeypatch):
+def test_every_launch_of_the_gpu_path_compiles(launches, gpu_shapes, tmp_path):
     assert set(ARCHS) <= SHARED_MAX.keys(), f"DTRT_KERNEL_ARCHS: use some of {','.join(SHARED_MAX)}"
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import gpu_shapes  # the Qwen3 configs as released
-
     for model in ("qwen3-4b", "qwen3-8b"):
         target, drafter = gpu_shapes.configs(tiny=False, model=model)
-        run_the_gpu_paths(*pair_on_meta(target, drafter, torch.bfloat16), target["max_position_embeddings"])
+        pair = pair_on_meta(gpu_shapes, target, drafter, torch.bfloat16)
+        run_the_gpu_paths(*pair, target["max_position_embeddings"])
     shipped = json.loads((ROOT / "dtrt/assets/smollm2-135m/domino/config.json").read_text())
-    run_the_gpu_paths(*pair_on_meta(SMOLLM2, shipped, torch.float32), SMOLLM2["max_position_embeddings"])
-    run_a_gated_deltanet_layer()
+    run_the_gpu_paths(*pair_on_meta(gpu_shapes, SMOLLM2, shipped, torch.float32), SMOLLM2["max_position_embeddings"])
+    run_a_gated_deltanet_layer(gpu_shapes)
 
     assert {e["plugin"] for e in launches} == set(PLUGINS)
     distinct = list({twin(e): e for e in launches}.values())
