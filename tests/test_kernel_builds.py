@@ -59,7 +59,8 @@ def specialized(value) -> tuple[str, object]:
     if isinstance(value, torch.Tensor):
         from dtrt.plugins.ptx import TRITON_TYPES
 
-        return "*" + TRITON_TYPES[value.dtype], "D" if value.data_ptr() % 16 == 0 else ""
+        kind = "u1" if value.dtype == torch.bool else TRITON_TYPES[value.dtype]  # the JIT's type for bool
+        return "*" + kind, "D" if value.data_ptr() % 16 == 0 else ""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"a launch argument of type {type(value).__name__}")
     if isinstance(value, float):
