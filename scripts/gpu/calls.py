@@ -197,13 +197,12 @@ def markdown(calls: list[Call], limits: Limits, *, staged: dict, set_aside: list
             "runs/gpu`\n   rebuilds the checkpoint (refused if a piece is missing or corrupted); measure its held-out "
             "tau again where the\n   drafter it started from was measured, and keep it only if it is better there."
         )
+        later = (
+            "\nA later job continues from the returned checkpoint: stage again with `--init-from runs/gpu/domino`.\n"
+        )
     else:
         step3 = "No training call (a measure-only job): the last part's call unpacks the pair for the measurement."
-    later = (
-        "\nA later job continues from the returned checkpoint: stage again with `--init-from runs/gpu/domino`.\n"
-        if "train" in names
-        else ""
-    )
+        later = ""
     if "measure" in names:
         step4 = "After the measurement call: unpack its `measure.tgz`; the summary is at the end of `measure.log`."
     else:
