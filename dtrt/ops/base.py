@@ -12,13 +12,13 @@ def onnx_functions(names) -> list:
     """FunctionProtos for the dtrt op types `names` and the dtrt functions their bodies call, to attach to an
     exported model."""
     functions = importlib.import_module("dtrt.ops.functions").FUNCTIONS
-    wanted, todo = set(), list(names)
+    found, todo = {}, list(names)
     while todo:
         name = todo.pop()
-        if name not in wanted:
-            wanted.add(name)
-            todo += [n.op_type for n in functions[name].to_function_proto().node if n.domain == DOMAIN]
-    protos = [functions[n].to_function_proto() for n in sorted(wanted)]
+        if name not in found:
+            found[name] = functions[name].to_function_proto()
+            todo += [n.op_type for n in found[name].node if n.domain == DOMAIN]
+    protos = [found[n] for n in sorted(found)]
     for proto in protos:
         del proto.value_info[:]  # onnxscript records every input as a scalar FLOAT; shapes come from the graph
     return protos
