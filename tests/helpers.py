@@ -142,18 +142,20 @@ def no_host_sync(mp):
 
 def drafter_quant_export(exp, tmp_path_factory, quant: str):
     """A copy of the export `exp` with its drafters' stages quantized as `dtrt export --drafter-quant <quant>` does
-    (the same `quantize_drafters` on the exported files), without exporting the target again."""
+    (the same `quantize_drafter` on the exported files), without exporting the target again."""
     import json
     import shutil
 
     from dtrt.artifacts.export import load_export
     from dtrt.artifacts.files import MANIFEST, write_manifest
-    from dtrt.exporter.quantize import quantize_drafters
+    from dtrt.exporter.quantize import quantize_drafter, quantized_stages
 
     path = tmp_path_factory.mktemp("export") / f"{exp.path.name}-{quant}"
     shutil.copytree(exp.path, path)
     manifest = json.loads((path / MANIFEST).read_text())
     manifest["drafter_quant"] = quant
-    manifest["quantized_stages"] = quantize_drafters(path, manifest["stages"], quant)
+    manifest["quantized_stages"] = quantized_stages(manifest["stages"], quant)
+    for name in manifest["quantized_stages"]:
+        quantize_drafter(path / manifest["stages"][name]["file"], name, quant)
     write_manifest(path, manifest)
     return load_export(path)

@@ -274,6 +274,19 @@ def test_refusals_are_one_line(tmp_path, monkeypatch, capsys, gguf_file, tiny):
         assert not (tmp_path / "out").exists()
 
 
+def test_a_conversion_that_cannot_fit_is_refused_before_it_writes(tmp_path, monkeypatch, capsys, gguf_file):
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr("dtrt.artifacts.files.shutil.disk_usage", lambda p: real(p)._replace(free=1000))
+    monkeypatch.setenv("DTRT_CACHE", str(tmp_path / "cache"))  # not converted yet
+    code, _, err = run_cli(monkeypatch, capsys, "export", "--gguf", str(gguf_file), "--out", str(tmp_path / "out"))
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: converting {gguf_file.name} writes about 0.0") and "DTRT_CACHE" in err
+    assert not (tmp_path / "out").exists() and not list((tmp_path / "cache" / "gguf").iterdir())
+
+
 def test_a_qwen2_file_keeps_its_biases_and_answers_as_transformers(tmp_path, monkeypatch, capsys):
     """Qwen2: q/k/v with biases, o without, no per-head norms, RoPE on halves (no llama row order): the converted
     checkpoint's logits are transformers' Qwen2ForCausalLM's on the same files, and its gguf export runs."""

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from dtrt.errors import DtrtError
+
 MANIFEST = "manifest.json"
 # .<name>.tmp-<host>-<pid>-<random> while being written; .<name>.old-<host>-<pid> while an older copy is swapped out
 _STAGED = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<host>[^-]+)-(?P<pid>\d+)(?:-.*)?$")
@@ -26,6 +28,31 @@ def host_tag() -> str:
 def cache_dir() -> Path:
     """Where dtrt keeps what it makes on first use (`$DTRT_CACHE`, default ~/.cache/dtrt)."""
     return Path(os.environ.get("DTRT_CACHE", Path.home() / ".cache" / "dtrt"))
+
+
+MOVE_HINT = "free space there, or write elsewhere (`dtrt export --out DIR`; DTRT_CACHE moves dtrt's cache)"
+
+
+def free_space(path: Path) -> int | None:
+    """Bytes free to this user on the file system that holds `path` (or, where it does not exist yet, its nearest
+    existing parent); None where that cannot be read."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def require_space(out: Path, need: int, what: str):
+    """A one-line refusal, before anything is written, when writing `need` bytes at `out` (`what`: the writing, as a
+    sentence's subject) would not fit on its disk."""
+    free = free_space(Path(out).parent)
+    if free is not None and free < need:
+        raise DtrtError(
+            f"{what} writes about {need / 1e9:.2f} GB at {out} and that disk has {free / 1e9:.2f} GB free: {MOVE_HINT}"
+        )
 
 
 def write_cache_file(path: Path, text: str) -> bool:

@@ -1,12 +1,14 @@
 """The command group, the one-line error handling of `main`, and what several commands share: help texts,
 the source, method and request options, the log and progress lines."""
 
+import errno
 import os
 import sys
 
 import click
 
 from dtrt import __version__
+from dtrt.artifacts.files import MOVE_HINT
 from dtrt.cli.options import FILLED_IN, option_from
 from dtrt.errors import BackendFault, DtrtError
 from dtrt.frontend.requests import has_chat_template
@@ -186,6 +188,14 @@ def main():
     except DtrtError as e:
         log_line(f"error: {e}")
         sys.exit(2)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # an estimate before writing refuses most of these; another writer on the disk can still fill it. What was
+        # being written was staged, and is gone
+        where = f" writing {e.filename}" if e.filename else ""
+        log_line(f"error: {os.strerror(e.errno).lower()}{where}: {MOVE_HINT}; nothing half-written was kept")
+        sys.exit(1)
     except BackendFault as e:  # not the user's input: one line, the traceback on request
         if os.environ.get("DTRT_TRACEBACK", "0").strip() not in ("", "0"):
             raise

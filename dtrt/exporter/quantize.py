@@ -62,21 +62,17 @@ def quantized_stages(stage_names, quant: str) -> list[str]:
     return [name for name in stage_names if name.partition(".")[2] in QUANT_STAGES[quant]]
 
 
-def quantize_drafters(root: Path, stages: dict, quant: str, log=None) -> list[str]:
-    """Rewrite, under `root`, the stages of `stages` (name -> {"file", ...}) that `quant` covers; their names."""
-    names = quantized_stages(stages, quant)
-    for name in names:
-        if log:
-            log(f"quantizing {name} to {quant}")
-        path = Path(root) / stages[name]["file"]
-        if name.endswith(".context"):
-            quantize_weights(path, quant_spec("int4", CONTEXT_BLOCK), lambda node: True)
-        elif quant == "int8":
-            quantize_stage(path)
-        else:
-            quantize_weights(path, quant_spec("int4", HEAD_BLOCK), lambda node: node.input[0] == HEAD_INPUT)
-            quantize_stage(path, whole_rows=False, rewrite=head_even_rows)
-    return names
+def quantize_drafter(path: Path, name: str, quant: str, log=None):
+    """Rewrite the drafter stage `name` at `path`, one of the stages `quant` covers (quantized_stages)."""
+    if log:
+        log(f"quantizing {name} to {quant}")
+    if name.endswith(".context"):
+        quantize_weights(path, quant_spec("int4", CONTEXT_BLOCK), lambda node: True)
+    elif quant == "int8":
+        quantize_stage(path)
+    else:
+        quantize_weights(path, quant_spec("int4", HEAD_BLOCK), lambda node: node.input[0] == HEAD_INPUT)
+        quantize_stage(path, whole_rows=False, rewrite=head_even_rows)
 
 
 def quantize_weights(path: Path, spec, chosen) -> None:

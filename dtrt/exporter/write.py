@@ -7,18 +7,18 @@ from pathlib import Path
 
 from dtrt import __version__
 from dtrt.artifacts.export import FORMAT, LAYOUT, Export, load_export
-from dtrt.artifacts.files import checkpoint_hashes, sha256, staging, write_manifest
+from dtrt.artifacts.files import checkpoint_hashes, require_space, sha256, staging, write_manifest
 from dtrt.artifacts.verify import record_verified
 from dtrt.errors import DtrtError
 from dtrt.exporter.export_config import ExportConfig
 from dtrt.exporter.gguf_target import export_gguf_target
 from dtrt.exporter.onnx_export import OPSET, export_stage
 from dtrt.exporter.precision import fp16_warning, stored_dtype
-from dtrt.exporter.quantize import quantize_drafters
+from dtrt.exporter.quantize import quantize_drafter, quantized_stages
 from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.exporter.stage_modules import drafter_stages, target_stage
 from dtrt.exporter.target_quant import ordered_attention, quantize_target
-from dtrt.exporter.weights import WEIGHTS, share_weights
+from dtrt.exporter.weights import WEIGHTS, SharedWeights, disk_need
 from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import HybridConfig
 from dtrt.models.draft_vocab import check_vocab_size, draft_vocab_file, resolve_draft_vocab
@@ -93,6 +93,21 @@ def pair_stages(target, taps, drafters: dict, budget: int, topm: int, node_topk:
     return stages
 
 
+def quantize_target_stage(path: Path, quant, blocks, names: list, log) -> int:
+    """The target stage at `path` with its linear layers as `quant` says (`blocks`: a GGUF target's own blocks);
+    the number of products written."""
+    t0 = time.perf_counter()
+    if blocks is not None:
+        log(f"keeping the target's linear layers as its GGUF file's blocks ({quant.name})")
+        kept, products = export_gguf_target(path, quant, blocks, names)
+        log(f"{len(kept)} weights kept as blocks in {time.perf_counter() - t0:.1f}s, {products} products")
+    else:
+        log(f"quantizing the target's linear layers to {quant.name} ({quant.method})")
+        done, products = quantize_target(path, quant, names)
+        log(f"{len(done)} weights quantized in {time.perf_counter() - t0:.1f}s, {products} products")
+    return products
+
+
 def export_pair(
     pair: Pair,
     out: Path,
@@ -142,30 +157,26 @@ def export_pair(
         check_vocab_size(vocab, topm, node_topk)
     stages = pair_stages(target, taps, {k: d for k, (_, d) in drafters.items()}, budget, topm, node_topk, vocabs)
     blocks = checkpoint_blocks(pair.target) if isinstance(quant, GgufQuant) else None
+    require_space(out, disk_need(target, *(d for _, d in drafters.values())), "this export")
 
     with staging(out) as tmp:
         stage_meta = {}
+        quantized = quantized_stages([s.name for s in stages], drafter_quant)
+        names, products = [], None
+        shared = SharedWeights(tmp)
         for i, stage in enumerate(stages, 1):
             t0 = time.perf_counter()
             log(f"[{i}/{len(stages)}] exporting {stage.name}")
             export_stage(stage, tmp / f"{stage.name}.onnx", max_context, max_context)
             stage_meta[stage.name] = {"file": f"{stage.name}.onnx", "inputs": stage.inputs, "outputs": stage.outputs}
             log(f"[{i}/{len(stages)}] {stage.name} done in {time.perf_counter() - t0:.1f}s")
-        if quant is not None:
-            t0 = time.perf_counter()
-            names = [tuple(f"target.{n}" for n in group) for group in weight_names(target)]  # TargetStage.target
-            if blocks is not None:
-                log(f"keeping the target's linear layers as its GGUF file's blocks ({quant.name})")
-                quantized_weights, products = export_gguf_target(tmp / "target.onnx", quant, blocks, names)
-                kept = len(quantized_weights)
-                log(f"{kept} weights kept as blocks in {time.perf_counter() - t0:.1f}s, {products} products")
-            else:
-                log(f"quantizing the target's linear layers to {quant.name} ({quant.method})")
-                quantized_weights, products = quantize_target(tmp / "target.onnx", quant, names)
-                n = len(quantized_weights)
-                log(f"{n} weights quantized in {time.perf_counter() - t0:.1f}s, {products} products")
-        quantized = quantize_drafters(tmp, stage_meta, drafter_quant, log)
-        weights = share_weights(tmp, [m["file"] for m in stage_meta.values()], log)
+            if stage.name == "target" and quant is not None:
+                names = [tuple(f"target.{n}" for n in group) for group in weight_names(target)]  # TargetStage.target
+                products = quantize_target_stage(tmp / "target.onnx", quant, blocks, names, log)
+            if stage.name in quantized:
+                quantize_drafter(tmp / f"{stage.name}.onnx", stage.name, drafter_quant, log)
+            shared.fold(f"{stage.name}.onnx")  # before the next stage is written: one stage's data at a time
+        weights = shared.close(log)
         for kind, vocab in vocabs.items():  # beside the engines too: parity and the runtime read the subset here
             if vocab is not None:
                 vocab.save(tmp / draft_vocab_file(kind))

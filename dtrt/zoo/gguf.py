@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dtrt.artifacts.files import staging
+from dtrt.artifacts.files import require_space, staging
 from dtrt.errors import DtrtError
 from dtrt.models.gguf_blocks import write_blocks
 
@@ -204,6 +204,9 @@ def convert(gguf_path: Path, out: Path, log=None) -> Path:
     reader = GGUFReader(str(gguf_path))
     f = read_fields(reader)
     cfg = target_config(f, any(t.name == "output.weight" for t in reader.tensors), str(gguf_path))
+    # every tensor dequantized to fp32, and the quantized ones again as blocks (at most the file's size)
+    need = sum(int(t.n_elements) * 4 for t in reader.tensors) + gguf_path.stat().st_size
+    require_space(out, need, f"converting {gguf_path.name}")
     with staging(out) as tmp:
         tmp.chmod(0o755)
         state = read_weights(reader, cfg, log)
