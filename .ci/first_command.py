@@ -5,6 +5,7 @@ repository root. Fails unless the line exits 0 and its answer is the one the REA
 Standard library only: it runs before anything is installed."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,8 @@ def main() -> int:
         env |= {"HOME": str(home), "VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}:{env.get('PATH', '')}"}
         env.pop("XDG_CACHE_HOME", None)
         print(f"newcomer: {line}", flush=True)
+        # a full disk fails the line too (the first use writes about 1 GB into the cache): say what there was
+        print(f"newcomer: {shutil.disk_usage(tmp).free / 1e9:.1f} GB free on the disk of {tmp}", flush=True)
         start = time.monotonic()
         done = subprocess.run(
             ["bash", "-c", line], cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
