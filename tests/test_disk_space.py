@@ -109,6 +109,19 @@ def test_a_disk_that_fills_anyway_ends_in_one_line_and_leaves_nothing(tiny, tmp_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_full_disk_that_names_no_file_names_the_cache(tiny, tmp_path, monkeypatch, capsys):
+    def filling(stage, path, *a):  # as a library's writer raises it
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export_mod, "export_stage", filling)
+    monkeypatch.setenv("DTRT_CACHE", str(tmp_path / "cache"))
+    code, _, err = run_cli(monkeypatch, capsys, "export", "--target", str(tiny.target), "--out", str(tmp_path / "e"))
+    lines = [line for line in err.splitlines() if not line.startswith("[")]
+    assert code == 1 and len(lines) == 1, err
+    assert lines[0].startswith(f"error: no space left on device while writing (dtrt's cache is {tmp_path / 'cache'})")
+    assert not (tmp_path / "e").exists()
+
+
 def test_other_os_errors_are_not_taken_for_a_full_disk(tiny, tmp_path, monkeypatch, capsys):
     def failing(stage, path, *a):
         raise OSError(errno.EIO, "Input/output error")

@@ -8,7 +8,7 @@ import sys
 import click
 
 from dtrt import __version__
-from dtrt.artifacts.files import MOVE_HINT
+from dtrt.artifacts.files import MOVE_HINT, cache_dir
 from dtrt.cli.options import FILLED_IN, option_from
 from dtrt.errors import BackendFault, DtrtError
 from dtrt.frontend.requests import has_chat_template
@@ -193,7 +193,7 @@ def main():
             raise
         # an estimate before writing refuses most of these; another writer on the disk can still fill it. What was
         # being written was staged, and is gone
-        where = f" writing {e.filename}" if e.filename else ""
+        where = f" writing {e.filename}" if e.filename else f" while writing (dtrt's cache is {cache_dir()})"
         log_line(f"error: {os.strerror(e.errno).lower()}{where}: {MOVE_HINT}; nothing half-written was kept")
         sys.exit(1)
     except BackendFault as e:  # not the user's input: one line, the traceback on request
