@@ -122,6 +122,30 @@ def test_a_full_disk_that_names_no_file_names_the_cache(tiny, tmp_path, monkeypa
     assert not (tmp_path / "e").exists()
 
 
+def test_a_cache_that_cannot_be_written_ends_in_one_line(tmp_path, monkeypatch, capsys):
+    """DTRT_CACHE below a file: the first use cannot make its directory (a read-only disk or one the user may not
+    write ends the same way)."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("DTRT_CACHE", str(tmp_path / "file" / "cache"))
+    code, out, err = run_cli(monkeypatch, capsys, "run", "--model", "tiny", "hello")
+    lines = [line for line in err.splitlines() if line.startswith("error")]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err and out == "", err
+    assert lines[0].startswith(f"error: {tmp_path / 'file'}") and ": not a directory; dtrt writes what" in lines[0]
+    assert f"under {tmp_path / 'file' / 'cache'} (DTRT_CACHE moves it)" in lines[0]
+
+
+def test_a_write_the_user_may_not_make_ends_in_one_line(tiny, tmp_path, monkeypatch, capsys):
+    def refused(stage, path, *a):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(export_mod, "export_stage", refused)
+    code, _, err = run_cli(monkeypatch, capsys, "export", "--target", str(tiny.target), "--out", str(tmp_path / "e"))
+    lines = [line for line in err.splitlines() if not line.startswith("[")]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: ") and "target.onnx: permission denied; dtrt writes" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_other_os_errors_are_not_taken_for_a_full_disk(tiny, tmp_path, monkeypatch, capsys):
     def failing(stage, path, *a):
         raise OSError(errno.EIO, "Input/output error")

@@ -1,6 +1,7 @@
 """Files of an artifact directory: sha256, the manifest's file table, and staging (a directory is written under
 a temporary name next to its destination and renamed into place only when complete)."""
 
+import errno
 import hashlib
 import json
 import os
@@ -53,6 +54,27 @@ def require_space(out: Path, need: int, what: str):
         raise DtrtError(
             f"{what} writes about {need / 1e9:.2f} GB at {out} and that disk has {free / 1e9:.2f} GB free: {MOVE_HINT}"
         )
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+# what the file system refuses whatever dtrt does: a read-only disk, a path the user may not write, one that runs
+# through a file
+REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
+
+
+def file_system_error(e: OSError) -> str | None:
+    """The one line a command ends with when the file system refuses a write (or a read) it needs, None for any other
+    error. What was being written was staged, and is gone."""
+    if e.errno not in FULL and not (e.errno in REFUSED and e.filename):  # a refusal that names no file is no path's
+        return None
+    reason = os.strerror(e.errno).lower()
+    if e.errno in FULL:  # an estimate before writing refuses most of these; another writer can still fill a disk
+        where = f" writing {e.filename}" if e.filename else f" while writing (dtrt's cache is {cache_dir()})"
+        return f"{reason}{where}: {MOVE_HINT}; nothing half-written was kept"
+    return (
+        f"{e.filename}: {reason}; dtrt writes what it makes on first use under {cache_dir()} (DTRT_CACHE "
+        "moves it) and an export where --out says; nothing half-written was kept"
+    )
 
 
 def write_cache_file(path: Path, text: str) -> bool:

@@ -1,14 +1,13 @@
 """The command group, the one-line error handling of `main`, and what several commands share: help texts,
 the source, method and request options, the log and progress lines."""
 
-import errno
 import os
 import sys
 
 import click
 
 from dtrt import __version__
-from dtrt.artifacts.files import MOVE_HINT, cache_dir
+from dtrt.artifacts.files import file_system_error
 from dtrt.cli.options import FILLED_IN, option_from
 from dtrt.errors import BackendFault, DtrtError
 from dtrt.frontend.requests import has_chat_template
@@ -189,12 +188,10 @@ def main():
         log_line(f"error: {e}")
         sys.exit(2)
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        line = file_system_error(e)
+        if line is None:
             raise
-        # an estimate before writing refuses most of these; another writer on the disk can still fill it. What was
-        # being written was staged, and is gone
-        where = f" writing {e.filename}" if e.filename else f" while writing (dtrt's cache is {cache_dir()})"
-        log_line(f"error: {os.strerror(e.errno).lower()}{where}: {MOVE_HINT}; nothing half-written was kept")
+        log_line(f"error: {line}")
         sys.exit(1)
     except BackendFault as e:  # not the user's input: one line, the traceback on request
         if os.environ.get("DTRT_TRACEBACK", "0").strip() not in ("", "0"):
