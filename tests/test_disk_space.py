@@ -51,12 +51,12 @@ def test_a_stage_folds_into_the_shared_file_while_its_own_data_shrinks(tmp_path,
         return append(self, data)
 
     monkeypatch.setattr(SharedWeights, "_append", watch)
-    shared = SharedWeights(tmp_path)
-    shared.fold("one.onnx")
-    folding_one = sizes[:]
-    assert not (tmp_path / "one.onnx.data").exists()
-    shared.fold("two.onnx")
-    totals = shared.close()
+    with SharedWeights(tmp_path) as shared:
+        shared.fold("one.onnx")
+        folding_one = sizes[:]
+        assert not (tmp_path / "one.onnx.data").exists()
+        shared.fold("two.onnx")
+        totals = shared.totals()
     # one tensor at a time, from the end: the stage's data is cut back behind each copy, never below one still owed
     assert folding_one == sorted(folding_one, reverse=True) and folding_one[0] == 4 * (3000 + 5000 + 700)
     assert folding_one[-1] == 4 * 3000 and len(set(folding_one)) == 3  # b and its alias before a's cut

@@ -43,9 +43,9 @@ def point_at(init: onnx.TensorProto, location: str, offset: int, length: int):
 
 
 class SharedWeights:
-    """`root`/WEIGHTS while an export writes it: `fold(stage_file)` moves a finished stage's external initializers
-    into it (each distinct tensor once) and removes the stage's own data files; `close()` gives the totals
-    {"tensors", "distinct", "bytes", "stored"} the manifest records."""
+    """`root`/WEIGHTS while an export writes it (a context: the file is closed on leaving): `fold(stage_file)` moves
+    a finished stage's external initializers into it (each distinct tensor once) and removes the stage's own data
+    files; `totals()` gives {"tensors", "distinct", "bytes", "stored"}, which the manifest records."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -75,7 +75,9 @@ class SharedWeights:
             # from the file's end down, cutting it back behind each copied tensor: the stage's data shrinks as the
             # shared file grows (a cut never reaches below a tensor still to be copied)
             items.sort(key=lambda t: t[0], reverse=True)
-            ends = [max((o + n for o, n, _ in items[i + 1 :]), default=0) for i in range(len(items))]
+            ends, high = [0] * len(items), 0  # ends[i]: the furthest end of the tensors after the i-th
+            for i in range(len(items) - 1, -1, -1):
+                ends[i], high = high, max(high, items[i][0] + items[i][1])
             with open(self.root / location, "r+b") as src:
                 for (offset, length, init), end in zip(items, ends):
                     src.seek(offset)
@@ -88,8 +90,14 @@ class SharedWeights:
         for location in by_file:
             (self.root / location).unlink(missing_ok=True)
 
-    def close(self, log=None) -> dict:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
         self.out.close()
+
+    def totals(self, log=None) -> dict:
+        self.out.flush()
         if log:
             log(
                 f"weights: {self.tensors} tensors, {self.total / 1e6:.1f} MB in the stages, "

@@ -108,6 +108,28 @@ def quantize_target_stage(path: Path, quant, blocks, names: list, log) -> int:
     return products
 
 
+def write_stages(root: Path, stages: list, max_context: int, quant, blocks, names, drafter_quant: str, log):
+    """Each stage exported into `root`, then the target's linear layers quantized (`quant`, `names`; `blocks`: a
+    GGUF target's own) or a drafter stage rewritten (`drafter_quant`), then its weights folded into the shared file,
+    before the next stage is written: the disk holds one stage's own data at a time. Returns (the manifest's
+    stages, the target's quantized products or None, the shared weights' totals)."""
+    stage_meta, products = {}, None
+    quantized = quantized_stages([s.name for s in stages], drafter_quant)
+    with SharedWeights(root) as shared:
+        for i, stage in enumerate(stages, 1):
+            t0 = time.perf_counter()
+            log(f"[{i}/{len(stages)}] exporting {stage.name}")
+            export_stage(stage, root / f"{stage.name}.onnx", max_context, max_context)
+            stage_meta[stage.name] = {"file": f"{stage.name}.onnx", "inputs": stage.inputs, "outputs": stage.outputs}
+            log(f"[{i}/{len(stages)}] {stage.name} done in {time.perf_counter() - t0:.1f}s")
+            if stage.name == "target" and quant is not None:
+                products = quantize_target_stage(root / "target.onnx", quant, blocks, names, log)
+            if stage.name in quantized:
+                quantize_drafter(root / f"{stage.name}.onnx", stage.name, drafter_quant, log)
+            shared.fold(f"{stage.name}.onnx")
+        return stage_meta, products, shared.totals(log)
+
+
 def export_pair(
     pair: Pair,
     out: Path,
@@ -158,25 +180,12 @@ def export_pair(
     stages = pair_stages(target, taps, {k: d for k, (_, d) in drafters.items()}, budget, topm, node_topk, vocabs)
     blocks = checkpoint_blocks(pair.target) if isinstance(quant, GgufQuant) else None
     require_space(out, disk_need(target, *(d for _, d in drafters.values())), "this export")
+    # the quantized weights by their names in the target stage's graph (TargetStage.target)
+    names = [tuple(f"target.{n}" for n in group) for group in weight_names(target)] if quant is not None else []
 
     with staging(out) as tmp:
-        stage_meta = {}
-        quantized = quantized_stages([s.name for s in stages], drafter_quant)
-        names, products = [], None
-        shared = SharedWeights(tmp)
-        for i, stage in enumerate(stages, 1):
-            t0 = time.perf_counter()
-            log(f"[{i}/{len(stages)}] exporting {stage.name}")
-            export_stage(stage, tmp / f"{stage.name}.onnx", max_context, max_context)
-            stage_meta[stage.name] = {"file": f"{stage.name}.onnx", "inputs": stage.inputs, "outputs": stage.outputs}
-            log(f"[{i}/{len(stages)}] {stage.name} done in {time.perf_counter() - t0:.1f}s")
-            if stage.name == "target" and quant is not None:
-                names = [tuple(f"target.{n}" for n in group) for group in weight_names(target)]  # TargetStage.target
-                products = quantize_target_stage(tmp / "target.onnx", quant, blocks, names, log)
-            if stage.name in quantized:
-                quantize_drafter(tmp / f"{stage.name}.onnx", stage.name, drafter_quant, log)
-            shared.fold(f"{stage.name}.onnx")  # before the next stage is written: one stage's data at a time
-        weights = shared.close(log)
+        stage_meta, products, weights = write_stages(tmp, stages, max_context, quant, blocks, names, drafter_quant, log)
+        quantized = quantized_stages(stage_meta, drafter_quant)
         for kind, vocab in vocabs.items():  # beside the engines too: parity and the runtime read the subset here
             if vocab is not None:
                 vocab.save(tmp / draft_vocab_file(kind))
