@@ -37,8 +37,8 @@ idle_s = 30
 """
 
 
-def job(*args):
-    return subprocess.run([*JOB, *args], capture_output=True, text=True, cwd=REPO)
+def job(*args, env=None):
+    return subprocess.run([*JOB, *args], capture_output=True, text=True, cwd=REPO, env=env)
 
 
 @pytest.fixture
@@ -214,6 +214,7 @@ def test_the_dry_run_runs_every_call_within_the_limits(tmp_path):
             }
         )
     )
+    (tmp_path / "tmp").mkdir()
     res = job(
         "dry-run",
         "--limits",
@@ -228,8 +229,11 @@ def test_the_dry_run_runs_every_call_within_the_limits(tmp_path):
         "20",
         "--measure-s",
         "45",
+        env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    # every call's scratch is gone (Inductor's compile cache stays on purpose: later processes read it)
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_")] == []
     assert "dry run: fits" in res.stdout and "stage-1" in res.stdout  # several parts, each its own call
     out = tmp_path / "dry" / "out"
     report = json.loads((out / "train" / "train.json").read_text())
@@ -245,10 +249,13 @@ def test_the_dry_run_runs_every_call_within_the_limits(tmp_path):
 
 @pytest.mark.slow
 def test_preflight_runs_the_training_call_on_the_tiny_pair(tmp_path):
-    res = job("preflight", "--out", str(tmp_path / "out"), "--piece-bytes", "1 MiB", "--budget-s", "20")
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    res = job("preflight", "--out", str(tmp_path / "out"), "--piece-bytes", "1 MiB", "--budget-s", "20", env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.startswith("preflight on cpu") and "held-out tau" in res.stdout
     assert (tmp_path / "out" / "drafter.json").is_file() and (tmp_path / "out" / "train.json").is_file()
+    assert not list((tmp_path / "tmp").glob("dtrt-preflight-*"))  # its working directory is gone
 
 
 def test_the_steps_fill_the_call_with_its_evaluations():

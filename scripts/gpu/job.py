@@ -236,24 +236,25 @@ def cmd_preflight(args):
 
     from dtrt.zoo import registry
 
-    work = Path(tempfile.mkdtemp(prefix="dtrt-preflight-"))
-    data, corpus, init = dry_run.tiny_inputs(work)
-    spec = dict(data=[data], drafter=init, corpus=[corpus], held_out=stage.TINY_HELD_OUT, settings=stage.TINY)
-    stage.build(work / "stage", target=registry.tiny_pair().target, gguf=None, **spec)
-    stage.restore_target(work / "stage", work / "target")
-    device = "cuda" if _cuda() else "cpu"
-    piece = limits.size(args.piece_bytes, f"--piece-bytes {args.piece_bytes}") if args.piece_bytes else None
-    report = train_call.run(
-        work / "stage",
-        Path(args.out),
-        work,
-        budget_s=args.budget_s,
-        device=device,
-        piece_bytes=piece,
-        eval_every_s=5,
-        min_train_s=5,  # a busy machine's probe still leaves ten steps: the point is the path, not the time
-        log=lambda *a: None,
-    )
+    with tempfile.TemporaryDirectory(prefix="dtrt-preflight-") as tmp:  # gone when it returns
+        work = Path(tmp)
+        data, corpus, init = dry_run.tiny_inputs(work)
+        spec = dict(data=[data], drafter=init, corpus=[corpus], held_out=stage.TINY_HELD_OUT, settings=stage.TINY)
+        stage.build(work / "stage", target=registry.tiny_pair().target, gguf=None, **spec)
+        stage.restore_target(work / "stage", work / "target")
+        device = "cuda" if _cuda() else "cpu"
+        piece = limits.size(args.piece_bytes, f"--piece-bytes {args.piece_bytes}") if args.piece_bytes else None
+        report = train_call.run(
+            work / "stage",
+            Path(args.out),
+            work,
+            budget_s=args.budget_s,
+            device=device,
+            piece_bytes=piece,
+            eval_every_s=5,
+            min_train_s=5,  # a busy machine's probe still leaves ten steps: the point is the path, not the time
+            log=lambda *a: None,
+        )
     print(
         f"preflight on {report['device']} (torch {report['torch']}): {report['steps_done']} steps, held-out tau "
         f"{report['probe']['tau_start']['dominotree']:.2f} -> {report['best']:.2f}, {report['elapsed_s']:.0f}s"

@@ -12,6 +12,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # dtrt is the checkout there, not an installed package
 work=$(mktemp -d)
+bin=""
+trap 'rm -rf "$work" ${bin:+"$bin"}' EXIT  # everything it keeps is in OUT/measure.tgz
 if ! command -v python >/dev/null 2>&1; then  # gpu_check.sh calls `python`; some images have only python3
     bin=$(mktemp -d) && ln -sf "$(command -v python3)" "$bin/python" && export PATH="$bin:$PATH"
 fi
