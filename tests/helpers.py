@@ -89,6 +89,14 @@ def write_drafter(path: Path, cfg_json: dict, gru=16, emb=24, head=None, head_pr
     return path
 
 
+def small_disk(monkeypatch, free: int):
+    """Every disk dtrt asks about has `free` bytes free."""
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr("dtrt.artifacts.files.shutil.disk_usage", lambda p: real(p)._replace(free=free))
+
+
 def run_cli(monkeypatch, capsys, *args):
     """`dtrt ARGS` in-process: (exit code, stdout, stderr)."""
     from dtrt import cli

@@ -3,12 +3,12 @@ are copied), refuses up front, in one line, a disk that cannot hold it, and a di
 command in one line with nothing half-written left."""
 
 import errno
-import shutil
+import re
 
 import numpy as np
 import onnx
 import pytest
-from helpers import run_cli
+from helpers import run_cli, small_disk
 from onnx import TensorProto, helper, numpy_helper
 
 from dtrt.exporter import weights as weights_mod
@@ -73,11 +73,6 @@ def test_a_stage_folds_into_the_shared_file_while_its_own_data_shrinks(tmp_path,
             np.testing.assert_array_equal(numpy_helper.to_array(init), want[init.name])
 
 
-def small_disk(monkeypatch, free: int):
-    real = shutil.disk_usage
-    monkeypatch.setattr("dtrt.artifacts.files.shutil.disk_usage", lambda p: real(p)._replace(free=free))
-
-
 def test_an_export_that_cannot_fit_is_refused_before_it_writes(tiny, tmp_path, monkeypatch, capsys):
     out = tmp_path / "e"
     small_disk(monkeypatch, 10_000)  # the tiny pair's export needs a few MB
@@ -109,19 +104,6 @@ def test_a_disk_that_fills_anyway_ends_in_one_line_and_leaves_nothing(tiny, tmp_
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_full_disk_that_names_no_file_names_the_cache(tiny, tmp_path, monkeypatch, capsys):
-    def filling(stage, path, *a):  # as a library's writer raises it
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(export_mod, "export_stage", filling)
-    monkeypatch.setenv("DTRT_CACHE", str(tmp_path / "cache"))
-    code, _, err = run_cli(monkeypatch, capsys, "export", "--target", str(tiny.target), "--out", str(tmp_path / "e"))
-    lines = [line for line in err.splitlines() if not line.startswith("[")]
-    assert code == 1 and len(lines) == 1, err
-    assert lines[0].startswith(f"error: no space left on device while writing (dtrt's cache is {tmp_path / 'cache'})")
-    assert not (tmp_path / "e").exists()
-
-
 def test_a_cache_that_cannot_be_written_ends_in_one_line(tmp_path, monkeypatch, capsys):
     """DTRT_CACHE below a file: the first use cannot make its directory (a read-only disk or one the user may not
     write ends the same way)."""
@@ -134,23 +116,43 @@ def test_a_cache_that_cannot_be_written_ends_in_one_line(tmp_path, monkeypatch, 
     assert f"under {tmp_path / 'file' / 'cache'} (DTRT_CACHE moves it)" in lines[0]
 
 
-def test_a_write_the_user_may_not_make_ends_in_one_line(tiny, tmp_path, monkeypatch, capsys):
-    def refused(stage, path, *a):
-        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+def failing_export(monkeypatch, error):
+    """Every stage's export raises `error(path)`."""
 
-    monkeypatch.setattr(export_mod, "export_stage", refused)
+    def fail(stage, path, *a):
+        raise error(path)
+
+    monkeypatch.setattr(export_mod, "export_stage", fail)
+
+
+@pytest.mark.parametrize(
+    "error, line",
+    [
+        # a full disk as a library's writer reports it, naming no file: the line names the cache
+        (
+            lambda path: OSError(errno.ENOSPC, "No space left on device"),
+            lambda cache: re.escape(f"error: no space left on device while writing (dtrt's cache is {cache})"),
+        ),
+        (
+            lambda path: PermissionError(errno.EACCES, "Permission denied", str(path)),
+            lambda cache: r"error: .*target\.onnx: permission denied; dtrt writes",
+        ),
+    ],
+    ids=["full-no-file", "permission"],
+)
+def test_a_file_system_refusal_ends_in_one_line(tiny, tmp_path, monkeypatch, capsys, error, line):
+    failing_export(monkeypatch, error)
+    monkeypatch.setenv("DTRT_CACHE", str(tmp_path / "cache"))
     code, _, err = run_cli(monkeypatch, capsys, "export", "--target", str(tiny.target), "--out", str(tmp_path / "e"))
-    lines = [line for line in err.splitlines() if not line.startswith("[")]
+    lines = [x for x in err.splitlines() if not x.startswith("[")]
     assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("error: ") and "target.onnx: permission denied; dtrt writes" in lines[0]
+    assert re.match(line(tmp_path / "cache"), lines[0]), lines[0]
+    assert lines[0].endswith("nothing half-written was kept")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_other_os_errors_are_not_taken_for_a_full_disk(tiny, tmp_path, monkeypatch, capsys):
-    def failing(stage, path, *a):
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(export_mod, "export_stage", failing)
+    failing_export(monkeypatch, lambda path: OSError(errno.EIO, "Input/output error"))
     with pytest.raises(OSError, match="Input/output"):
         run_cli(monkeypatch, capsys, "export", "--model", "tiny", "--out", str(tmp_path / "e"))
     assert list(tmp_path.iterdir()) == []

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import generate_all, run_cli, spec
+from helpers import generate_all, run_cli, small_disk, spec
 from test_ort_backend import ort_pipeline
 
 gguf = pytest.importorskip("gguf")
@@ -275,10 +275,7 @@ def test_refusals_are_one_line(tmp_path, monkeypatch, capsys, gguf_file, tiny):
 
 
 def test_a_conversion_that_cannot_fit_is_refused_before_it_writes(tmp_path, monkeypatch, capsys, gguf_file):
-    import shutil
-
-    real = shutil.disk_usage
-    monkeypatch.setattr("dtrt.artifacts.files.shutil.disk_usage", lambda p: real(p)._replace(free=1000))
+    small_disk(monkeypatch, 1000)
     monkeypatch.setenv("DTRT_CACHE", str(tmp_path / "cache"))  # not converted yet
     code, _, err = run_cli(monkeypatch, capsys, "export", "--gguf", str(gguf_file), "--out", str(tmp_path / "out"))
     errors = [line for line in err.splitlines() if line.startswith("error")]
