@@ -16,6 +16,16 @@ from dtrt.zoo.registry import tiny_hybrid_pair, tiny_pair  # noqa: E402
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+    # ONNX Runtime sessions opened without a thread count take every core too; a session's threads meet at a barrier
+    # after each kernel, so while another worker holds a core they wait for it (a test ran 5x slower that way)
+    from dtrt.runtime.backends import onnxruntime as _ort_backend
+
+    _make_session = _ort_backend.make_session
+
+    def _session_on_the_workers_share(path, threads=None, *args, **kwargs):
+        return _make_session(path, threads or max(1, (os.cpu_count() or 1) // _WORKERS), *args, **kwargs)
+
+    _ort_backend.make_session = _session_on_the_workers_share
 
 
 def pytest_configure(config):

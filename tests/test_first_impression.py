@@ -52,8 +52,8 @@ def test_readme_prompts_are_found():
 
 @pytest.fixture(scope="module")
 def pipes():
-    default = pipeline(resolve_spec(threads=2))  # `dtrt run` with no flags: the embedded default
-    reference = pipeline(resolve_spec(model=default.spec.model, backend="torch", method="ar", threads=2))
+    default = pipeline(resolve_spec())  # `dtrt run` with no flags: the embedded default
+    reference = pipeline(resolve_spec(model=default.spec.model, backend="torch", method="ar"))
     return default, reference
 
 
