@@ -108,13 +108,14 @@ def quantize_target_stage(path: Path, quant, blocks, names: list, log) -> int:
     return products
 
 
-def write_stages(root: Path, stages: list, max_context: int, quant, blocks, names, drafter_quant: str, log):
+def write_stages(
+    root: Path, stages: list, *, max_context: int, quant, blocks, names, drafter_quant: str, quantized: list, log
+):
     """Each stage exported into `root`, then the target's linear layers quantized (`quant`, `names`; `blocks`: a
-    GGUF target's own) or a drafter stage rewritten (`drafter_quant`), then its weights folded into the shared file,
-    before the next stage is written: the disk holds one stage's own data at a time. Returns (the manifest's
-    stages, the target's quantized products or None, the shared weights' totals)."""
+    GGUF target's own) or a drafter stage in `quantized` rewritten (`drafter_quant`), then its weights folded into
+    the shared file, before the next stage is written: the disk holds one stage's own data at a time. Returns (the
+    manifest's stages, the target's quantized products or None, the shared weights' totals)."""
     stage_meta, products = {}, None
-    quantized = quantized_stages([s.name for s in stages], drafter_quant)
     with SharedWeights(root) as shared:
         for i, stage in enumerate(stages, 1):
             t0 = time.perf_counter()
@@ -183,9 +184,20 @@ def export_pair(
     # the quantized weights by their names in the target stage's graph (TargetStage.target)
     names = [tuple(f"target.{n}" for n in group) for group in weight_names(target)] if quant is not None else []
 
+    quantized = quantized_stages([s.name for s in stages], drafter_quant)
+
     with staging(out) as tmp:
-        stage_meta, products, weights = write_stages(tmp, stages, max_context, quant, blocks, names, drafter_quant, log)
-        quantized = quantized_stages(stage_meta, drafter_quant)
+        stage_meta, products, weights = write_stages(
+            tmp,
+            stages,
+            max_context=max_context,
+            quant=quant,
+            blocks=blocks,
+            names=names,
+            drafter_quant=drafter_quant,
+            quantized=quantized,
+            log=log,
+        )
         for kind, vocab in vocabs.items():  # beside the engines too: parity and the runtime read the subset here
             if vocab is not None:
                 vocab.save(tmp / draft_vocab_file(kind))
