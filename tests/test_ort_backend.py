@@ -410,11 +410,13 @@ def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
     from dtrt import __version__
     from dtrt.launch import first_use as cache
     from dtrt.models.checkpoint import Pair
+    from dtrt.runtime.backends import ort_ops
 
     monkeypatch.setenv("DTRT_CACHE", str(tmp_path))
     cached = tmp_path / "exports" / f"tiny-{__version__}"
-    made = []
+    made, builds = [], []
     monkeypatch.setattr(cache, "export_pair", lambda pair, out, cfg, **kw: made.append((pair, out, cfg)) or "new")
+    monkeypatch.setattr(ort_ops, "build_in_background", lambda: builds.append(len(made)))
     for other in (tiny_export, tiny_export_int4):  # fp32 drafters (an earlier dtrt), or not the registry's choice
         shutil.copytree(other.path, cached)
         logs = []
@@ -439,9 +441,11 @@ def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
     # a cache holding only another target configuration (an earlier default) says why it exports again
     made.clear()
     logs = []
+    assert not builds  # an fp32 target's sessions run no kernel of dtrt's
     assert cache.cached_export(tiny, "tiny", logs.append, quant="int4") == "new" and made
     why = [m for m in logs if "no export of its int4 target in the cache yet" in m]
     assert len(why) == 1 and f"it holds tiny-{__version__})" in why[0] and "default target is fp32" in why[0]
+    assert builds == [0]  # a quantized target's: the kernels' compile started before its export
 
 
 def test_first_use_takes_the_registrys_subset_per_target(tiny, tiny_export_int8, tmp_path, monkeypatch):

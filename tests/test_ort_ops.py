@@ -135,3 +135,36 @@ def test_the_kernel_builds_wherever_it_can_run():
     if ort_ops.status():
         pytest.skip(f"dtrt's ONNX Runtime kernel: {ort_ops.status()}")
     assert ort_ops.library() is not None
+
+
+def test_a_build_in_the_background_is_the_one_library_waits_for(tmp_path, monkeypatch):
+    """A first use starts the compile on its own thread while the export runs; the session's library() then waits
+    for that build and gets its file: one compile, not a second one beside it."""
+    import threading
+    import time
+
+    if ort_ops.status():
+        pytest.skip(f"dtrt's ONNX Runtime kernel: {ort_ops.status()}")
+    monkeypatch.setenv("DTRT_CACHE", str(tmp_path))
+    compiles = []
+
+    def compile_slowly(cmd, **kwargs):  # the compiler's command, made to take a while and write its output
+        compiles.append(threading.current_thread().name)
+        time.sleep(0.5)
+        Path(cmd[cmd.index("-o") + 1]).write_bytes(b"built")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(ort_ops.subprocess, "run", compile_slowly)
+    ort_ops._built.cache_clear()
+    try:
+        ort_ops.build_in_background()
+        time.sleep(0.1)  # the build has begun on its thread
+        lib = ort_ops.library()
+        assert compiles == ["dtrt-ort-ops-build"]
+        assert lib is not None and lib.read_bytes() == b"built" and lib.is_relative_to(tmp_path)
+        assert [p.name for p in lib.parent.iterdir()] == [lib.name]  # its scratch folder is gone
+    finally:
+        ort_ops._built.cache_clear()
+    monkeypatch.setenv("DTRT_ORT_OPS", "0")
+    ort_ops.build_in_background()  # where the kernels are off nothing is compiled
+    assert not any(t.name == "dtrt-ort-ops-build" for t in threading.enumerate()) and len(compiles) == 1

@@ -68,6 +68,10 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none", draft_v
             )
     check_first_use(pair, model, quant=quant)
     log(f"exporting {model} to ONNX in {path} (first use only)")
+    if quant != "none":  # a quantized target's sessions run dtrt's kernels: compiled on the other core meanwhile
+        from dtrt.runtime.backends import ort_ops
+
+        ort_ops.build_in_background()
     drafter_quant = default_drafter_quant(model, quant)
     cfg = ExportConfig(force=True, drafter_quant=drafter_quant, quant=quant, draft_vocab=draft_vocab)
     return export_pair(pair, Path(path), cfg, model=model, log=log)

@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from dtrt.artifacts.files import cache_dir
@@ -84,9 +85,27 @@ def _machine() -> str:
     return ""
 
 
-@functools.cache
+_building = threading.Lock()
+
+
 def library() -> Path | None:
-    """The built library, compiled on first use; None where status() says why, or when the build fails."""
+    """The built library, compiled on first use; None where status() says why, or when the build fails. A call
+    while another thread builds it waits for that build (build_in_background)."""
+    with _building:
+        return _built()
+
+
+def build_in_background() -> None:
+    """Start compiling the library on a thread of its own, for a process that will open a quantized target's
+    sessions after other work: a first use's export runs on one core, so the compile (15 s on a 2-core machine,
+    most of it block_matmul.cc) takes another instead of delaying the first answer. Not a daemon: a process that
+    ends meanwhile waits for the compiler rather than leaving its scratch folder in the cache."""
+    if not status():
+        threading.Thread(target=library, name="dtrt-ort-ops-build").start()
+
+
+@functools.cache
+def _built() -> Path | None:
     if status():
         return None
     text = b"".join(f.name.encode() + f.read_bytes() for f in (*SOURCES, *HEADERS))
