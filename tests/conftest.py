@@ -16,9 +16,7 @@ from dtrt.zoo.registry import tiny_hybrid_pair, tiny_pair  # noqa: E402
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _WORKERS:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
-    # ONNX Runtime sessions opened without a thread count take every core too, and while another worker holds a core,
-    # threads that meet after each kernel wait for it: the suite took 11:34 on 2 cores with torch's threads shared
-    # alone, 10:22 with these too
+    # ONNX Runtime sessions opened without a thread count would take every core too: the same share as torch's
     from dtrt.runtime.backends import onnxruntime as _ort_backend
 
     _make_session = _ort_backend.make_session

@@ -251,7 +251,7 @@ def test_the_dry_run_runs_every_call_within_the_limits(tmp_path):
 def test_preflight_runs_the_training_call_on_the_tiny_pair(tmp_path):
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
-    res = job("preflight", "--out", str(tmp_path / "out"), "--piece-bytes", "1 MiB", "--budget-s", "20", env=env)
+    res = job("preflight", "--out", str(tmp_path / "out"), "--piece-bytes", "1 MiB", "--budget-s", "10", env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.startswith("preflight on cpu") and "held-out tau" in res.stdout
     assert (tmp_path / "out" / "drafter.json").is_file() and (tmp_path / "out" / "train.json").is_file()
