@@ -10,7 +10,7 @@ import torch
 from helpers import PROMPTS, pipe_for, run_cli, spec
 
 from dtrt.errors import DtrtError
-from dtrt.runtime.prefix_cache import PrefixCache
+from dtrt.runtime.prefix_cache import PrefixCache, boundaries, kept
 from dtrt.runtime.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -230,7 +230,8 @@ def chat(pipe, first: str, turns: int, sampling=GREEDY) -> tuple[list, list]:
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_turns_restore_up_to_the_last_answer(tiny, tiny_export, backend):
     """Calls end after every stop id: a turn restores its whole history up to the last answer's end, not the whole
-    chunks before it, and the tokens (and on torch the state) are an uncached prefill's."""
+    chunks before it, and the tokens are an uncached pipeline's; on torch the state the next turn restores (what
+    `remember` prefilled, up to the last answer's end) is bit for bit a whole prefill's of that next prompt."""
     cached, uncached = pipes(tiny, tiny_export if backend == "onnxruntime" else None)
     for first in PROMPTS[:2]:
         a, prompts = chat(cached, first, 3)
@@ -240,8 +241,12 @@ def test_turns_restore_up_to_the_last_answer(tiny, tiny_export, backend):
             answered = len(ids) - len(cached.tokenizer.encode(TURN, add_special_tokens=False))
             assert g.cached_tokens == answered and answered % 64 != 0 and answered > len(prev)
     assert sum(r.lookup for g in a for r in g.rounds) > 0 and sum(r.accepted for g in a for r in g.rounds) > 0
-    if backend == "torch":  # the last prompt's positions (the rounds' trees after them follow the clock)
-        n = len(prompts[-1])
+    if backend == "torch":  # what the next turn restores from the last answer's `remember`, and a whole prefill of it
+        stop = cached.eos[0]
+        answered = prompts[-1] + (a[-1].tokens if a[-1].tokens[-1] == stop else a[-1].tokens + [stop])
+        n = kept(boundaries(answered, cached.eos))
+        assert n == len(answered)  # up to the answer's end, past the last prompt's own last (shorter) call
+        uncached.generate(answered + cached.tokenizer.encode(TURN, add_special_tokens=False), 1, GREEDY)
         for x, y in zip(cached.backend.snapshot(n), uncached.backend.snapshot(n), strict=True):
             assert torch.equal(x, y)
 
