@@ -45,6 +45,7 @@ def drafter_feeds(exp, stage: str, n: int, past: int, rng) -> dict:
 def profile(exp, n: int, past: int, calls: int, threads: int, seed: int, stage: str = "target") -> dict:
     rng = np.random.default_rng(seed)
     feeds = chain_feeds(exp, n, past, rng) if stage == "target" else drafter_feeds(exp, stage, n, past, rng)
+    feeds = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in feeds.items()}  # a bare session's inputs
     outputs = ["logits"] if stage == "target" else None
     with tempfile.TemporaryDirectory() as tmp:
         optimized = os.path.join(tmp, "optimized.onnx")
