@@ -542,3 +542,23 @@ def test_cost_curve_kept_per_export_and_threads(tiny_export, cost_store, monkeyp
     assert again.method.curve == first.method.curve and again.backend.cost_key() == first.backend.cost_key()
     other = pipe_for(None, draft, backend="onnxruntime", export=tiny_export.path, threads=2)
     assert other.backend.cost_key() != first.backend.cost_key()
+
+
+def test_threads_spin_within_a_call_and_torch_keeps_the_host_to_one(tiny, tiny_export):
+    """On the CPU a session's intra-op threads may spin between its parallel sections and stop when the call returns;
+    torch, which runs only the host's small ops beside ONNX Runtime, gets one thread whatever --threads says (its
+    idle OpenMP thread would spin on the core ONNX Runtime's second thread needs); the torch backend's models keep
+    --threads."""
+    pipe = pipe_for(None, spec("dominotree"), backend="onnxruntime", export=tiny_export.path, threads=2)
+    sessions = pipe.backend.runner.sessions
+    assert {"target", "domino.block", "domino.context"} <= set(sessions)
+    for sess in sessions.values():
+        opts = sess.get_session_options()
+        assert opts.intra_op_num_threads == 2
+        assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+        assert opts.get_session_config_entry("session.force_spinning_stop") == "1"
+    assert torch.get_num_threads() == 1
+    pipe_for(tiny, spec("dominotree"), threads=2)
+    assert torch.get_num_threads() == 2
+    pipe_for(None, spec("ar"), backend="onnxruntime", export=tiny_export.path)  # no --threads: ONNX Runtime's own
+    assert torch.get_num_threads() == 1

@@ -52,7 +52,8 @@ class RunSpec:
     activations); the torch backend multiplies by the same dequantized weights; an --export or engine carries its
     own, which this must equal (None: the export's, or full precision)."""
     threads: int | None = None
-    """Intra-op threads of torch and ONNX Runtime (None: theirs)."""
+    """Intra-op threads of the models (None: the library's own count): torch's on the torch backend, ONNX Runtime's
+    on onnxruntime, where torch runs only the host's small ops, on one thread."""
     method: MethodName = "dominotree"
     """How a round's drafter output becomes a tree (docs/methods.md)."""
     budget: int = 16

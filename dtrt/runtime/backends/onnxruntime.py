@@ -99,8 +99,14 @@ def make_session(
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
-    # idle intra-op threads would spin between stage calls, on the cores the host tree code needs
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    providers = providers or ["CPUExecutionProvider"]
+    on_cpu = providers == ["CPUExecutionProvider"]
+    # On the CPU the intra-op threads spin between a call's parallel sections (a decode call runs hundreds of small
+    # ones: SmolLM2's 2-thread AR step took 10.9 ms with its second thread woken from sleep for each, 8.5-9.2 ms
+    # spinning, 12.2 ms on one thread) and stop when the call returns, so they never spin through the host's tree
+    # code between stage calls
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if on_cpu else "0")
+    opts.add_session_config_entry("session.force_spinning_stop", "1")
     opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy))
     if threads:
         opts.intra_op_num_threads = threads
@@ -109,8 +115,7 @@ def make_session(
     if profile is not None:
         opts.enable_profiling = True
         opts.profile_file_prefix = str(profile)
-    providers = providers or ["CPUExecutionProvider"]
-    if kernels and providers == ["CPUExecutionProvider"] and not ort_ops.status() and ort_ops.wants_kernel(path):
+    if kernels and on_cpu and not ort_ops.status() and ort_ops.wants_kernel(path):
         if (lib := ort_ops.library()) is not None:
             opts.register_custom_ops_library(str(lib))  # runs in place of the function bodies of the nodes it serves
     return ort.InferenceSession(str(path), opts, providers=providers, disabled_optimizers=DISABLED_OPTIMIZERS)
@@ -178,7 +183,8 @@ class OrtRunner(StageRunner):
         import onnxruntime as ort
 
         providers = [p if isinstance(p, str) else p[0] for p in self.providers]
-        return {"runner": self.name, "onnxruntime": ort.__version__, "threads": self.threads, "providers": providers}
+        key = {"runner": self.name, "onnxruntime": ort.__version__, "threads": self.threads, "providers": providers}
+        return {**key, "intra_op": "spins within a call"}  # curves measured with sleeping threads are not reused
 
     def open(self, stage: str):
         if stage in self.sessions:
