@@ -183,8 +183,13 @@ class OrtRunner(StageRunner):
         import onnxruntime as ort
 
         providers = [p if isinstance(p, str) else p[0] for p in self.providers]
-        key = {"runner": self.name, "onnxruntime": ort.__version__, "threads": self.threads, "providers": providers}
-        return {**key, "intra_op": "spins within a call"}  # curves measured with sleeping threads are not reused
+        return {
+            "runner": self.name,
+            "onnxruntime": ort.__version__,
+            "threads": self.threads,
+            "intra_op": "spins within a call",  # curves measured with sleeping threads (an earlier dtrt) are not reused
+            "providers": providers,
+        }
 
     def open(self, stage: str):
         if stage in self.sessions:
