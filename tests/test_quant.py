@@ -477,7 +477,8 @@ def _kernel():
 @pytest.mark.slow
 def test_kernel_runs_the_ordered_attention_in_order(int4_export):
     """With dtrt's ONNX Runtime kernel in place of the function body (dtrt.runtime.backends.ort_ops): the same
-    outputs as the body up to fp32 rounding, in use (not bit-identical to it), and tree rows = plain decoding."""
+    outputs as the body up to fp32 rounding, in use (not bit-identical to it), the same bits whatever the threads
+    that share a call's tasks, and tree rows = plain decoding."""
     _kernel()
     from dtrt.runtime.backends.onnxruntime import cpu_session
 
@@ -495,6 +496,15 @@ def test_kernel_runs_the_ordered_attention_in_order(int4_export):
     )
     diff = np.abs(kernel - body).max()
     assert 0 < diff <= 5e-4 * np.abs(body).max(), diff
+    for threads in (2, 3):  # tasks of a KV head's rows (all of them at N=1, tiles of 6 past that)
+        for m in (1, n):
+            fed = feeds | {"ids": feeds["ids"][:m], "positions": feeds["positions"][:m], "mask": mask[:m, :m]}
+            fed |= {"past_k": kv[:, :, : past + m], "past_v": kv[:, :, : past + m].copy()}
+            one, many = (
+                cpu_session(int4_export.stage("target"), threads=t, accuracy=0).run(["logits"], fed)[0]
+                for t in (1, threads)
+            )
+            assert np.array_equal(one, many), (threads, m)
     assert all(np.array_equal(want, got) for _, _, want, got in order_check(int4_export))
 
 

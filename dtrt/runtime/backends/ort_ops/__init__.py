@@ -1,16 +1,16 @@
 """dtrt's own ONNX Runtime CPU kernels: one custom-op library built on first use from the sources here
 (`register.cc` registers every kernel under domain `dtrt`).
 
-`tree_attention.cc` is `dtrt::TreeAttentionPlanned`, a quantized target's ordered attention, as one AVX2 kernel
-instead of ~45 small nodes a layer. `block_matmul.cc` is `dtrt::BlockMatMul` and `dtrt::BlockMatMulMin`, the
-product of fp32 activations with a GGUF file's 4- and 8-bit blocks (dtrt.ops.functions.block_matmul), read as
-packed codes instead of fp32 weights. Each is registered under the function's own domain and name, and ONNX Runtime
-runs a registered kernel in place of a function's body, so exports do not change and the body stays the
-definition (TensorRT's, and the fallback). Every output sums its terms in one fixed order, whatever the rows of the
-call and the threads: tree rows still equal plain decoding's bit for bit (`dtrt parity`'s order check runs with the
-kernels when they are in use), and a block product's row is the same in a 1-row call and in a 64-row one. The block
-product has an AVX-512F path beside its AVX2 one, taken where the CPU has AVX-512F: 16-lane sums instead of 8, its
-own fixed order, so an output can differ in its last bits between an AVX-512 CPU and an AVX2-only one (as ONNX
+`tree_attention.cc` is `dtrt::TreeAttentionPlanned`, a quantized target's ordered attention, as one AVX2 kernel instead
+of ~45 small nodes a layer, its KV heads' rows shared among the session's intra-op threads. `block_matmul.cc` is
+`dtrt::BlockMatMul` and `dtrt::BlockMatMulMin`, the product of fp32 activations with a GGUF file's 4- and 8-bit blocks
+(dtrt.ops.functions.block_matmul), read as packed codes instead of fp32 weights. Each is registered under the function's
+own domain and name, and ONNX Runtime runs a registered kernel in place of a function's body, so exports do not change
+and the body stays the definition (TensorRT's, and the fallback). Every output sums its terms in one fixed order,
+whatever the rows of the call and the threads: tree rows still equal plain decoding's bit for bit (`dtrt parity`'s order
+check runs with the kernels when they are in use), and a block product's row is the same in a 1-row call and in a 64-row
+one. The block product has an AVX-512F path beside its AVX2 one, taken where the CPU has AVX-512F: 16-lane sums instead
+of 8, its own fixed order, so an output can differ in its last bits between an AVX-512 CPU and an AVX2-only one (as ONNX
 Runtime's own kernels' do). `DTRT_BLOCK_ISA=avx2`, read when a session creates the kernel, keeps it on the AVX2 path;
 `block_isa()` says which path a session created now takes.
 

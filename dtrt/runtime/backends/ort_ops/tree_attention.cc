@@ -4,11 +4,15 @@
 // its attended new columns in index order, with the same code whatever the call's rows and the row's place, so a
 // tree's verify row equals plain decoding's row for the same token bit for bit (the order check). Inputs as the
 // function's (both caches read at the layer's offset); the plan's outputs other than the grouped mask are not read.
+//
+// A call's work goes to ONNX Runtime's intra-op thread pool (KernelContext_ParallelFor) in tasks of a KV head's rows:
+// every step of a row is the same whichever task runs it, so the thread count changes no bit.
 
 #include <immintrin.h>
 
 #include "kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -62,6 +66,142 @@ static inline void scores4q(const __m256* qv, int nc, const float* k0, const flo
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
+// one call's inputs, outputs and scratch: the scores S ([KVH * R, W]), the past's value sums acc ([KVH * R, hd]) and
+// the denominators den ([KVH * R]), row rr = g * N + r of KV head kh at kh * R + rr
+struct Call {
+  const float *Q, *KP, *VP, *KN, *VN;
+  float* O;
+  const int32_t* cols;  // each row's attended new columns, in index order, row after row
+  const int64_t *cnt, *start;
+  float *S, *acc, *den;
+  float scale;
+  int64_t N, P, G, R, W, hd, CK, C;
+  int nc;
+  int64_t chunk, chunks;  // a task's rows of one KV head, and the tasks a head takes
+};
+
+// KV head kh's rows [a, b): every step of a row as the 1-row call takes it, so the split changes no bit
+static void attend(const Call& c, int64_t kh, int64_t a, int64_t b) {
+  const int64_t N = c.N, P = c.P, G = c.G, R = c.R, W = c.W, hd = c.hd;
+  const int nc = c.nc;
+  const float* Kh = c.KP + kh * c.CK * hd;
+  const float* Vh = c.VP + kh * c.C * hd;
+  float* S = c.S + kh * R * W;
+  float* acc = c.acc + kh * R * hd;
+  float* den = c.den + kh * R;
+  // scores: the past (every row attends all of it), 4 keys at a time, in blocks of keys that stay in the L1
+  // cache while every row reads them (a long past read once per row would stream from memory R times)
+  constexpr int64_t SB = 64;  // a multiple of 4
+  for (int64_t j0 = 0; j0 < P; j0 += SB) {
+    const int64_t j1 = j0 + SB < P ? j0 + SB : P;
+    for (int64_t rr = a; rr < b; ++rr) {
+      const int64_t g = rr / N, r = rr % N;
+      const float* qr = c.Q + ((kh * G + g) * N + r) * hd;
+      __m256 qv[16];
+      for (int i = 0; i < nc; ++i) qv[i] = _mm256_loadu_ps(qr + 8 * i);
+      float* srow = S + rr * W;
+      for (int64_t j = j0; j < j1; j += 4) {
+        const float* k0 = Kh + j * hd;
+        const float* k1 = Kh + (j + 1 < P ? j + 1 : j) * hd;
+        const float* k2 = Kh + (j + 2 < P ? j + 2 : j) * hd;
+        const float* k3 = Kh + (j + 3 < P ? j + 3 : j) * hd;
+        scores4q(qv, nc, k0, k1, k2, k3, srow + j);
+      }
+    }
+  }
+  for (int64_t rr = a; rr < b; ++rr) {
+    const int64_t g = rr / N, r = rr % N;
+    float* s = S + rr * W;
+    const float* qr = c.Q + ((kh * G + g) * N + r) * hd;
+    __m256 qv[16];
+    for (int i = 0; i < nc; ++i) qv[i] = _mm256_loadu_ps(qr + 8 * i);
+    for (int64_t t = 0; t < c.cnt[r]; t += 4) {
+      const float* k[4];
+      for (int u = 0; u < 4; ++u) k[u] = c.KN + (kh * N + c.cols[c.start[r] + (t + u < c.cnt[r] ? t + u : 0)]) * hd;
+      scores4q(qv, nc, k[0], k[1], k[2], k[3], s + P + t);
+    }
+    const int64_t n = P + c.cnt[r];
+    for (int64_t i = n; i < n + 8; ++i) s[i] = -INFINITY;  // padding: never the max
+    const __m256 vs = _mm256_set1_ps(c.scale);
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + i), vs);
+      _mm256_storeu_ps(s + i, x);
+      vm = _mm256_max_ps(vm, x);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const __m256 vmx = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    __m256 vd = _mm256_setzero_ps();  // lane i % 8 of the row's sequence: the same in every call
+    for (int64_t i = 0; i < n; i += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx));
+      if (i + 8 > n) {  // lanes past the row's end: exact zeros
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)), lane);
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(live));
+      }
+      _mm256_storeu_ps(s + i, e);
+      vd = _mm256_add_ps(vd, e);
+    }
+    den[rr] = tree8(vd);
+  }
+  // values over the past: the rows per key, 6 rows and 8 lanes of hd at a time, keys in order
+  std::fill(acc + a * hd, acc + b * hd, 0.f);
+  constexpr int64_t KB = 64;
+  for (int64_t j0 = 0; j0 < P; j0 += KB) {
+    const int64_t j1 = j0 + KB < P ? j0 + KB : P;
+    for (int64_t r0 = a; r0 < b; r0 += 6) {
+      const int64_t nr = b - r0 < 6 ? b - r0 : 6;
+      for (int i = 0; i < nc; i += 2) {
+        const bool two = i + 1 < nc;
+        __m256 x[6], y[6];
+        for (int u = 0; u < 6; ++u) {
+          x[u] = _mm256_loadu_ps(acc + (r0 + (u < nr ? u : 0)) * hd + 8 * i);
+          y[u] = two ? _mm256_loadu_ps(acc + (r0 + (u < nr ? u : 0)) * hd + 8 * i + 8) : _mm256_setzero_ps();
+        }
+        for (int64_t j = j0; j < j1; ++j) {
+          const __m256 v = _mm256_loadu_ps(Vh + j * hd + 8 * i);
+          const __m256 w2 = two ? _mm256_loadu_ps(Vh + j * hd + 8 * i + 8) : _mm256_setzero_ps();
+          for (int u = 0; u < 6; ++u) {
+            const __m256 e = _mm256_broadcast_ss(S + (r0 + (u < nr ? u : 0)) * W + j);
+            x[u] = _mm256_fmadd_ps(e, v, x[u]);
+            y[u] = _mm256_fmadd_ps(e, w2, y[u]);
+          }
+        }
+        for (int64_t u = 0; u < nr; ++u) {
+          _mm256_storeu_ps(acc + (r0 + u) * hd + 8 * i, x[u]);
+          if (two) _mm256_storeu_ps(acc + (r0 + u) * hd + 8 * i + 8, y[u]);
+        }
+      }
+    }
+  }
+  // then each row's attended new columns, in index order, and the division
+  for (int64_t rr = a; rr < b; ++rr) {
+    const int64_t g = rr / N, r = rr % N;
+    __m256 x[16];
+    for (int i = 0; i < nc; ++i) x[i] = _mm256_loadu_ps(acc + rr * hd + 8 * i);
+    for (int64_t t = 0; t < c.cnt[r]; ++t) {
+      const __m256 w = _mm256_set1_ps(S[rr * W + P + t]);
+      const float* v = c.VN + (kh * N + c.cols[c.start[r] + t]) * hd;
+      for (int i = 0; i < nc; ++i) x[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), x[i]);
+    }
+    const __m256 dv = _mm256_set1_ps(den[rr]);
+    float* o = c.O + ((kh * G + g) * N + r) * hd;
+    for (int i = 0; i < nc; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_div_ps(x[i], dv));
+  }
+}
+
+static void attend_task(void* data, size_t i) {
+  const Call& c = *static_cast<const Call*>(data);
+  const int64_t kh = (int64_t)i / c.chunks, a = (int64_t)i % c.chunks * c.chunk;
+  attend(c, kh, a, a + c.chunk < c.R ? a + c.chunk : c.R);
+}
+
+// a task's rows of one KV head: whole 6-row tiles of the values' loop, or all of a head's rows where they fit one
+// (each task reads its head's past once, which makes the cost of a long past)
+static int64_t task_rows(int64_t R) { return R > 6 ? 6 : R; }
+
 struct Kernel {
   Calls ort;
   Status* Compute(KernelContext* context) {
@@ -74,27 +214,19 @@ struct Kernel {
       return ort.error(kInvalidArgument, "TreeAttentionPlanned: an input of the wrong rank");
     const int64_t H = qs[0], N = qs[1], KVH = cs[1], M = ms[1], P = M - N, C = cs[2], G = H / KVH, R = G * N;
     const int64_t hd = qs[2];
-    const int nc = (int)(hd / 8);  // hd: a multiple of 8, at most 128 (checked before registering)
-    const float* Q = static_cast<const float*>(q.data);
-    const float* KN = static_cast<const float*>(kn.data);
-    const float* VN = static_cast<const float*>(vn.data);
     const int64_t l = static_cast<const int64_t*>(lay.data)[0];
     const int64_t CK = ks[2];
     if (l < 0 || l >= cs[0] || l >= ks[0] || P > C || P > CK)
       return ort.error(kInvalidArgument, "TreeAttentionPlanned: the layer or the past is outside the caches");
-    const float* KP = static_cast<const float*>(kp.data) + l * KVH * CK * hd;
-    const float* VP = static_cast<const float*>(vc.data) + l * KVH * C * hd;
-    const float scale = static_cast<const float*>(sc.data)[0];
     const bool* mask = static_cast<const bool*>(mk.data);
     Value* out = nullptr;
     void* o = nullptr;
     if (Status* s = ort.output(context, 0, qs.data(), qs.size(), &out)) return s;
     if (Status* s = ort.data(out, &o)) return s;
-    float* O = static_cast<float*>(o);
     const int64_t W = M + 8;  // a row of scores, padded for the 4- and 8-wide loops
-    std::vector<float> S(R * W), acc(R * hd), den(R);
+    std::vector<float> S(KVH * R * W), acc(KVH * R * hd), den(KVH * R);
     std::vector<int64_t> cnt(N), start(N + 1);
-    std::vector<int32_t> cols;  // each row's attended new columns, in index order, row after row
+    std::vector<int32_t> cols;
     for (int64_t r = 0; r < N; ++r) {
       for (int64_t j = 0; j < P; ++j)
         if (!mask[r * M + j])
@@ -104,111 +236,24 @@ struct Kernel {
         if (mask[r * M + P + t]) cols.push_back((int32_t)t);
       cnt[r] = (int64_t)cols.size() - start[r];
     }
-    for (int64_t kh = 0; kh < KVH; ++kh) {
-      const float* Kh = KP + kh * CK * hd;
-      const float* Vh = VP + kh * C * hd;
-      // scores: the past (every row attends all of it), 4 keys at a time, in blocks of keys that stay in the L1
-      // cache while every row reads them (a long past read once per row would stream from memory R times)
-      constexpr int64_t SB = 64;  // a multiple of 4
-      for (int64_t j0 = 0; j0 < P; j0 += SB) {
-        const int64_t j1 = j0 + SB < P ? j0 + SB : P;
-        for (int64_t rr = 0; rr < R; ++rr) {
-          const int64_t g = rr / N, r = rr % N;
-          const float* qr = Q + ((kh * G + g) * N + r) * hd;
-          __m256 qv[16];
-          for (int c = 0; c < nc; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
-          float* srow = &S[rr * W];
-          for (int64_t j = j0; j < j1; j += 4) {
-            const float* k0 = Kh + j * hd;
-            const float* k1 = Kh + (j + 1 < P ? j + 1 : j) * hd;
-            const float* k2 = Kh + (j + 2 < P ? j + 2 : j) * hd;
-            const float* k3 = Kh + (j + 3 < P ? j + 3 : j) * hd;
-            scores4q(qv, nc, k0, k1, k2, k3, srow + j);
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t r = 0; r < N; ++r) {
-          float* s = &S[(g * N + r) * W];
-          const float* qr = Q + ((kh * G + g) * N + r) * hd;
-          __m256 qv[16];
-          for (int c = 0; c < nc; ++c) qv[c] = _mm256_loadu_ps(qr + 8 * c);
-          for (int64_t t = 0; t < cnt[r]; t += 4) {
-            const float* k[4];
-            for (int u = 0; u < 4; ++u) k[u] = KN + (kh * N + cols[start[r] + (t + u < cnt[r] ? t + u : 0)]) * hd;
-            scores4q(qv, nc, k[0], k[1], k[2], k[3], s + P + t);
-          }
-          const int64_t n = P + cnt[r];
-          for (int64_t i = n; i < n + 8; ++i) s[i] = -INFINITY;  // padding: never the max
-          const __m256 vs = _mm256_set1_ps(scale);
-          __m256 vm = _mm256_set1_ps(-INFINITY);
-          for (int64_t i = 0; i < n; i += 8) {
-            const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + i), vs);
-            _mm256_storeu_ps(s + i, x);
-            vm = _mm256_max_ps(vm, x);
-          }
-          __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
-          m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-          m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-          const __m256 vmx = _mm256_set1_ps(_mm_cvtss_f32(m4));
-          __m256 vd = _mm256_setzero_ps();  // lane i % 8 of the row's sequence: the same in every call
-          for (int64_t i = 0; i < n; i += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx));
-            if (i + 8 > n) {  // lanes past the row's end: exact zeros
-              const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-              const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)), lane);
-              e = _mm256_and_ps(e, _mm256_castsi256_ps(live));
-            }
-            _mm256_storeu_ps(s + i, e);
-            vd = _mm256_add_ps(vd, e);
-          }
-          den[g * N + r] = tree8(vd);
-        }
-      // values over the past: all rows per key, 6 rows and 8 lanes of hd at a time, keys in order
-      std::fill(acc.begin(), acc.end(), 0.f);
-      constexpr int64_t KB = 64;
-      for (int64_t j0 = 0; j0 < P; j0 += KB) {
-        const int64_t j1 = j0 + KB < P ? j0 + KB : P;
-        for (int64_t r0 = 0; r0 < R; r0 += 6) {
-          const int64_t nr = R - r0 < 6 ? R - r0 : 6;
-          for (int c = 0; c < nc; c += 2) {
-            const bool two = c + 1 < nc;
-            __m256 a[6], b[6];
-            for (int u = 0; u < 6; ++u) {
-              a[u] = _mm256_loadu_ps(&acc[(r0 + (u < nr ? u : 0)) * hd + 8 * c]);
-              b[u] = two ? _mm256_loadu_ps(&acc[(r0 + (u < nr ? u : 0)) * hd + 8 * c + 8]) : _mm256_setzero_ps();
-            }
-            for (int64_t j = j0; j < j1; ++j) {
-              const __m256 v = _mm256_loadu_ps(Vh + j * hd + 8 * c);
-              const __m256 w2 = two ? _mm256_loadu_ps(Vh + j * hd + 8 * c + 8) : _mm256_setzero_ps();
-              for (int u = 0; u < 6; ++u) {
-                const __m256 e = _mm256_broadcast_ss(&S[(r0 + (u < nr ? u : 0)) * W + j]);
-                a[u] = _mm256_fmadd_ps(e, v, a[u]);
-                b[u] = _mm256_fmadd_ps(e, w2, b[u]);
-              }
-            }
-            for (int64_t u = 0; u < nr; ++u) {
-              _mm256_storeu_ps(&acc[(r0 + u) * hd + 8 * c], a[u]);
-              if (two) _mm256_storeu_ps(&acc[(r0 + u) * hd + 8 * c + 8], b[u]);
-            }
-          }
-        }
-      }
-      // then each row's attended new columns, in index order, and the division
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t r = 0; r < N; ++r) {
-          const int64_t rr = g * N + r;
-          __m256 a[16];
-          for (int c = 0; c < nc; ++c) a[c] = _mm256_loadu_ps(&acc[rr * hd + 8 * c]);
-          for (int64_t t = 0; t < cnt[r]; ++t) {
-            const __m256 w = _mm256_set1_ps(S[rr * W + P + t]);
-            const float* v = VN + (kh * N + cols[start[r] + t]) * hd;
-            for (int c = 0; c < nc; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), a[c]);
-          }
-          const __m256 dv = _mm256_set1_ps(den[rr]);
-          float* o = O + ((kh * G + g) * N + r) * hd;
-          for (int c = 0; c < nc; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_div_ps(a[c], dv));
-        }
+    Call c;
+    c.Q = static_cast<const float*>(q.data);
+    c.KP = static_cast<const float*>(kp.data) + l * KVH * CK * hd;
+    c.VP = static_cast<const float*>(vc.data) + l * KVH * C * hd;
+    c.KN = static_cast<const float*>(kn.data);
+    c.VN = static_cast<const float*>(vn.data);
+    c.O = static_cast<float*>(o);
+    c.cols = cols.data(), c.cnt = cnt.data(), c.start = start.data();
+    c.S = S.data(), c.acc = acc.data(), c.den = den.data();
+    c.scale = static_cast<const float*>(sc.data)[0];
+    c.N = N, c.P = P, c.G = G, c.R = R, c.W = W, c.hd = hd, c.CK = CK, c.C = C;
+    c.nc = (int)(hd / 8);  // hd: a multiple of 8, at most 128 (checked before registering)
+    c.chunk = task_rows(R), c.chunks = R ? (R + c.chunk - 1) / c.chunk : 0;
+    const size_t tasks = (size_t)(KVH * c.chunks);
+    if (tasks == 1) {
+      attend_task(&c, 0);
+    } else if (tasks > 1) {
+      if (Status* s = ort.parallel_for(context, attend_task, tasks, 0, &c)) return s;
     }
     return nullptr;
   }
