@@ -544,11 +544,14 @@ def test_cost_curve_kept_per_export_and_threads(tiny_export, cost_store, monkeyp
     assert other.backend.cost_key() != first.backend.cost_key()
 
 
-def test_threads_spin_within_a_call_and_torch_keeps_the_host_to_one(tiny, tiny_export):
+def test_threads_spin_within_a_call_and_torch_keeps_the_host_to_one(tiny, tiny_export, monkeypatch):
     """On the CPU a session's intra-op threads may spin between its parallel sections and stop when the call returns;
     torch, which runs only the host's small ops beside ONNX Runtime, gets one thread whatever --threads says (its
     idle OpenMP thread would spin on the core ONNX Runtime's second thread needs); the torch backend's models keep
-    --threads."""
+    --threads, and without it get back the threads torch had before."""
+    from dtrt.runtime import pipeline
+
+    monkeypatch.setattr(pipeline, "_torch_threads", 3)  # what torch had before this process's first pipeline
     pipe = pipe_for(None, spec("dominotree"), backend="onnxruntime", export=tiny_export.path, threads=2)
     sessions = pipe.backend.runner.sessions
     assert {"target", "domino.block", "domino.context"} <= set(sessions)
@@ -562,3 +565,5 @@ def test_threads_spin_within_a_call_and_torch_keeps_the_host_to_one(tiny, tiny_e
     assert torch.get_num_threads() == 2
     pipe_for(None, spec("ar"), backend="onnxruntime", export=tiny_export.path)  # no --threads: ONNX Runtime's own
     assert torch.get_num_threads() == 1
+    pipe_for(tiny, spec("ar"))  # the torch backend after an exported one, no --threads: torch's own count again
+    assert torch.get_num_threads() == 3

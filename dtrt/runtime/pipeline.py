@@ -146,17 +146,24 @@ def open_pipeline(spec: RunSpec, sources: Sources) -> Pipeline:
     return Pipeline(backend, method, spec, tokenizer, eos, prefix_cache(spec, backend))
 
 
+_torch_threads: int | None = None  # torch's intra-op threads before host_threads first set them
+
+
 def host_threads(spec: RunSpec):
-    """torch's intra-op threads: --threads on the torch backend, whose models they run. Elsewhere torch runs only the
-    host's small ops (the tree, the accept walk, the draws) and gets one thread: at two, its idle OpenMP thread spins
-    after each op on the core ONNX Runtime's second thread needs (the default 2-thread AR step on a 2-core machine
-    took 12.7 ms against 10.8 ms)."""
+    """torch's intra-op threads: --threads on the torch backend, whose models they run (without it, as many as torch
+    had before a pipeline of this process first set them). Elsewhere torch runs only the host's small ops (the tree,
+    the accept walk, the draws) and gets one thread: at two, its idle OpenMP thread spins after each op on the core
+    ONNX Runtime's second thread needs (the default 2-thread AR step on a 2-core machine took 12.7 ms against
+    10.8 ms)."""
     import torch
 
+    global _torch_threads
+    if _torch_threads is None:
+        _torch_threads = torch.get_num_threads()
     if spec.backend != "torch":
         torch.set_num_threads(1)
-    elif spec.threads:
-        torch.set_num_threads(spec.threads)
+    else:
+        torch.set_num_threads(spec.threads or _torch_threads)
 
 
 def prefix_cache(spec: RunSpec, backend: Backend) -> PrefixCache | None:
