@@ -237,9 +237,10 @@ class DominoTree(Method):
     """With --lookup, a round first proposes lookup's chain: where its expected accepted tokens (at the request's
     running acceptance per depth) per second of a chain-alone round reach what drafted rounds have been accepting
     per second (ChainOrDraft: running means over this method's rounds of each kind), the chain alone is verified
-    and nothing is drafted; otherwise the drafter's tree takes the chain's nodes too (one budget). Where there is no
-    chain, the root goes alone while drafted rounds give no more tokens a second than root-alone rounds. Greedy and
-    sampled generations keep their own figures (a drafter's trees are followed far less often at T>0)."""
+    and nothing is drafted; otherwise the drafter's tree takes the chain's nodes too (one budget). The root goes
+    alone instead where root-alone rounds give at least the tokens a second of the kind so chosen, and where there
+    is no chain while drafted rounds give no more than they do. Greedy and sampled generations keep their own
+    figures (a drafter's trees are followed far less often at T>0)."""
 
     name = "dominotree"
     has_budget = True
@@ -302,12 +303,13 @@ class DominoTree(Method):
         if self.lookup is None:
             return True
         expected = self.propose(root)
-        self._chain_only = self.policy.choose(expected, time.perf_counter())  # the chain, or the root, alone
-        self._measured = not self._chain_only
+        kind = self.policy.choose(expected, time.perf_counter(), len(self.lookup.first))
+        self._chain_only = kind == "chain"
+        self._measured = kind in ("draft", "bare")
         return self._measured
 
     def undrafted(self, root):
-        return self.lookup.chain(root) if self._chain_only else super().undrafted(root)
+        return self.lookup.chain(root) if self._chain_only else super().undrafted(root)  # the chain, or the root, alone
 
     def build(self, backend, rnd):
         c = self.cfg

@@ -6,6 +6,7 @@ A lookup node is verified when its parent is accepted; at depth d it is accepted
 probability is its parent's times that rate: log_accept[d] is what the heap builder adds to its parent's score."""
 
 import math
+from typing import Literal
 
 from dtrt.tree.lookup import LookupIndex, index_over
 from dtrt.tree.lookup_scorer import LookupScorer, Trie
@@ -78,28 +79,42 @@ class LookupSource:
         return taken
 
 
+Kind = Literal["chain", "draft", "bare", "root"]
+"""A round's kind: the chain alone, drafted with a chain, drafted without one, the root alone (an AR step)."""
+
+
 class ChainOrDraft:
-    """Whether a round drafts, by tokens per second (running means, decay 0.9, over the rounds of each kind):
-    - with a chain expected to give `expected` accepted tokens, the chain goes alone where 1 + expected tokens in a
-      chain-alone round's seconds reach the 1 + `gain` tokens drafted rounds have been giving in theirs (until both
-      kinds have been timed they count as equally long);
+    """What a round verifies, by tokens per second (running means, decay 0.9, over the rounds of each kind):
+    - with a chain of `length` tokens expected to give `expected` accepted tokens, the chain goes alone where
+      1 + expected tokens in a chain-alone round's seconds (those of chains of its length, where one was timed: a
+      verify's cost grows with its width) reach the 1 + `gain` tokens drafted rounds have been giving in theirs
+      (until both kinds have been timed they count as equally long); and the root goes alone instead where
+      root-alone rounds (AR steps) give at least as many tokens a second as the kind so chosen: a chain that is
+      rarely right (a sampled answer's) costs a wider verify for little. After EXPLORE such rounds in a row, the
+      chain or the drafter's tree is verified anyway, so that the chain's running acceptance stays current;
     - with no chain, the root goes alone where drafted rounds without a chain have been giving no more tokens a
-      second than root-alone rounds (AR steps) give: a drafter whose trees are rarely followed (a small target's
-      samples at T>0) then costs nothing. The root goes alone once to be timed, and a round drafts again after
-      EXPLORE root-alone rounds, so that the drafted rounds' figures stay current.
+      second than root-alone rounds give: a drafter whose trees are rarely followed (a small target's samples at
+      T>0) then costs nothing. The root goes alone once to be timed, and a round drafts again after EXPLORE
+      root-alone rounds, so that the drafted rounds' figures stay current: twice as many after each such round that
+      did not turn the choice (up to EXPLORE_MAX), EXPLORE again once drafting is chosen.
     Each round's seconds run from its `choose` to the next one's, so commit and the loop count for every kind;
     `restart` drops the round under way (the time between generations is no round's)."""
 
     DECAY = 0.9
-    EXPLORE = 16  # root-alone rounds after which a round without a chain drafts anyway
-    root_alone = True  # whether a round with no chain may verify the root alone (the tests' pairs: off, see conftest)
+    EXPLORE = 16  # root-alone rounds after which a round drafts (no chain) or verifies its chain anyway
+    EXPLORE_MAX = 256  # the most root-alone rounds between two drafted rounds without a chain
+    root_alone = True  # whether a round may verify the root alone (the tests' pairs: off, see conftest)
 
     def __init__(self, gain: float = 1.0):
         self.gain = gain  # prior: a drafted round accepts one draft token (a tau of 2)
         self.bare_gain = gain  # the same over drafted rounds that had no chain
-        self.seconds: dict[str, float] = {}  # "chain", "draft", "bare" (drafted, no chain), "root" -> seconds a round
+        self.seconds: dict[Kind, float] = {}  # seconds a round of each kind ("draft": drafted, with a chain or not)
+        self.chain_seconds: dict[int, float] = {}  # seconds a chain-alone round, by the chain's length
         self.idle = 0  # root-alone rounds since the last drafted round
-        self._round: tuple[str, float] | None = None
+        self.explore = self.EXPLORE  # root-alone rounds after which a round with no chain drafts anyway
+        self.probed = False  # whether the last round with no chain drafted only because of that
+        self.passed = 0  # root-alone rounds that passed a chain over, since the last that verified one
+        self._round: tuple[Kind, float, int] | None = None
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else self.DECAY * old + (1 - self.DECAY) * new
@@ -107,28 +122,40 @@ class ChainOrDraft:
     def restart(self):
         self._round = None
 
-    def choose(self, expected: float, now: float) -> bool:
-        """Whether this round (its chain expected to give `expected` tokens; 0: no chain) verifies its chain, or
-        its root, alone; `now`: the clock at the round's start."""
+    def choose(self, expected: float, now: float, length: int = 0) -> Kind:
+        """This round's kind (its chain of `length` tokens expected to give `expected` tokens; 0: no chain); `now`:
+        the clock at the round's start."""
         if self._round is not None:
-            kind, t0 = self._round
+            kind, t0, n = self._round
             for k in ("draft", kind) if kind == "bare" else (kind,):
                 self.seconds[k] = self._mean(self.seconds.get(k), now - t0)
+            if kind == "chain":
+                self.chain_seconds[n] = self._mean(self.chain_seconds.get(n), now - t0)
         s = self.seconds
         if expected > 0:
-            chain_s, draft_s = (s["chain"], s["draft"]) if "chain" in s and "draft" in s else (1.0, 1.0)
+            timed = "chain" in s and "draft" in s
+            chain_s, draft_s = (self.chain_seconds.get(length, s["chain"]), s["draft"]) if timed else (1.0, 1.0)
             kind = "chain" if (1 + expected) * draft_s >= (1 + self.gain) * chain_s else "draft"
+            if timed and self.root_alone and "root" in s and self.passed < self.EXPLORE:
+                rate = (1 + expected) / chain_s if kind == "chain" else (1 + self.gain) / draft_s
+                kind = "root" if rate * s["root"] <= 1 else kind
+            self.passed = self.passed + 1 if kind == "root" else 0
         elif not self.root_alone or "bare" not in s:
             kind = "bare"
         elif "root" not in s:
             kind = "root"
-        elif self.idle >= self.EXPLORE:
-            kind = "bare"
+        elif self.idle >= self.explore:
+            kind, self.probed = "bare", True
         else:
             kind = "root" if s["bare"] >= (1 + self.bare_gain) * s["root"] else "bare"
+            if kind == "bare":
+                self.explore = self.EXPLORE
+            elif self.probed:
+                self.explore = min(2 * self.explore, self.EXPLORE_MAX)
+            self.probed = False
         self.idle = 0 if kind in ("draft", "bare") else self.idle + (kind == "root")
-        self._round = (kind, now)
-        return kind in ("chain", "root")
+        self._round = (kind, now, length)
+        return kind
 
     def observe_drafted(self, accepted_drafts: int):
         """A drafted round's accepted draft tokens."""
