@@ -229,6 +229,23 @@ def test_failed_build_leaves_nothing(export_dir, tmp_path, monkeypatch):
     assert list((root / H200.key).iterdir()) == []
 
 
+def test_a_build_that_would_not_fit_is_refused_before_it_starts(export_dir, tmp_path, fake_trt, monkeypatch, capsys):
+    from dtrt.artifacts import files
+
+    need = sum(f.stat().st_size for f in export_dir.iterdir() if f.name != "manifest.json")
+    monkeypatch.setattr(files, "free_space", lambda path: need - 1)
+    root = tmp_path / "engines"
+    code, out, err = run_cli(monkeypatch, capsys, "build-engine", str(export_dir), "--out", str(root))
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    where = root / H200.key / "tiny"
+    assert f"this build writes about {need / 1e9:.2f} GB at {where} and that disk has" in err
+    assert err.rstrip().endswith("free space there, or build elsewhere (`--out DIR`)")
+    assert fake_trt == [] and not where.exists()
+    monkeypatch.setattr(files, "free_space", lambda path: need)
+    code, out, err = run_cli(monkeypatch, capsys, "build-engine", str(export_dir), "--out", str(root))
+    assert code == 0, err
+
+
 @pytest.mark.skipif(tensorrt_status()[0] is not None, reason="TensorRT is installed here")
 def test_build_engine_without_tensorrt(export_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "engines"

@@ -46,14 +46,13 @@ def free_space(path: Path) -> int | None:
         return None
 
 
-def require_space(out: Path, need: int, what: str):
+def require_space(out: Path, need: int, what: str, hint: str = MOVE_HINT):
     """A one-line refusal, before anything is written, when writing `need` bytes at `out` (`what`: the writing, as a
-    sentence's subject) would not fit on its disk."""
+    sentence's subject; `hint`: the ways out) would not fit on its disk."""
     free = free_space(Path(out).parent)
     if free is not None and free < need:
-        raise DtrtError(
-            f"{what} writes about {need / 1e9:.2f} GB at {out} and that disk has {free / 1e9:.2f} GB free: {MOVE_HINT}"
-        )
+        gb = f"about {need / 1e9:.2f} GB at {out} and that disk has {free / 1e9:.2f} GB free"
+        raise DtrtError(f"{what} writes {gb}: {hint}")
 
 
 FULL = (errno.ENOSPC, errno.EDQUOT)

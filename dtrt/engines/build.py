@@ -13,7 +13,7 @@ from pathlib import Path
 from dtrt import __version__
 from dtrt.artifacts.engine import FORMAT, TIMING_CACHE, Engine, export_digest, read_engine
 from dtrt.artifacts.export import Export, load_export
-from dtrt.artifacts.files import staging, write_manifest
+from dtrt.artifacts.files import require_space, staging, write_manifest
 from dtrt.artifacts.gpu import Machine, engine_dir, probe_machine
 from dtrt.artifacts.verify import record_verified
 from dtrt.engines.profile_bounds import Limits, onnx_signature, stage_profiles
@@ -52,6 +52,12 @@ def plan_stages(exp: Export, cfg: BuildConfig) -> dict[str, dict]:
     return stages
 
 
+def plans_need(exp: Export) -> int:
+    """About the bytes the plans take: the export's files, whose weights the plans hold in the graphs' own precision
+    (strongly typed), once per stage as the export does."""
+    return sum(f["size"] for f in exp.manifest.get("files", {}).values())
+
+
 def engine_manifest(exp: Export, machine: Machine, cfg: BuildConfig, stages: dict) -> dict:
     return {
         "format": FORMAT,
@@ -85,6 +91,7 @@ def build_engines(export_dir, out_root, cfg: BuildConfig = BuildConfig(), force:
     if out.exists() and not force:
         raise DtrtError(f"--out {out_root}: {out} already exists; pass --force to rebuild it")
     stages = plan_stages(exp, cfg)
+    require_space(out, plans_need(exp), "this build", "free space there, or build elsewhere (`--out DIR`)")
 
     old_cache = out / TIMING_CACHE
     cache_bytes = old_cache.read_bytes() if old_cache.is_file() else b""
