@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <new>
 #include <vector>
 
 using namespace dtrt_ort;
@@ -224,7 +225,18 @@ struct Kernel {
     if (Status* s = ort.output(context, 0, qs.data(), qs.size(), &out)) return s;
     if (Status* s = ort.data(out, &o)) return s;
     const int64_t W = M + 8;  // a row of scores, padded for the 4- and 8-wide loops
-    std::vector<float> S(KVH * R * W), acc(KVH * R * hd), den(KVH * R);
+    // the scores, value sums and denominators, in a buffer the calling thread keeps between calls (a long past's
+    // scores are megabytes a layer, which a fresh buffer would fault in and zero every call); every entry a row
+    // reads is written first
+    thread_local std::vector<float> scratch;
+    const size_t need = (size_t)(KVH * R * (W + hd + 1));
+    if (scratch.size() < need) {
+      try {
+        scratch.resize(need);
+      } catch (const std::bad_alloc&) {
+        return ort.error(kInvalidArgument, "TreeAttentionPlanned: out of memory for the scores");
+      }
+    }
     std::vector<int64_t> cnt(N), start(N + 1);
     std::vector<int32_t> cols;
     for (int64_t r = 0; r < N; ++r) {
@@ -244,7 +256,7 @@ struct Kernel {
     c.VN = static_cast<const float*>(vn.data);
     c.O = static_cast<float*>(o);
     c.cols = cols.data(), c.cnt = cnt.data(), c.start = start.data();
-    c.S = S.data(), c.acc = acc.data(), c.den = den.data();
+    c.S = scratch.data(), c.acc = c.S + KVH * R * W, c.den = c.acc + KVH * R * hd;
     c.scale = static_cast<const float*>(sc.data)[0];
     c.N = N, c.P = P, c.G = G, c.R = R, c.W = W, c.hd = hd, c.CK = CK, c.C = C;
     c.nc = (int)(hd / 8);  // hd: a multiple of 8, at most 128 (checked before registering)
