@@ -67,6 +67,32 @@ static inline void scores4q(const __m256* qv, int nc, const float* k0, const flo
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
+// NR rows' value sums (their scores from S, their sums at acc, W and hd apart), lanes 8i .. 8i + 15 (8i .. 8i + 7
+// where not `two`), over the keys [j0, j1) in order: as many rows as there are, so a decode step's 3 rows a head
+// take 3 rows' work
+template <int NR>
+static inline void value_tile(const float* Vh, const float* S, int64_t W, float* acc, int64_t hd, int i, bool two,
+                              int64_t j0, int64_t j1) {
+  __m256 x[NR], y[NR];
+  for (int u = 0; u < NR; ++u) {
+    x[u] = _mm256_loadu_ps(acc + u * hd + 8 * i);
+    y[u] = two ? _mm256_loadu_ps(acc + u * hd + 8 * i + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m256 v = _mm256_loadu_ps(Vh + j * hd + 8 * i);
+    const __m256 w2 = two ? _mm256_loadu_ps(Vh + j * hd + 8 * i + 8) : _mm256_setzero_ps();
+    for (int u = 0; u < NR; ++u) {
+      const __m256 e = _mm256_broadcast_ss(S + u * W + j);
+      x[u] = _mm256_fmadd_ps(e, v, x[u]);
+      y[u] = _mm256_fmadd_ps(e, w2, y[u]);
+    }
+  }
+  for (int u = 0; u < NR; ++u) {
+    _mm256_storeu_ps(acc + u * hd + 8 * i, x[u]);
+    if (two) _mm256_storeu_ps(acc + u * hd + 8 * i + 8, y[u]);
+  }
+}
+
 // one call's inputs, outputs and scratch: the scores S ([KVH * R, W]), the past's value sums acc ([KVH * R, hd]) and
 // the denominators den ([KVH * R]), row rr = g * N + r of KV head kh at kh * R + rr
 struct Call {
@@ -154,25 +180,28 @@ static void attend(const Call& c, int64_t kh, int64_t a, int64_t b) {
     const int64_t j1 = j0 + KB < P ? j0 + KB : P;
     for (int64_t r0 = a; r0 < b; r0 += 6) {
       const int64_t nr = b - r0 < 6 ? b - r0 : 6;
+      const float* Sr = S + r0 * W;
+      float* ar = acc + r0 * hd;
       for (int i = 0; i < nc; i += 2) {
         const bool two = i + 1 < nc;
-        __m256 x[6], y[6];
-        for (int u = 0; u < 6; ++u) {
-          x[u] = _mm256_loadu_ps(acc + (r0 + (u < nr ? u : 0)) * hd + 8 * i);
-          y[u] = two ? _mm256_loadu_ps(acc + (r0 + (u < nr ? u : 0)) * hd + 8 * i + 8) : _mm256_setzero_ps();
-        }
-        for (int64_t j = j0; j < j1; ++j) {
-          const __m256 v = _mm256_loadu_ps(Vh + j * hd + 8 * i);
-          const __m256 w2 = two ? _mm256_loadu_ps(Vh + j * hd + 8 * i + 8) : _mm256_setzero_ps();
-          for (int u = 0; u < 6; ++u) {
-            const __m256 e = _mm256_broadcast_ss(S + (r0 + (u < nr ? u : 0)) * W + j);
-            x[u] = _mm256_fmadd_ps(e, v, x[u]);
-            y[u] = _mm256_fmadd_ps(e, w2, y[u]);
-          }
-        }
-        for (int64_t u = 0; u < nr; ++u) {
-          _mm256_storeu_ps(acc + (r0 + u) * hd + 8 * i, x[u]);
-          if (two) _mm256_storeu_ps(acc + (r0 + u) * hd + 8 * i + 8, y[u]);
+        switch (nr) {
+          case 1:
+            value_tile<1>(Vh, Sr, W, ar, hd, i, two, j0, j1);
+            break;
+          case 2:
+            value_tile<2>(Vh, Sr, W, ar, hd, i, two, j0, j1);
+            break;
+          case 3:
+            value_tile<3>(Vh, Sr, W, ar, hd, i, two, j0, j1);
+            break;
+          case 4:
+            value_tile<4>(Vh, Sr, W, ar, hd, i, two, j0, j1);
+            break;
+          case 5:
+            value_tile<5>(Vh, Sr, W, ar, hd, i, two, j0, j1);
+            break;
+          default:
+            value_tile<6>(Vh, Sr, W, ar, hd, i, two, j0, j1);
         }
       }
     }
