@@ -93,6 +93,11 @@ static inline void value_tile(const float* Vh, const float* S, int64_t W, float*
   }
 }
 
+// value_tile for 1 to 6 rows, by the rows
+using ValueTile = void (*)(const float*, const float*, int64_t, float*, int64_t, int, bool, int64_t, int64_t);
+static constexpr ValueTile kValueTiles[7] = {nullptr,       value_tile<1>, value_tile<2>, value_tile<3>,
+                                             value_tile<4>, value_tile<5>, value_tile<6>};
+
 // one call's inputs, outputs and scratch: the scores S ([KVH * R, W]), the past's value sums acc ([KVH * R, hd]) and
 // the denominators den ([KVH * R]), row rr = g * N + r of KV head kh at kh * R + rr
 struct Call {
@@ -184,25 +189,7 @@ static void attend(const Call& c, int64_t kh, int64_t a, int64_t b) {
       float* ar = acc + r0 * hd;
       for (int i = 0; i < nc; i += 2) {
         const bool two = i + 1 < nc;
-        switch (nr) {
-          case 1:
-            value_tile<1>(Vh, Sr, W, ar, hd, i, two, j0, j1);
-            break;
-          case 2:
-            value_tile<2>(Vh, Sr, W, ar, hd, i, two, j0, j1);
-            break;
-          case 3:
-            value_tile<3>(Vh, Sr, W, ar, hd, i, two, j0, j1);
-            break;
-          case 4:
-            value_tile<4>(Vh, Sr, W, ar, hd, i, two, j0, j1);
-            break;
-          case 5:
-            value_tile<5>(Vh, Sr, W, ar, hd, i, two, j0, j1);
-            break;
-          default:
-            value_tile<6>(Vh, Sr, W, ar, hd, i, two, j0, j1);
-        }
+        kValueTiles[nr](Vh, Sr, W, ar, hd, i, two, j0, j1);
       }
     }
   }
