@@ -17,7 +17,7 @@ from dtrt.launch import resolve_spec
 from dtrt.launch.start import load_pair
 from dtrt.models.checkpoint import load_drafter, load_target
 from dtrt.models.draft_vocab import load_draft_vocab
-from dtrt.models.tokenizer import load_tokenizer
+from dtrt.runtime.tokenizer import load_tokenizer
 from dtrt.train.trainer import TrainConfig, held_out_tau
 
 

@@ -13,8 +13,8 @@ from helpers import run_cli
 from dtrt.bench import contenders, datasets, longctx, records
 from dtrt.bench.datasets import SUMMARY_TEMPLATE, Document
 from dtrt.frontend.requests import render_chat
-from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.generate import capacity_for
+from dtrt.runtime.tokenizer import load_tokenizer
 
 HEAD, TAIL = SUMMARY_TEMPLATE.split("{doc}")
 QUICK = ("bench", "--model", "tiny", "--quick", "--threads", "1", "--methods", "ar,dominotree")

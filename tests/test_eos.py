@@ -11,9 +11,9 @@ from helpers import pipe_for, run_cli, spec
 from dtrt.artifacts.files import MANIFEST, write_manifest
 from dtrt.errors import DtrtError
 from dtrt.models.config import generation_eos
-from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.pipeline import stop_ids
 from dtrt.runtime.sampling import SamplingConfig
+from dtrt.runtime.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

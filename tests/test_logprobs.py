@@ -68,7 +68,7 @@ def test_logprobs_follow_a_stop_string_and_k0(tiny):
 
 
 def test_token_pieces(tiny):
-    from dtrt.models.tokenizer import load_tokenizer
+    from dtrt.runtime.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny.target)
     pieces = TokenPieces(tok)

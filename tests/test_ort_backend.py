@@ -453,7 +453,7 @@ def test_first_use_takes_the_registrys_subset_per_target(tiny, tiny_export_int8,
     it where --draft-vocab is not given, in the same cache directory; a cached export of another subset is remade;
     the drafter's own and an explicit --draft-vocab are untouched."""
     from dtrt import __version__
-    from dtrt.artifacts.files import checkpoint_hashes
+    from dtrt.artifacts.memo import checkpoint_hashes
     from dtrt.launch import first_use as cache
     from dtrt.models.checkpoint import Pair
     from dtrt.models.draft_vocab import DraftVocab

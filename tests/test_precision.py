@@ -16,8 +16,8 @@ from dtrt.exporter.export_config import ExportConfig
 from dtrt.exporter.precision import fp16_warning, stored_dtype
 from dtrt.exporter.write import export_pair
 from dtrt.models.checkpoint import Pair, load_target, save_checkpoint, target_state
-from dtrt.models.tokenizer import load_tokenizer
 from dtrt.parity import run_parity
+from dtrt.runtime.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

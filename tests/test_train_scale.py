@@ -30,7 +30,7 @@ def case(tiny):
     """The tiny target and Domino drafter, a batch of corpus rows with the target's labels, top-k and features."""
     target = load_target(tiny.target).requires_grad_(False)
     drafter = load_drafter(tiny.domino)
-    from dtrt.models.tokenizer import load_tokenizer
+    from dtrt.runtime.tokenizer import load_tokenizer
     from dtrt.train.data import text_rows
 
     tokens = text_rows(load_tokenizer(tiny.target), tiny_mod.corpus(4000, 11), T, 6)
@@ -372,7 +372,7 @@ def test_torchrun_trains_and_saves(tiny, corpus, tmp_path):
 
 
 def test_held_out_prompts_are_what_tau_is_measured_on(tiny, corpus, tmp_path, monkeypatch):
-    from dtrt.models.tokenizer import load_tokenizer
+    from dtrt.runtime.tokenizer import load_tokenizer
     from dtrt.train import trainer
 
     seen = []

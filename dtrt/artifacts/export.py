@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtrt import __version__
-from dtrt.artifacts.files import MANIFEST, checkpoint_hashes
+from dtrt.artifacts.files import MANIFEST
+from dtrt.artifacts.memo import checkpoint_hashes
 from dtrt.artifacts.verify import check_files
 from dtrt.errors import DtrtError
 from dtrt.models.quant import GgufQuant, QuantSpec, quant_from_json

@@ -101,12 +101,6 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def checkpoint_hashes(path: Path) -> dict[str, str]:
-    """sha256 of config.json and every safetensors file (and index) of a checkpoint directory."""
-    names = sorted(p.name for p in path.iterdir() if p.name == "config.json" or ".safetensors" in p.name)
-    return {n: sha256(path / n) for n in names}
-
-
 def file_table(root: Path) -> dict[str, dict]:
     """Relative path -> {"size", "sha256"} for every file under `root` except the manifest."""
     return {

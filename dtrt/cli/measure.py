@@ -88,7 +88,7 @@ def quality(
     from dtrt.bench.main import split_list
     from dtrt.bench.quality import Candidate, config_candidate, held_out, parse_config, quality, table
     from dtrt.bench.quality_llamacpp import llamacpp_peer
-    from dtrt.models.tokenizer import load_tokenizer
+    from dtrt.runtime.tokenizer import load_tokenizer
 
     paths = tuple(split_list("--kernel-path", kernel_paths, str, ("native", *EMULATED)))
     if exports:

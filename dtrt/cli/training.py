@@ -141,7 +141,7 @@ def drafter_data_cmd(model, target, model_dir, out, prompts_file, corpus, resume
 def draft_vocab_cmd(model, target, drafter, model_dir, data_dirs, size, out, force):
     """Write a reduced draft vocabulary: the target's most frequent answer tokens, EOS and chat markup always kept."""
     from dtrt.models.config import generation_eos, read_json
-    from dtrt.models.tokenizer import load_tokenizer
+    from dtrt.runtime.tokenizer import load_tokenizer
     from dtrt.train.draft_vocab import build_draft_vocab
 
     spec = resolve_spec(model=model, target=target, drafter=drafter, model_dir=model_dir, backend="torch")

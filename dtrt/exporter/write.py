@@ -7,7 +7,8 @@ from pathlib import Path
 
 from dtrt import __version__
 from dtrt.artifacts.export import FORMAT, LAYOUT, Export, load_export
-from dtrt.artifacts.files import checkpoint_hashes, require_space, sha256, staging, write_manifest
+from dtrt.artifacts.files import require_space, sha256, staging, write_manifest
+from dtrt.artifacts.memo import checkpoint_hashes
 from dtrt.artifacts.verify import record_verified
 from dtrt.errors import DtrtError
 from dtrt.exporter.export_config import ExportConfig
@@ -157,7 +158,7 @@ def export_pair(
             "does not reproduce plain decoding bit for bit as a quantized target needs; export it with --quant none"
         )
     if dtype == "fp16" and stored_dtype(pair.target) == "bf16":
-        from dtrt.models.tokenizer import load_tokenizer
+        from dtrt.runtime.tokenizer import load_tokenizer
 
         try:
             tokenizer = load_tokenizer(pair.target)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dtrt.errors import DtrtError
 from dtrt.frontend.requests import has_chat_template, render_chat
-from dtrt.models.tokenizer import load_tokenizer
+from dtrt.runtime.tokenizer import load_tokenizer
 
 
 def read_prompts(path, target_path: Path, chat: bool, flag: str = "--prompts") -> list[str]:

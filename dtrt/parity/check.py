@@ -35,7 +35,6 @@ from dtrt.errors import DtrtError
 from dtrt.exporter.reference import TorchStageRunner
 from dtrt.exporter.stage_modules import Stage
 from dtrt.models.hybrid import HybridCache, tree_parents
-from dtrt.models.tokenizer import load_tokenizer
 from dtrt.parity.quantized import order_check
 from dtrt.runtime.backends.exported import StageRunner, block_feeds
 from dtrt.runtime.backends.kv import past_feeds
@@ -46,6 +45,7 @@ from dtrt.runtime.methods import make_method
 from dtrt.runtime.pipeline import stop_ids
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import RunSpec
+from dtrt.runtime.tokenizer import load_tokenizer
 from dtrt.scoring import DominoScorer
 from dtrt.tree import Round
 

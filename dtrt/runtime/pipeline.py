@@ -10,7 +10,6 @@ from dtrt.artifacts.export import Export
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import Pair
 from dtrt.models.config import generation_eos
-from dtrt.models.tokenizer import load_tokenizer
 from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.generate import Generation, Step, capacity_for, collect, generate
 from dtrt.runtime.grammar import Grammar
@@ -18,6 +17,7 @@ from dtrt.runtime.methods import Method, make_method
 from dtrt.runtime.prefix_cache import DEFAULT_MB, PrefixCache, remember
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import RunSpec
+from dtrt.runtime.tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)

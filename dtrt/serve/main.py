@@ -41,7 +41,7 @@ def serve(
             check_thinking(pipe.tokenizer, thinking)
             workers, what = None, None
         else:
-            from dtrt.models.tokenizer import load_tokenizer
+            from dtrt.runtime.tokenizer import load_tokenizer
             from dtrt.serve.replicas import ReplicaWorkers
 
             check_thinking(load_tokenizer(tokenizer_dir(spec, sources)), thinking)

@@ -28,11 +28,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dtrt.artifacts.files import checkpoint_hashes, sha256
+from dtrt.artifacts.files import sha256
+from dtrt.artifacts.memo import checkpoint_hashes
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import load_target
 from dtrt.models.hybrid import HybridTarget
-from dtrt.models.tokenizer import load_tokenizer
+from dtrt.runtime.tokenizer import load_tokenizer
 from dtrt.train.conversations import prompt_text, read_conversations
 from dtrt.train.data import decode_pool, read_corpus, text_rows
 

@@ -29,7 +29,7 @@ from dtrt.models.domino import DominoHead
 from dtrt.models.drafter import Drafter
 from dtrt.models.hybrid import HybridTarget
 from dtrt.models.target import Target
-from dtrt.models.tokenizer import load_tokenizer
+from dtrt.runtime.tokenizer import load_tokenizer
 from dtrt.train import distributed, store
 from dtrt.train.data import continuations, read_corpus, text_rows, windows
 from dtrt.train.datagen import check_data, load_rows

@@ -151,8 +151,8 @@ def run(
     the budget growing past `budget_s` when the probe ran slow (`budget_grown_s` in the report)."""
     from dtrt.bench.datasets import held_out_set
     from dtrt.models.checkpoint import load_target
-    from dtrt.models.tokenizer import load_tokenizer
     from dtrt.runtime.pipeline import stop_ids
+    from dtrt.runtime.tokenizer import load_tokenizer
     from dtrt.train.trainer import TrainConfig, build_rows, pick_mask_token, start_point, train_drafter
 
     began = time.perf_counter()

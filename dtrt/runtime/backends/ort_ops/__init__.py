@@ -29,6 +29,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from dtrt.artifacts import memo
 from dtrt.artifacts.files import cache_dir
 from dtrt.plugins import DOMAIN
 
@@ -131,13 +132,22 @@ def block_isa() -> str:
     return "avx2"
 
 
+# what wants_kernel's answer depends on besides the graph: a change to its rule changes this, and so its memo's key
+KERNEL_RULE = f"wants-kernel/1/{OP}/{'+'.join(BLOCK_OPS)}/hd<={MAX_HEAD_DIM}"
+
+
 def wants_kernel(path) -> bool:
     """Whether the stage at `path` should run with the library: it has nodes the library serves, and none it would
     take over without serving. The library replaces every node of the names it registers, so a graph with
     ordered-attention nodes gets it only where the kernel serves them all: fp32 caches that each node reads whole
     (exports of layout 11 on; earlier ones run the function body), a head dim that is a multiple of 8 and at most
-    MAX_HEAD_DIM. BlockMatMul and BlockMatMulMin nodes are served whatever their shapes."""
-    import onnx  # a session's start only (`dtrt run` imports no onnx otherwise)
+    MAX_HEAD_DIM. BlockMatMul and BlockMatMulMin nodes are served whatever their shapes. Read from the graph once
+    per file as it is (dtrt.artifacts.memo): importing onnx to read it cost 0.6 s of every start."""
+    return memo.stamped(KERNEL_RULE, [Path(path)], lambda: _serves(path))
+
+
+def _serves(path) -> bool:
+    import onnx  # a file's first session only (`dtrt run` imports no onnx otherwise)
 
     model = onnx.load(str(path), load_external_data=False)
     nodes = [*model.graph.node, *(n for f in model.functions for n in f.node)]

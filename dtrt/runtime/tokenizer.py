@@ -1,0 +1,42 @@
+"""Tokenizers are read from the target's checkpoint directory (tokenizer.json etc.), offline.
+
+transformers' AutoTokenizer picks the tokenizer class from tokenizer_config.json, config.json (for which it imports
+the model's config class: about a second of every start, most of `dtrt run`'s) and tokenizer.json, then calls that
+class's `from_pretrained`. The class it picked is remembered for those files as they are, under the transformers
+version (dtrt.artifacts.memo), and later loads call the class itself: the same tokenizer, without the config.
+"""
+
+from pathlib import Path
+
+from dtrt.artifacts import memo
+from dtrt.errors import DtrtError
+
+# the files AutoTokenizer reads to pick a class (its class's from_pretrained reads what it needs itself)
+CHOICE_FILES = ("tokenizer_config.json", "config.json", "tokenizer.json")
+
+
+def load_tokenizer(path: Path):
+    import transformers
+
+    path = Path(path)
+    picked = []
+
+    def pick() -> str:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        picked.append(tokenizer)
+        name = type(tokenizer).__name__
+        return name if getattr(transformers, name, None) is type(tokenizer) else ""  # "": none to call directly
+
+    kind = f"tokenizer-class/transformers-{transformers.__version__}"
+    try:
+        name = memo.stamped(kind, [path / n for n in CHOICE_FILES], pick)
+        if picked:
+            return picked[0]
+        if not name:
+            return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return getattr(transformers, name).from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many types for a missing or broken tokenizer
+        raise DtrtError(
+            f"{path}: no usable tokenizer ({e.__class__.__name__}); the target directory needs "
+            "tokenizer.json and tokenizer_config.json"
+        ) from None
