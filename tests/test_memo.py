@@ -18,7 +18,7 @@ from dtrt.artifacts.memo import checkpoint_hashes
 from dtrt.errors import DtrtError
 from dtrt.plugins import DOMAIN
 from dtrt.runtime.backends import ort_ops
-from dtrt.runtime.tokenizer import load_tokenizer
+from dtrt.runtime.tokenizer import CHOICE_FILES, choice_kind, load_tokenizer
 from dtrt.zoo.registry import resolve
 
 
@@ -168,6 +168,15 @@ def test_the_tokenizer_class_is_remembered(model, tiny, tmp_path, cache, monkeyp
     monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".other")
     calls = []
     real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(1) or real(*a, **k))
+    same_tokenizer(load_tokenizer(path), auto)
+    assert calls == [1]
+    # a class remembered that cannot load it here (another environment): AutoTokenizer picks
+    monkeypatch.undo()
+    monkeypatch.setenv("DTRT_CACHE", str(cache))
+    (path / "tokenizer_config.json").write_text((path / "tokenizer_config.json").read_text())  # a new stamp
+    assert memo.stamped(choice_kind(), [path / n for n in CHOICE_FILES], lambda: "NoSuchTokenizer") == "NoSuchTokenizer"
+    calls.clear()
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(1) or real(*a, **k))
     same_tokenizer(load_tokenizer(path), auto)
     assert calls == [1]

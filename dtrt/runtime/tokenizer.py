@@ -4,6 +4,7 @@ transformers' AutoTokenizer picks the tokenizer class from tokenizer_config.json
 the model's config class: about a second of every start, most of `dtrt run`'s) and tokenizer.json, then calls that
 class's `from_pretrained`. The class it picked is remembered for those files as they are, under the transformers
 version (dtrt.artifacts.memo), and later loads call the class itself: the same tokenizer, without the config.
+Where that class cannot load it (another environment, the same transformers), AutoTokenizer picks again.
 """
 
 from pathlib import Path
@@ -13,6 +14,13 @@ from dtrt.errors import DtrtError
 
 # the files AutoTokenizer reads to pick a class (its class's from_pretrained reads what it needs itself)
 CHOICE_FILES = ("tokenizer_config.json", "config.json", "tokenizer.json")
+
+
+def choice_kind() -> str:
+    """The memo's kind for AutoTokenizer's pick: under the transformers version, whose rules pick the class."""
+    import transformers
+
+    return f"tokenizer-class/transformers-{transformers.__version__}"
 
 
 def load_tokenizer(path: Path):
@@ -27,14 +35,16 @@ def load_tokenizer(path: Path):
         name = type(tokenizer).__name__
         return name if getattr(transformers, name, None) is type(tokenizer) else ""  # "": none to call directly
 
-    kind = f"tokenizer-class/transformers-{transformers.__version__}"
     try:
-        name = memo.stamped(kind, [path / n for n in CHOICE_FILES], pick)
+        name = memo.stamped(choice_kind(), [path / n for n in CHOICE_FILES], pick)
         if picked:
             return picked[0]
-        if not name:
-            return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        return getattr(transformers, name).from_pretrained(str(path), local_files_only=True)
+        if name:
+            try:
+                return getattr(transformers, name).from_pretrained(str(path), local_files_only=True)
+            except Exception:  # noqa: BLE001 - the class remembered cannot load it here: AutoTokenizer decides
+                pass
+        return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for a missing or broken tokenizer
         raise DtrtError(
             f"{path}: no usable tokenizer ({e.__class__.__name__}); the target directory needs "
