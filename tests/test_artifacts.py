@@ -89,7 +89,8 @@ def flip_byte(path: Path, at: int = 0):
 
 
 def tamper_keeping_stamp(path: Path):
-    """Change one byte of `path` and restore its size and modification time: only hashing can tell."""
+    """Change one byte of `path` and restore its size and modification time: only its change time (and hashing)
+    can tell."""
     st = path.stat()
     flip_byte(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
@@ -149,21 +150,36 @@ def test_fast_path_hashes_only_changed_files(tmp_path, cache, hashes):
     assert check_files(path, files, "fix") == ["target.onnx"]
     assert check_files(path, files, "fix") == []
 
-    # changed bytes with size and mtime restored: the fast path cannot tell, a full check can
+    # changed bytes with size and mtime restored: the change time tells the fast path, which hashes it alone
     tamper_keeping_stamp(path / "target.onnx.data")
-    assert load_export(path).path == path
     hashes.clear()
     with pytest.raises(DtrtError) as e:
-        load_export(path, full_check=True)
+        load_export(path)
     msg = one_line_error(e)
     assert msg.startswith(f"{path / 'target.onnx.data'}: its sha256 differs from the manifest's")
     assert "dtrt export --model tiny" in msg and msg.endswith("--force`")
-    assert path / "target.onnx.data" in hashes
-    # the failed check recorded nothing: a normal load still passes (the stamp is the verified one) ...
-    load_export(path)
-    # ... and a full check goes on failing
+    assert hashes == [path / "target.onnx.data"]
+    # the failed check recorded nothing: every later load fails the same way, a full check too
+    with pytest.raises(DtrtError, match="sha256 differs"):
+        load_export(path)
     with pytest.raises(DtrtError, match="sha256 differs"):
         load_export(path, full_check=True)
+
+
+def test_fast_path_sees_a_file_replaced_by_a_copy_with_its_times(tmp_path, cache, hashes):
+    """A file replaced by another with the same size and timestamps (`cp -p`, an rsync) has another inode: hashed."""
+    path = small_export(tmp_path / "exp")
+    files = json.loads((path / MANIFEST).read_text())["files"]
+    load_export(path)
+    data = path / "target.onnx.data"
+    other = tmp_path / "other"
+    other.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))
+    shutil.copystat(data, other)
+    other.replace(data)
+    hashes.clear()
+    with pytest.raises(DtrtError, match="sha256 differs"):
+        check_files(path, files, "fix")
+    assert hashes == [data]
 
 
 def test_size_and_missing_files(tmp_path, cache):
@@ -187,7 +203,6 @@ def test_dtrt_verify(tmp_path, cache, monkeypatch, capsys):
     assert verify_dir(path) == (3, size)
 
     tamper_keeping_stamp(path / "target.onnx.data")
-    load_export(path)  # the fast path passes
     code, out, err = run_cli(monkeypatch, capsys, "verify", str(path))
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith(f"error: {path / 'target.onnx.data'}: its sha256 differs")
@@ -287,7 +302,8 @@ def test_engine_plan_with_a_flipped_byte(tmp_path, cache, fake_trt, hashes, monk
     rebuild = f"rebuild with `dtrt build-engine {export_dir.resolve()} --out {tmp_path / 'engines'}"
 
     tamper_keeping_stamp(plan)
-    read_engine(eng.path)  # the stamp is the verified one
+    with pytest.raises(DtrtError, match="sha256 differs"):
+        read_engine(eng.path)  # its change time differs from the verified one
     with pytest.raises(DtrtError) as e:
         read_engine(eng.path, full_check=True)
     msg = one_line_error(e)

@@ -19,14 +19,20 @@ from typing import Any
 from dtrt.artifacts.files import cache_dir, sha256, write_cache_file
 
 
+def file_stamp(path: Path) -> list[int]:
+    """[inode, size, mtime_ns, ctime_ns] of a file (OSError where there is none): a write changes the change time
+    even where the size and modification time are put back, and a copy or a replacement changes the inode."""
+    st = path.stat()
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
 def _stamp(path: Path) -> list:
-    """[resolved path, inode, size, mtime_ns, ctime_ns], or [path, None] where there is no such file."""
+    """[resolved path, *file_stamp], or [path, None] where there is no such file."""
     try:
         path = path.resolve()
-        st = path.stat()
+        return [str(path), *file_stamp(path)]
     except OSError:
         return [str(path), None]
-    return [str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def _entry(kind: str, paths: Sequence[Path]) -> tuple[Path, str]:

@@ -1,9 +1,11 @@
 """Checking an artifact's files against the sha256 its manifest records.
 
 Hashing a multi-GB export on every start would cost seconds, so every load checks each file's size, and hashes
-the files whose size or modification time differ from the last state verified on this machine (kept under
-`$DTRT_CACHE/verified/`, never inside the artifact: the runtime does not write artifacts). A producer records
-that state right after writing, so the first load hashes nothing. `dtrt verify DIR` hashes every file.
+the files whose stamp (inode, size, modification and change times: dtrt.artifacts.memo.file_stamp; a write that puts
+back the size and modification time still changes the change time) differs from the last state verified on this
+machine (kept under `$DTRT_CACHE/verified/`, never inside the artifact: the runtime does not write artifacts). A
+producer records that state right after writing, so the first load hashes nothing. `dtrt verify DIR` hashes every
+file.
 """
 
 import hashlib
@@ -11,17 +13,13 @@ import json
 from pathlib import Path
 
 from dtrt.artifacts.files import MANIFEST, cache_dir, sha256, write_cache_file
+from dtrt.artifacts.memo import file_stamp
 from dtrt.errors import DtrtError
 
 
 def _state_path(root: Path) -> Path:
     key = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:32]
     return cache_dir() / "verified" / f"{key}.json"
-
-
-def _stamp(f: Path) -> list[int]:
-    st = f.stat()
-    return [st.st_size, st.st_mtime_ns]
 
 
 def _read_state(root: Path) -> dict:
@@ -35,7 +33,7 @@ def _read_state(root: Path) -> dict:
 def record_verified(root: Path, files: dict[str, dict]):
     """Remember that `files` (name -> {"size", "sha256"}) under `root` are verified as they are now. A cache that
     cannot be written only means the next load hashes again."""
-    state = {"root": str(root.resolve()), "files": {n: [*_stamp(root / n), m["sha256"]] for n, m in files.items()}}
+    state = {"root": str(root.resolve()), "files": {n: [*file_stamp(root / n), m["sha256"]] for n, m in files.items()}}
     write_cache_file(_state_path(root), json.dumps(state))
 
 
@@ -58,7 +56,7 @@ def check_files(root: Path, files: dict[str, dict] | None, fix: str, full: bool 
         size = f.stat().st_size
         if size != meta["size"]:
             raise DtrtError(f"{f}: {size} bytes, the manifest records {meta['size']} (truncated or modified); {fix}")
-        if known.get(name) == [*_stamp(f), meta["sha256"]]:
+        if known.get(name) == [*file_stamp(f), meta["sha256"]]:
             continue
         hashed.append(name)
         if sha256(f) != meta["sha256"]:
