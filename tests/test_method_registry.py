@@ -78,13 +78,13 @@ def test_the_traits_decide_the_spec_the_defaults_and_the_bench():
     # the cost-aware methods' budget is the cap; the others the model's
     assert default_budget("smollm2-135m", "int8", "cadominotree") == 16
     assert default_budget("smollm2-135m", "int8", "dominotree") == 1
-    # prompt lookup's chains: budget 4 on the fp32 target, 1 on the quantized ones, with them or without
-    for quant, budget in (("none", 4), ("int8", 1), ("int4", 1)):
+    # prompt lookup's chains: budget 4 on the fp32 target, 2 on the quantized ones; DominoTree alone 1 on int8/int4
+    for quant, budget in (("none", 4), ("int8", 2), ("int4", 2), ("gguf", 2)):
         spec = resolve_spec(model="smollm2-135m", backend="onnxruntime", quant=quant)
         assert (spec.method, spec.lookup, spec.budget) == ("dominotree", True, budget), quant
         assert default_budget("smollm2-135m", quant, "dominotree", lookup=True) == budget
     assert resolve_spec(model="smollm2-135m", backend="onnxruntime", quant="int4", lookup=False).budget == 1
-    assert "(budgets fp32 4, int8 1, int4 1, gguf 2, gguf-a8 2)" in lookup_help()
+    assert "(budgets fp32 4, int8 2, int4 2, gguf 2, gguf-a8 2)" in lookup_help()
     # cuda devices pick the frontier for the methods that grow with it, the heap for the others
     assert resolve_spec(model="tiny", method="cadominotree", device="cpu").builder == "heap"
     # the bench sweeps budgets of the budget methods only, and names lookup rows from the takers

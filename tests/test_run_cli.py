@@ -318,20 +318,22 @@ def test_budget_defaults_to_the_models_measured_one(tiny, monkeypatch, capsys):
 
     assert registry.default_budget("smollm2-135m") == 4 and registry.default_budget(None) == 16
     # the embedded default on ONNX Runtime runs its GGUF file's blocks (gguf, which passes the quality gate) with
-    # dominotree at that quantization's budget (gguf: 2, fp32: 4, int8/int4: 1); cadominotree's budget is a cap, 16
+    # dominotree with lookup's chains at that quantization's budget (gguf, int8, int4: 2; fp32: 4; int8/int4 without
+    # the chains: 1); cadominotree's budget is a cap, 16
     from dtrt.launch import resolve_spec
 
     default, on_torch = resolve_spec(), resolve_spec(model="smollm2-135m", method="dominotree")
     assert (default.backend, default.quant, default.method, default.budget) == ("onnxruntime", "gguf", "dominotree", 2)
     assert resolve_spec(quant="none").budget == 4
     int8 = resolve_spec(quant="int8")
-    assert (int8.quant, int8.method, int8.budget) == ("int8", "dominotree", 1)
+    assert (int8.quant, int8.method, int8.lookup, int8.budget) == ("int8", "dominotree", True, 2)
     assert resolve_spec(method="cadominotree", quant="int8").budget == 16
     assert (on_torch.backend, on_torch.quant, on_torch.budget) == ("torch", None, 4)
     assert resolve_spec(method="ddtree", quant="none").budget == 4
-    assert resolve_spec(method="dominotree", quant="int4").budget == 1
+    assert resolve_spec(method="dominotree", quant="int4").budget == 2
+    assert resolve_spec(method="dominotree", quant="int4", lookup=False).budget == 1
     assert resolve_spec(model="tiny").method == "dominotree" and registry.default_method("qwen3-4b") == "dominotree"
-    # the first-use export's drafter: the int4 lm_head where the budget is 1, the int8 one on fp32's budget 4
+    # the first-use export's drafter: the int4 lm_head where the budget is 1 or 2, the int8 one on fp32's budget 4
     quants = [registry.default_drafter_quant("smollm2-135m", q) for q in ("none", "int8", "int4")]
     assert quants == ["int8", "int4", "int4"] and registry.default_drafter_quant("tiny", "int4") == "int8"
     vocabs = [registry.default_draft_vocab("smollm2-135m", q) for q in ("none", "int8", "int4")]
