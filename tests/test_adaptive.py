@@ -183,7 +183,9 @@ def test_the_cost_aware_budget_is_a_cap_not_the_fixed_budget():
 
     assert resolve_spec(model="smollm2-135m", method="dominotree", backend="onnxruntime").budget == 2  # gguf: fixed
     assert resolve_spec(model="smollm2-135m", method="dominotree", backend="onnxruntime", quant="none").budget == 4
-    assert resolve_spec(model="smollm2-135m", method="dominotree", backend="onnxruntime", quant="int8").budget == 1
+    assert resolve_spec(model="smollm2-135m", method="dominotree", backend="onnxruntime", quant="int8").budget == 2
+    int8_alone = resolve_spec(model="smollm2-135m", method="dominotree", quant="int8", lookup=False)
+    assert int8_alone.budget == 1
     assert resolve_spec(model="smollm2-135m", method="cadominotree", backend="onnxruntime").budget == 16
     assert resolve_spec(model="smollm2-135m", method="caddtree", quant="none").budget == 16
     assert resolve_spec(model="smollm2-135m", method="cadominotree", budget=8).budget == 8

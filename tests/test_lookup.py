@@ -135,7 +135,7 @@ def test_dominotree_with_lookup_follows_the_target_distribution_on_onnxruntime(t
 
 def test_lookup_is_on_by_default_where_the_registry_measured_it():
     """The embedded default's targets with DominoTree on a CPU take lookup's chains unless --no-lookup (the fp32 one
-    at budget 4, the gguf ones at 2, the int8 and int4 ones at 1); the other methods, the frontier and the other
+    at budget 4, the gguf, int8 and int4 ones at 2); the other methods, the frontier and the other
     models do not."""
     from dtrt.launch import resolve_spec
 
@@ -143,7 +143,8 @@ def test_lookup_is_on_by_default_where_the_registry_measured_it():
     assert resolve_spec().label.startswith("dominotree+lookup@2") and resolve_spec(quant="gguf-a8").budget == 2
     assert resolve_spec(quant="none").label.startswith("dominotree+lookup@4")
     assert not resolve_spec(lookup=False).lookup
-    assert resolve_spec(quant="int8").label == resolve_spec(quant="int4").label == "dominotree+lookup@1"
+    assert resolve_spec(quant="int8").label == resolve_spec(quant="int4").label == "dominotree+lookup@2"
+    assert resolve_spec(quant="int4", lookup=False).label == "dominotree@1"
     assert not resolve_spec(quant="int4", lookup=False).lookup and not resolve_spec(method="ddtree").lookup
     assert not resolve_spec(builder="frontier").lookup and not resolve_spec(model="tiny").lookup
     assert resolve_spec(model="tiny", lookup=True).lookup
