@@ -53,10 +53,10 @@ def check_files(root: Path, files: dict[str, dict] | None, fix: str, full: bool 
         f = root / name
         if not f.is_file():
             raise DtrtError(f"{f}: missing; {fix}")
-        size = f.stat().st_size
-        if size != meta["size"]:
+        stamp = file_stamp(f)
+        if (size := stamp[1]) != meta["size"]:
             raise DtrtError(f"{f}: {size} bytes, the manifest records {meta['size']} (truncated or modified); {fix}")
-        if known.get(name) == [*file_stamp(f), meta["sha256"]]:
+        if known.get(name) == [*stamp, meta["sha256"]]:
             continue
         hashed.append(name)
         if sha256(f) != meta["sha256"]:
