@@ -57,6 +57,34 @@ def test_file_layout_round_trip(tmp_path):
     assert torch.equal(load_draft_vocab(tmp_path / "eagle.safetensors", V).ids, vocab.ids)
 
 
+def test_the_file_is_the_same_bytes_from_every_process(tmp_path):
+    """safetensors writes its metadata in a hash map's order, which changes from process to process: the header is
+    written sorted, so an export's copy of the subset is the same bytes each time it is made."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save
+
+    from dtrt.models.draft_vocab import sorted_header
+
+    script = "import sys; from dtrt.models.draft_vocab import DraftVocab as V; V.from_ids(range(0, 90, 3), 128)"
+    script += ".save(sys.argv[1], {'b': 1, 'a': 2})"
+    paths = [tmp_path / f"{i}.safetensors" for i in range(4)]
+    for path in paths:
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True)
+    assert len({p.read_bytes() for p in paths}) == 1
+    data = save({"x": torch.arange(3)}, metadata={"z": "1", "a": "2"})
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    backwards = json.dumps(dict(reversed(header.items())), separators=(",", ":")).encode().ljust(n)
+    out = sorted_header(data[:8] + backwards + data[8 + n :])
+    back = json.loads(out[8 : 8 + n])
+    assert len(out) == len(data) and back == header and list(back) == sorted(header)
+    assert list(back["__metadata__"]) == ["a", "z"]
+    (tmp_path / "sorted.safetensors").write_bytes(out)
+    assert torch.equal(load_file(tmp_path / "sorted.safetensors")["x"], torch.arange(3))
+
+
 def test_resolve(tmp_path):
     (tmp_path / "drafter").mkdir()
     assert resolve_draft_vocab(None, tmp_path / "drafter", V) is None  # no file of its own: the whole vocabulary

@@ -1,7 +1,10 @@
 """`dtrt export`: graph contents, sharded checkpoints, atomic output, and the artifact checks on load."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import onnx
 import pytest
@@ -185,6 +188,22 @@ def test_export_cli_takes_every_dtype_the_exporter_supports(tiny, monkeypatch, c
         code, _, err = run_cli(monkeypatch, capsys, "export", *flags)
         assert code == 2 and err == f"error: stopped before exporting {dtype}\n", err
     assert asked == list(EXPORT_DTYPES) and "bf16" in asked
+
+
+def test_the_function_bodies_are_the_same_bytes_in_every_process():
+    """onnxscript orders a Loop's carried variables by a set of their names, which the string hash seed orders
+    differently from process to process (LedgerSelect's, and the hybrid ops'): dtrt.ops.base.canonical_loops puts
+    them in one order."""
+    script = (
+        "import hashlib; from dtrt.ops.base import onnx_functions; from dtrt.ops.functions import FUNCTIONS; "
+        "print({p.name: hashlib.sha256(p.SerializeToString(deterministic=True)).hexdigest() "
+        "for p in onnx_functions(sorted(FUNCTIONS))})"
+    )
+    seen = set()
+    for seed in range(6):
+        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+        seen.add(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True).stdout)
+    assert len(seen) == 1 and "LedgerSelect" in next(iter(seen)) and "TreeGatedDeltaNet" in next(iter(seen))
 
 
 @pytest.mark.parametrize("heads, kv_heads, n, past", [(9, 3, 2, 40), (4, 2, 7, 0), (4, 4, 5, 17), (6, 1, 9, 3)])

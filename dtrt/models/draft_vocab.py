@@ -62,14 +62,25 @@ class DraftVocab:
 
     def save(self, path: Path, meta: dict | None = None):
         """Write `path` (d2t + t2d, with `meta` as JSON metadata) under a temporary name, then rename it."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         metadata = {"format": FORMAT, "meta": json.dumps({"vocab_size": self.vocab_size, **(meta or {})})}
-        save_file({"d2t": self.d2t(), "t2d": self.t2d()}, str(tmp), metadata=metadata)
+        tmp.write_bytes(sorted_header(save({"d2t": self.d2t(), "t2d": self.t2d()}, metadata=metadata)))
         tmp.replace(path)
+
+
+def sorted_header(data: bytes) -> bytes:
+    """A safetensors file's bytes with its JSON header's keys in sorted order: safetensors writes its metadata in a
+    hash map's order, which changes from process to process, and an export's files should be the same bytes each
+    time it is made. The header keeps its length (the same keys and values), so no offset moves."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    if len(header) > n:  # another escaping than safetensors' own: leave the file as written
+        return data
+    return data[:8] + header.ljust(n) + data[8 + n :]
 
 
 def ids_sha256(ids: torch.Tensor) -> str:
