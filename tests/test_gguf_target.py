@@ -236,6 +236,18 @@ def test_parity_passes(exports, config):
     assert all(r.max_abs == 0.0 for r in report.rows if "tree = plain decoding" in r.case)
 
 
+@pytest.mark.slow
+def test_a_second_process_keeps_the_files_blocks_in_the_same_bytes(exports, tiny, gguf_file, tmp_path):
+    from test_export_jobs import digests
+
+    pair = Pair(converted(gguf_file), tiny.domino, tiny.domino)
+    cfg = ExportConfig(max_context=512, drafters=("domino",), quant="gguf", jobs=2)
+    logs = []
+    exp = export_pair(pair, tmp_path / "gguf", cfg, gguf=gguf_file, log=logs.append)
+    assert digests(exp.path) == digests(exports["gguf"].path)
+    assert any("weights kept as blocks" in m for m in logs) and any("second process" in m for m in logs)
+
+
 def test_the_command_defaults_to_the_files_blocks(tmp_path, monkeypatch, capsys, tiny, gguf_file):
     out = tmp_path / "out"
     code, stdout, err = run_cli(

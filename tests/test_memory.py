@@ -71,3 +71,17 @@ def test_the_zero_config_path_refuses_before_exporting(tiny, tmp_path, monkeypat
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith("error: --model tiny on ONNX Runtime: its first-use fp32 export needs about")
     assert not (tmp_path / "exports").exists() or not any((tmp_path / "exports").iterdir())
+
+
+def test_export_jobs_take_a_second_core_where_the_target_fits_twice(tiny):
+    assert memory.export_jobs(tiny, free=int(100 * GB), cores=2) == 2
+    assert memory.export_jobs(tiny, free=int(100 * GB), cores=1) == 1  # no core to spare
+    assert memory.export_jobs(tiny, free=int(0.1 * GB), cores=8) == 1
+    assert memory.export_jobs(tiny, "bf16", free=int(100 * GB), cores=2) == 2  # an export for TensorRT too
+
+
+def test_export_jobs_count_the_second_copy_of_the_target(qwen3_4b):
+    export, _, target = memory.need(qwen3_4b, "fp16")
+    second = memory.EXPORT_PEAK * target * 2 + memory.EXPORT_FIXED  # the second process's own copy of the target
+    assert memory.export_jobs(qwen3_4b, "fp16", free=int(export + second), cores=2) == 2
+    assert memory.export_jobs(qwen3_4b, "fp16", free=int(export + second) - 1, cores=2) == 1

@@ -404,6 +404,31 @@ def test_default_sources():
     assert sources(backend="torch") == (DEFAULT_MODEL, "torch")
 
 
+def test_a_quantized_registry_target_compiles_the_kernel_before_its_conversion(monkeypatch):
+    """On first use the compile takes the other core while the model converts and exports, not after."""
+    from dtrt.launch import resolve_spec, start
+    from dtrt.runtime.backends import ort_ops
+
+    order = []
+    monkeypatch.setattr(ort_ops, "build_in_background", lambda: order.append("compile"))
+
+    def converting(spec, log=None):
+        order.append("convert")
+        raise DtrtError("stop here")
+
+    monkeypatch.setattr(start, "load_pair", converting)
+    for quant, want in (("gguf", ["compile", "convert"]), ("int8", ["compile", "convert"]), ("none", ["convert"])):
+        order.clear()
+        spec = resolve_spec(model="smollm2-135m", backend="onnxruntime", quant=quant)
+        with pytest.raises(DtrtError, match="stop here"):
+            start.open_sources(spec)
+        assert order == want, quant
+    order.clear()
+    with pytest.raises(DtrtError, match="stop here"):  # the torch backend runs no kernel of dtrt's
+        start.open_sources(resolve_spec(model="smollm2-135m", backend="torch"))
+    assert order == ["convert"]
+
+
 def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
     tiny, tiny_export, tiny_export_int8, tiny_export_int4, tmp_path, monkeypatch
 ):
@@ -417,11 +442,13 @@ def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
     made, builds = [], []
     monkeypatch.setattr(cache, "export_pair", lambda pair, out, cfg, **kw: made.append((pair, out, cfg)) or "new")
     monkeypatch.setattr(ort_ops, "build_in_background", lambda: builds.append(len(made)))
+    monkeypatch.setattr(cache, "export_jobs", lambda pair: 2)
     for other in (tiny_export, tiny_export_int4):  # fp32 drafters (an earlier dtrt), or not the registry's choice
         shutil.copytree(other.path, cached)
         logs = []
         assert cache.cached_export(tiny, "tiny", logs.append) == "new"
         assert made[-1][2].drafter_quant == "int8" and any("--drafter-quant int8" in m for m in logs), logs
+        assert made[-1][2].jobs == 2  # export_jobs' choice for this machine
         shutil.rmtree(cached)
     made.clear()
     shutil.copytree(tiny_export_int8.path, cached)

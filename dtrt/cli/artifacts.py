@@ -8,7 +8,7 @@ import click
 from click.core import ParameterSource
 
 from dtrt.cli.base import MODEL_DIR_HELP, cli, log_line
-from dtrt.cli.options import option_from
+from dtrt.cli.options import FILLED_IN, option_from
 from dtrt.errors import DtrtError
 from dtrt.exporter.export_config import ExportConfig
 from dtrt.launch import resolve_spec
@@ -40,25 +40,32 @@ from dtrt.zoo.registry import names
 @option_from(ExportConfig, "quant_block")
 @option_from(ExportConfig, "quant_method")
 @option_from(ExportConfig, "draft_vocab")
+@option_from(
+    ExportConfig, "jobs", default=FILLED_IN, help="[default: 2 on two or more cores with the memory for it, else 1]"
+)
 @option_from(ExportConfig, "force")
 def export(model, target, drafter, gguf, model_dir, out, **fields):
     """Export every stage to ONNX, with manifest.json, into OUT (complete or not at all)."""
     from dtrt.exporter.write import export_pair
+    from dtrt.launch.memory import export_jobs
 
+    jobs = fields.pop("jobs")
     if gguf is not None:
         if model or target:
             raise DtrtError("--gguf names the target: drop --model and --target")
         if click.get_current_context().get_parameter_source("quant") is ParameterSource.DEFAULT:
             fields["quant"] = "gguf"
+    ExportConfig(**fields, jobs=1 if jobs is None else jobs)  # every flag checked before a conversion or a load
+    if gguf is not None:
         from dtrt.zoo.gguf import converted
 
-        cfg = ExportConfig(**fields)
         pair = Pair(converted(Path(gguf), log_line), *(2 * [Path(drafter) if drafter else None]))
-        exp = export_pair(pair, Path(out), cfg, gguf=Path(gguf), log=log_line)
+        source = {"gguf": Path(gguf)}
     else:
-        cfg = ExportConfig(**fields)
         spec = resolve_spec(model=model, target=target, drafter=drafter, model_dir=model_dir, backend="torch")
-        exp = export_pair(load_pair(spec, log=log_line), Path(out), cfg, model=spec.model, log=log_line)
+        pair, source = load_pair(spec, log=log_line), {"model": spec.model}
+    cfg = ExportConfig(**fields, jobs=export_jobs(pair, fields["dtype"]) if jobs is None else jobs)
+    exp = export_pair(pair, Path(out), cfg, log=log_line, **source)
     size = sum(m["size"] for m in exp.manifest["files"].values())
     click.echo(f"{exp.path}: {len(exp.manifest['stages'])} stages, {size / 1e6:.1f} MB")
 

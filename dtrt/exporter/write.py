@@ -3,6 +3,7 @@ directory next to the output and renamed into place only when complete."""
 
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from dtrt import __version__
@@ -12,13 +13,13 @@ from dtrt.artifacts.memo import checkpoint_hashes
 from dtrt.artifacts.verify import record_verified
 from dtrt.errors import DtrtError
 from dtrt.exporter.export_config import ExportConfig
-from dtrt.exporter.gguf_target import export_gguf_target
 from dtrt.exporter.onnx_export import OPSET, export_stage
 from dtrt.exporter.precision import fp16_warning, stored_dtype
 from dtrt.exporter.quantize import quantize_drafter, quantized_stages
 from dtrt.exporter.scorer_stages import scorer_stages
 from dtrt.exporter.stage_modules import drafter_stages, target_stage
-from dtrt.exporter.target_quant import ordered_attention, quantize_target
+from dtrt.exporter.target_quant import ordered_attention
+from dtrt.exporter.target_writer import SecondProcess, TargetJob, write_target
 from dtrt.exporter.weights import WEIGHTS, SharedWeights, disk_need
 from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import HybridConfig
@@ -94,40 +95,52 @@ def pair_stages(target, taps, drafters: dict, budget: int, topm: int, node_topk:
     return stages
 
 
-def quantize_target_stage(path: Path, quant, blocks, names: list, log) -> int:
-    """The target stage at `path` with its linear layers as `quant` says (`blocks`: a GGUF target's own blocks);
-    the number of products written."""
-    t0 = time.perf_counter()
-    if blocks is not None:
-        log(f"keeping the target's linear layers as its GGUF file's blocks ({quant.name})")
-        kept, products = export_gguf_target(path, quant, blocks, names)
-        log(f"{len(kept)} weights kept as blocks in {time.perf_counter() - t0:.1f}s, {products} products")
-    else:
-        log(f"quantizing the target's linear layers to {quant.name} ({quant.method})")
-        done, products = quantize_target(path, quant, names)
-        log(f"{len(done)} weights quantized in {time.perf_counter() - t0:.1f}s, {products} products")
-    return products
-
-
 def write_stages(
-    root: Path, stages: list, *, max_context: int, quant, blocks, names, drafter_quant: str, quantized: list, log
+    root: Path,
+    stages: list,
+    *,
+    max_context: int,
+    quant,
+    blocks,
+    names,
+    drafter_quant: str,
+    quantized: list,
+    log,
+    second: TargetJob | None = None,
 ):
-    """Each stage exported into `root`, then the target's linear layers quantized (`quant`, `names`; `blocks`: a
-    GGUF target's own) or a drafter stage in `quantized` rewritten (`drafter_quant`), then its weights folded into
-    the shared file, before the next stage is written: the disk holds one stage's own data at a time. Returns (the
-    manifest's stages, the target's quantized products or None, the shared weights' totals)."""
-    stage_meta, products = {}, None
-    with SharedWeights(root) as shared:
-        for i, stage in enumerate(stages, 1):
-            t0 = time.perf_counter()
-            log(f"[{i}/{len(stages)}] exporting {stage.name}")
-            export_stage(stage, root / f"{stage.name}.onnx", max_context, max_context)
+    """Each drafter stage exported into `root`, a stage in `quantized` rewritten (`drafter_quant`), then its weights
+    folded into the shared file before the next stage is written, so the disk holds one stage's own data at a time;
+    then the target, its linear layers quantized (`quant`, `names`; `blocks`: a GGUF target's own) and folded last.
+    `second`: the target written by a second process meanwhile (dtrt.exporter.target_writer), the same bytes.
+    Returns (the manifest's stages, in `stages`' order; the target's quantized products or None; the shared weights'
+    totals)."""
+    stage_meta, products = {s.name: None for s in stages}, None
+    target = next((s for s in stages if s.name == "target"), None)
+    order = [s for s in stages if s is not target] + ([target] if target is not None else [])
+    step = {s.name: i for i, s in enumerate(order if second is None else [target, *order[:-1]], 1)}
+    with SharedWeights(root) as shared, SecondProcess(second) if second is not None else nullcontext() as proc:
+        if proc is not None:
+            log(f"[{step['target']}/{len(stages)}] exporting target in a second process, beside the other stages")
+        for stage in order:
+            t0, i = time.perf_counter(), step[stage.name]
             stage_meta[stage.name] = {"file": f"{stage.name}.onnx", "inputs": stage.inputs, "outputs": stage.outputs}
-            log(f"[{i}/{len(stages)}] {stage.name} done in {time.perf_counter() - t0:.1f}s")
-            if stage.name == "target" and quant is not None:
-                products = quantize_target_stage(root / "target.onnx", quant, blocks, names, log)
-            if stage.name in quantized:
-                quantize_drafter(root / f"{stage.name}.onnx", stage.name, drafter_quant, log)
+            if stage is target and proc is not None:
+                products, seconds, lines = proc.result()
+                log(f"[{i}/{len(stages)}] target done in {seconds:.1f}s (in the second process)")
+                for line in lines:
+                    log(line)
+            elif stage is target:
+                log(f"[{i}/{len(stages)}] exporting target")
+                products = write_target(
+                    stage, root, max_context=max_context, quant=quant, blocks=blocks, names=names, log=log
+                )
+                log(f"[{i}/{len(stages)}] target done in {time.perf_counter() - t0:.1f}s")
+            else:
+                log(f"[{i}/{len(stages)}] exporting {stage.name}")
+                export_stage(stage, root / f"{stage.name}.onnx", max_context, max_context)
+                log(f"[{i}/{len(stages)}] {stage.name} done in {time.perf_counter() - t0:.1f}s")
+                if stage.name in quantized:
+                    quantize_drafter(root / f"{stage.name}.onnx", stage.name, drafter_quant, log)
             shared.fold(f"{stage.name}.onnx")
         return stage_meta, products, shared.totals(log)
 
@@ -186,6 +199,10 @@ def export_pair(
     names = [tuple(f"target.{n}" for n in group) for group in weight_names(target)] if quant is not None else []
 
     quantized = quantized_stages([s.name for s in stages], drafter_quant)
+    second = None
+    if cfg.jobs == 2 and len(stages) > 1:
+        second = dict(target=Path(pair.target), dtype=dtype, taps=tuple(taps), max_context=max_context)
+        second.update(quant=quant, names=tuple(names))
 
     with staging(out) as tmp:
         stage_meta, products, weights = write_stages(
@@ -198,6 +215,7 @@ def export_pair(
             drafter_quant=drafter_quant,
             quantized=quantized,
             log=log,
+            second=None if second is None else TargetJob(root=tmp, **second),
         )
         for kind, vocab in vocabs.items():  # beside the engines too: parity and the runtime read the subset here
             if vocab is not None:

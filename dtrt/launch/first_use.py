@@ -12,7 +12,7 @@ from dtrt.artifacts.files import MANIFEST, cache_dir
 from dtrt.errors import DtrtError
 from dtrt.exporter.export_config import ExportConfig
 from dtrt.exporter.quantize import quantized_stages
-from dtrt.launch.memory import check_first_use
+from dtrt.launch.memory import check_first_use, export_jobs
 from dtrt.models.checkpoint import Pair
 from dtrt.models.quant import quant_spec
 from dtrt.zoo.registry import default_draft_vocab, default_drafter_quant, default_quant
@@ -73,7 +73,8 @@ def cached_export(pair: Pair, model: str, log=None, quant: str = "none", draft_v
 
         ort_ops.build_in_background()
     drafter_quant = default_drafter_quant(model, quant)
-    cfg = ExportConfig(force=True, drafter_quant=drafter_quant, quant=quant, draft_vocab=draft_vocab)
+    jobs = export_jobs(pair)
+    cfg = ExportConfig(force=True, drafter_quant=drafter_quant, quant=quant, draft_vocab=draft_vocab, jobs=jobs)
     return export_pair(pair, Path(path), cfg, model=model, log=log)
 
 

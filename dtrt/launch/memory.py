@@ -11,6 +11,7 @@ the SmolLM2 default):
   9.1 GB). A quantized target holds its integers and the embedding the lookup reads, at the same factor.
 """
 
+import os
 from pathlib import Path
 
 from dtrt.errors import DtrtError
@@ -55,21 +56,41 @@ def embedding_parameters(path: Path) -> int:
     return 0
 
 
+def export_need(pair: Pair, dtype: str = "fp32") -> tuple[int, int]:
+    """(bytes while exporting, target parameters) of exporting `pair` in `dtype`."""
+    target = parameters(pair.target)
+    drafters = sum(parameters(p) for p in {pair.dflash, pair.domino} - {None})
+    return int(EXPORT_PEAK * (target + drafters) * BYTES[dtype] + EXPORT_FIXED), target
+
+
 def need(pair: Pair, dtype: str = "fp32", quant: QuantSpec | None = None) -> tuple[int, int, int]:
     """(bytes while exporting, bytes to run, target parameters) of exporting `pair` in `dtype` (its target's
     linear layers in `quant`) and running every stage on ONNX Runtime's CPU provider. The export is the same with or
     without `quant` (the quantizer reads one weight at a time); a quantized target's session holds its integers and
     the embedding the lookup reads, in `dtype`."""
-    target = parameters(pair.target)
+    export, target = export_need(pair, dtype)
     drafters = sum(parameters(p) for p in {pair.dflash, pair.domino} - {None})
     size = BYTES[dtype]
-    export = int(EXPORT_PEAK * (target + drafters) * size + EXPORT_FIXED)
     if quant is None:
         run = int(SESSIONS[dtype] * (target + drafters) * size + RUNTIME)
     else:
         held = target * (quant.bits or 8) / 8 + (embedding_parameters(pair.target) + drafters) * size
         run = int(SESSIONS[dtype] * held + RUNTIME)
     return export, run, target
+
+
+def export_jobs(pair: Pair, dtype: str = "fp32", *, free: int | None = None, cores: int | None = None) -> int:
+    """`dtrt export --jobs` where not given, and a first use's: 2 (the target stage in a second process, beside the
+    drafter stages) on a machine of two or more cores with the memory for the second process's copy of the target
+    beside this one's export; else 1 (also where the memory cannot be read). The export is the same bytes either
+    way."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    free = available() if free is None else free
+    if cores < 2 or free is None:
+        return 1
+    export, target = export_need(pair, dtype)
+    return 2 if export + EXPORT_PEAK * target * BYTES[dtype] + EXPORT_FIXED <= free else 1
 
 
 def check_first_use(pair: Pair, model: str, dtype: str = "fp32", free: int | None = None, quant: str = "none"):

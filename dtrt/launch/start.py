@@ -152,6 +152,13 @@ def load_pair(spec: RunSpec, log=None) -> Pair | None:
 
 def open_sources(spec: RunSpec, log=None, pair: Pair | None = None) -> Sources:
     """The spec's sources; `pair`: checkpoints already at hand instead of the ones the spec names."""
+    quantized = spec.quant not in (None, "none")
+    if spec.backend == "onnxruntime" and spec.export is None and spec.model is not None and quantized:
+        from dtrt.runtime.backends import ort_ops
+
+        # a quantized target's sessions run dtrt's kernel: where it is not built yet (a first use), its compile
+        # takes the other core from here, beside the model's conversion and export
+        ort_ops.build_in_background()
     pair = pair or load_pair(spec, log)
     if spec.backend == "torch":
         return Sources(pair=pair)

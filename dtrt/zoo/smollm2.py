@@ -32,7 +32,7 @@ def target_dir(cache: Path, log=None) -> Path:
 
     src = gguf_path()
     if log:
-        log(f"converting SmolLM2-135M-Instruct ({src.name}) to an fp32 checkpoint in {path} (once, about 15 s)")
+        log(f"converting SmolLM2-135M-Instruct ({src.name}) to an fp32 checkpoint in {path} (once, about 5 s)")
     t0 = time.perf_counter()
     convert(src, path, log)
     if log:

@@ -98,9 +98,10 @@ def library() -> Path | None:
 
 def build_in_background() -> None:
     """Start compiling the library on a thread of its own, for a process that will open a quantized target's
-    sessions after other work: a first use's export runs on one core, so the compile (15 s on a 2-core machine,
-    most of it block_matmul.cc) takes another instead of delaying the first answer. Not a daemon: a process that
-    ends meanwhile waits for the compiler rather than leaving its scratch folder in the cache."""
+    sessions after other work (a first use's conversion and export): the compile (15 s on a 2-core machine, most of
+    it block_matmul.cc) shares the cores with that work instead of delaying the first answer. A call while the
+    library is built or being built costs a thread that finds it. Not a daemon: a process that ends meanwhile waits
+    for the compiler rather than leaving its scratch folder in the cache."""
     if not status():
         threading.Thread(target=library, name="dtrt-ort-ops-build").start()
 
