@@ -11,6 +11,7 @@ import pytest
 from helpers import run_cli, small_disk
 from onnx import TensorProto, helper, numpy_helper
 
+from dtrt.exporter import target_writer
 from dtrt.exporter import weights as weights_mod
 from dtrt.exporter import write as export_mod
 from dtrt.exporter.weights import WEIGHTS, SharedWeights, external
@@ -123,6 +124,7 @@ def failing_export(monkeypatch, error):
         raise error(path)
 
     monkeypatch.setattr(export_mod, "export_stage", fail)
+    monkeypatch.setattr(target_writer, "export_stage", fail)
 
 
 @pytest.mark.parametrize(

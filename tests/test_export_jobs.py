@@ -50,6 +50,14 @@ def test_the_second_process_says_what_went_wrong(tiny, tmp_path):
         proc.result()
 
 
+def test_a_file_the_second_process_cannot_write_is_the_same_error_here(tiny, tmp_path):
+    """A full disk or a directory it may not write reaches the command's one-line handling as the OSError it is."""
+    job = TargetJob(target=tiny.target, dtype="fp32", taps=(1,), root=tmp_path / "gone", max_context=64)
+    with SecondProcess(job) as proc, pytest.raises(FileNotFoundError) as e:
+        proc.result()
+    assert str(tmp_path / "gone") in str(e.value)
+
+
 def test_a_second_process_that_dies_is_named(tiny, tmp_path):
     (tmp_path / "root").mkdir()
     job = TargetJob(target=tiny.target, dtype="fp32", taps=(1,), root=tmp_path / "root", max_context=64)

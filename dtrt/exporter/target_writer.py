@@ -63,8 +63,8 @@ def write_target(stage, root: Path, *, max_context: int, quant, blocks, names, l
 
 
 def _run(job: TargetJob) -> tuple:
-    """The second process's work: the target loaded, exported and quantized; ("done", products, seconds, log lines)
-    or ("error", message, is a DtrtError)."""
+    """The second process's work: the target loaded, exported and quantized; ("done", products, seconds, log lines),
+    ("raise", the DtrtError or OSError to raise) or ("error", a bug's traceback)."""
     try:
         from dtrt.exporter.stage_modules import target_stage
         from dtrt.models.checkpoint import load_target, parse_dtype
@@ -85,10 +85,10 @@ def _run(job: TargetJob) -> tuple:
             log=lines.append,
         )
         return "done", products, time.perf_counter() - t0, lines
-    except DtrtError as e:
-        return "error", str(e), True
+    except (DtrtError, OSError) as e:  # a refusal, a full disk, a file it may not write: raised again there, as is
+        return "raise", e
     except Exception:  # a bug: its traceback goes back whole
-        return "error", traceback.format_exc(), False
+        return "error", traceback.format_exc()
 
 
 class SecondProcess:
@@ -130,8 +130,8 @@ class SecondProcess:
         self.proc.wait()
         if msg[0] == "done":
             return msg[1], msg[2], msg[3]
-        if msg[2]:
-            raise DtrtError(msg[1])
+        if msg[0] == "raise":
+            raise msg[1]
         raise RuntimeError(f"the target stage's export process failed:\n{msg[1]}")
 
     def __exit__(self, *exc):
