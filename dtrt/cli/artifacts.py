@@ -2,6 +2,7 @@
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -55,7 +56,7 @@ def export(model, target, drafter, gguf, model_dir, out, **fields):
             raise DtrtError("--gguf names the target: drop --model and --target")
         if click.get_current_context().get_parameter_source("quant") is ParameterSource.DEFAULT:
             fields["quant"] = "gguf"
-    ExportConfig(**fields, jobs=1 if jobs is None else jobs)  # every flag checked before a conversion or a load
+    cfg = ExportConfig(**fields, jobs=1 if jobs is None else jobs)  # every flag checked before a conversion or a load
     if gguf is not None:
         from dtrt.zoo.gguf import converted
 
@@ -64,7 +65,8 @@ def export(model, target, drafter, gguf, model_dir, out, **fields):
     else:
         spec = resolve_spec(model=model, target=target, drafter=drafter, model_dir=model_dir, backend="torch")
         pair, source = load_pair(spec, log=log_line), {"model": spec.model}
-    cfg = ExportConfig(**fields, jobs=export_jobs(pair, fields["dtype"]) if jobs is None else jobs)
+    if jobs is None:
+        cfg = replace(cfg, jobs=export_jobs(pair, cfg.dtype))
     exp = export_pair(pair, Path(out), cfg, log=log_line, **source)
     size = sum(m["size"] for m in exp.manifest["files"].values())
     click.echo(f"{exp.path}: {len(exp.manifest['stages'])} stages, {size / 1e6:.1f} MB")

@@ -56,11 +56,11 @@ def embedding_parameters(path: Path) -> int:
     return 0
 
 
-def export_need(pair: Pair, dtype: str = "fp32") -> tuple[int, int]:
-    """(bytes while exporting, target parameters) of exporting `pair` in `dtype`."""
+def export_need(pair: Pair, dtype: str = "fp32") -> tuple[int, int, int]:
+    """(bytes while exporting, target parameters, drafter parameters) of exporting `pair` in `dtype`."""
     target = parameters(pair.target)
     drafters = sum(parameters(p) for p in {pair.dflash, pair.domino} - {None})
-    return int(EXPORT_PEAK * (target + drafters) * BYTES[dtype] + EXPORT_FIXED), target
+    return int(EXPORT_PEAK * (target + drafters) * BYTES[dtype] + EXPORT_FIXED), target, drafters
 
 
 def need(pair: Pair, dtype: str = "fp32", quant: QuantSpec | None = None) -> tuple[int, int, int]:
@@ -68,8 +68,7 @@ def need(pair: Pair, dtype: str = "fp32", quant: QuantSpec | None = None) -> tup
     linear layers in `quant`) and running every stage on ONNX Runtime's CPU provider. The export is the same with or
     without `quant` (the quantizer reads one weight at a time); a quantized target's session holds its integers and
     the embedding the lookup reads, in `dtype`."""
-    export, target = export_need(pair, dtype)
-    drafters = sum(parameters(p) for p in {pair.dflash, pair.domino} - {None})
+    export, target, drafters = export_need(pair, dtype)
     size = BYTES[dtype]
     if quant is None:
         run = int(SESSIONS[dtype] * (target + drafters) * size + RUNTIME)
@@ -89,7 +88,7 @@ def export_jobs(pair: Pair, dtype: str = "fp32", *, free: int | None = None, cor
     free = available() if free is None else free
     if cores < 2 or free is None:
         return 1
-    export, target = export_need(pair, dtype)
+    export, target, _ = export_need(pair, dtype)
     return 2 if export + EXPORT_PEAK * target * BYTES[dtype] + EXPORT_FIXED <= free else 1
 
 
