@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dtrt.errors import DtrtError
 from dtrt.frontend.requests import has_chat_template, render_chat
-from dtrt.runtime.tokenizer import load_tokenizer
+from dtrt.runtime.tokenizer import open_tokenizer
 
 
 def read_prompts(path, target_path: Path, chat: bool, flag: str = "--prompts") -> list[str]:
@@ -44,7 +44,7 @@ def prompt_file(path, flag: str) -> list[tuple[str, tuple[str, ...]]]:
 def as_chat(texts: list[str], target_path: Path, chat: bool) -> list[str]:
     """Each text as the first user message of a chat, as `dtrt run` and `dtrt bench` render it (Qwen3: thinking
     off), when asked and the target's tokenizer has a template; else the texts themselves."""
-    tokenizer = load_tokenizer(target_path)
+    tokenizer = open_tokenizer(target_path)
     if chat and has_chat_template(tokenizer):
         return [render_chat(tokenizer, [{"role": "user", "content": t}]) for t in texts]
     return list(texts)

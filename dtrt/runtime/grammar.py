@@ -36,7 +36,6 @@ class ResponseFormat:
 def _llguidance(field: str):
     try:
         import llguidance
-        import llguidance.hf
         import llguidance.torch
     except ImportError:
         raise DtrtError(f"{field} needs the llguidance package: {INSTALL}") from None
@@ -60,6 +59,18 @@ class _Tokens:
 _LL_TOKENIZERS: dict[int, tuple[object, object]] = {}
 
 
+def _from_backend(ll, tokenizer):
+    """llguidance's tokenizer over the Rust tokenizer itself, as llguidance.hf.from_tokenizer makes it from
+    transformers' (without padding or truncation; the tokenizer's EOS), which a LeanTokenizer is recorded from."""
+    from dtrt.runtime.lean_tokenizer import LeanTokenizer
+
+    if not isinstance(tokenizer, LeanTokenizer):
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(tokenizer)
+    return ll.LLTokenizer(tokenizer.backend_tokenizer.to_str(), eos_token=tokenizer.eos_token_id)
+
+
 def ll_tokenizer(tokenizer, field: str = "response_format"):
     """llguidance's tokenizer for a Hugging Face one, made once per tokenizer object (about a second)."""
     got = _LL_TOKENIZERS.get(id(tokenizer))
@@ -67,7 +78,7 @@ def ll_tokenizer(tokenizer, field: str = "response_format"):
         return got[1]
     ll = _llguidance(field)
     try:
-        made = ll.hf.from_tokenizer(tokenizer)
+        made = _from_backend(ll, tokenizer)
     except ValueError:  # a decoder llguidance does not read: its tokens' bytes instead
         from llguidance._tokenizer import TokenizerWrapper
 

@@ -17,7 +17,7 @@ from dtrt.runtime.methods import Method, make_method
 from dtrt.runtime.prefix_cache import DEFAULT_MB, PrefixCache, remember
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import RunSpec
-from dtrt.runtime.tokenizer import load_tokenizer
+from dtrt.runtime.tokenizer import open_tokenizer
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def open_pipeline(spec: RunSpec, sources: Sources) -> Pipeline:
     method = make_method(spec)
     backend = backend_class(spec.backend).open(spec, sources)
     folder = tokenizer_dir(spec, sources)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = open_tokenizer(folder)
     if spec.backend == "torch":
         config_eos = backend.target.cfg.eos_token_id
     else:

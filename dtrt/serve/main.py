@@ -41,10 +41,10 @@ def serve(
             check_thinking(pipe.tokenizer, thinking)
             workers, what = None, None
         else:
-            from dtrt.runtime.tokenizer import load_tokenizer
+            from dtrt.runtime.tokenizer import open_tokenizer
             from dtrt.serve.replicas import ReplicaWorkers
 
-            check_thinking(load_tokenizer(tokenizer_dir(spec, sources)), thinking)
+            check_thinking(open_tokenizer(tokenizer_dir(spec, sources)), thinking)
             pipe, workers = None, ReplicaWorkers(spec, cfg, plan, log)
             workers.deploy()
             count = f"{plan.replicas}-{plan.max_replicas}" if plan.max_replicas else str(plan.replicas)
