@@ -32,9 +32,16 @@ PROBE_TEXTS = (
 )
 
 
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def record_kind() -> str:
     """The memo's kind of a record: the versions whose behaviour it recorded (read without importing them)."""
-    versions = "/".join(f"{m}-{metadata.version(m)}" for m in ("transformers", "tokenizers", "jinja2"))
+    versions = "/".join(f"{m}-{_version(m)}" for m in ("transformers", "tokenizers", "jinja2"))
     return f"lean-tokenizer/{RULE}/{versions}"
 
 
@@ -205,8 +212,10 @@ def _refusal(hf) -> str | None:
         return "its decode cleans up spaces"
     if hf.chat_template is not None and not isinstance(hf.chat_template, str):
         return "named chat templates"
-    jinja = tuple(int(x) for x in metadata.version("jinja2").split(".")[:3] if x.isdigit())
-    if jinja < (3, 1, 6):
+    if _version("tokenizers") is None or _version("jinja2") is None:
+        return "no tokenizers or jinja2 package"
+    jinja = tuple(int(x) for x in _version("jinja2").split(".")[:3] if x.isdigit())
+    if jinja < (3, 1, 6):  # transformers refuses older ones: their sandbox has known escapes
         return "jinja2 older than 3.1.6"
     return None
 
