@@ -237,3 +237,46 @@ def test_tree_attention_function_is_the_reference(heads, kv_heads, n, past):
     mask = torch.cat((torch.ones(n, past, dtype=torch.bool), random_tree_mask(n, g)[1]), 1)
     got = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "mask": mask.numpy()})[0]
     torch.testing.assert_close(torch.from_numpy(got), tree_attention_ref(q, k, v, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_the_rules_left_out_are_left_out_only_during_the_export():
+    from onnxscript import rewriter
+
+    from dtrt.exporter.onnx_export import SKIPPED_RULES, default_rules_without
+
+    names = [getattr(r, "name", None) for r in rewriter._DEFAULT_REWRITE_RULES]
+    assert set(SKIPPED_RULES) <= set(names)  # a rule onnxscript renamed or dropped: SKIPPED_RULES is stale
+    with default_rules_without(SKIPPED_RULES):
+        inside = [getattr(r, "name", None) for r in rewriter._DEFAULT_REWRITE_RULES]
+    assert inside == [n for n in names if n not in SKIPPED_RULES]
+    assert [getattr(r, "name", None) for r in rewriter._DEFAULT_REWRITE_RULES] == names
+
+
+@pytest.mark.slow
+def test_the_rules_left_out_change_no_byte(tiny, tiny_export, tmp_path, monkeypatch):
+    """The rules the export leaves out of onnxscript's defaults (SKIPPED_RULES) never fire on dtrt's stages: the tiny
+    pair exported with every default rule is the same bytes as without them, and so is the hybrid target's stage
+    (its drafter's stages are the tiny pair's)."""
+    from test_export_jobs import digests
+
+    from dtrt.exporter import onnx_export
+    from dtrt.exporter.stage_modules import target_stage
+    from dtrt.exporter.write import load_models
+    from dtrt.zoo.registry import tiny_hybrid_pair
+
+    hybrid = tiny_hybrid_pair()
+    target, _, taps = load_models(hybrid.target, {"domino": hybrid.domino}, None)
+
+    def export_all(root):
+        root.mkdir()
+        export_pair(tiny, root / "tiny", ExportConfig(max_context=512, jobs=1), model="tiny")
+        onnx_export.export_stage(target_stage(target, taps), root / "hybrid-target.onnx", 512, 512)
+        return digests(root)
+
+    monkeypatch.setattr(onnx_export, "SKIPPED_RULES", ())
+    every_rule = export_all(tmp_path / "every-rule")
+    monkeypatch.undo()
+    onnx_export.export_stage(target_stage(target, taps), tmp_path / "hybrid-target.onnx", 512, 512)
+    skipped = {f"tiny/{k}": v for k, v in digests(tiny_export.path).items()}
+    skipped.update({k: v for k, v in digests(tmp_path).items() if k.startswith("hybrid-target")})
+    assert every_rule.keys() == skipped.keys() and {k for k in every_rule if every_rule[k] != skipped[k]} == set()
