@@ -248,7 +248,7 @@ def differs(lean: LeanTokenizer, hf) -> str | None:
     )
     if not same:
         return "special ids or vocabulary sizes"
-    special = [hf.convert_ids_to_tokens(i) for i in hf.all_special_ids]
+    special = [t for t in (hf.convert_ids_to_tokens(i) for i in hf.all_special_ids) if isinstance(t, str)]
     texts = [*PROBE_TEXTS, " ".join(special) + " between " + "".join(special)]
     thinking = (False, True) if "enable_thinking" in str(lean.chat_template or "") else (False,)
     if lean.chat_template is not None:
