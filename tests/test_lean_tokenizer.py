@@ -7,13 +7,13 @@ import importlib.util
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import transformers
+from test_memo import tokenizer_copy
 
 from dtrt.artifacts import memo
 from dtrt.bench.datasets import load_all
@@ -29,14 +29,6 @@ def cache(tmp_path, monkeypatch):
     path = tmp_path / "cache"
     monkeypatch.setenv("DTRT_CACHE", str(path))
     return path
-
-
-def copy_tokenizer(src: Path, dst: Path) -> Path:
-    dst.mkdir(parents=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "special_tokens_map.json"):
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-    return dst
 
 
 def smollm2_dir() -> Path:
@@ -76,7 +68,7 @@ def texts(n: int = 60, seed: int = 0) -> list[str]:
 
 @pytest.mark.parametrize("name", ["tiny", "smollm2", "qwen3"])
 def test_the_lean_tokenizer_gives_transformers_results(name, tiny, tmp_path, cache, monkeypatch):
-    path = copy_tokenizer(source(name, tiny), tmp_path / "tok")
+    path = tokenizer_copy(source(name, tiny), tmp_path / "tok")
     hf = hf_of(path)
     lean = open_tokenizer(path)
     assert isinstance(lean, LeanTokenizer)
@@ -109,7 +101,7 @@ def test_the_lean_tokenizer_gives_transformers_results(name, tiny, tmp_path, cac
 
 
 def test_a_start_with_the_record_imports_no_transformers(tiny, tmp_path, cache):
-    path = copy_tokenizer(smollm2_dir(), tmp_path / "tok")
+    path = tokenizer_copy(smollm2_dir(), tmp_path / "tok")
     hf = hf_of(path)
     chat = [{"role": "user", "content": "Hi"}]
     want = hf.encode(render_chat(hf, chat), add_special_tokens=False)
@@ -127,7 +119,7 @@ def test_a_start_with_the_record_imports_no_transformers(tiny, tmp_path, cache):
 
 
 def test_a_record_that_says_no_gives_transformers_tokenizer(tiny, tmp_path, cache, monkeypatch):
-    path = copy_tokenizer(Path(tiny.target), tmp_path / "tok")
+    path = tokenizer_copy(Path(tiny.target), tmp_path / "tok")
     monkeypatch.setattr(lean_tokenizer, "differs", lambda lean, hf: "decodes otherwise")
     tok = open_tokenizer(path)
     assert not isinstance(tok, LeanTokenizer) and type(tok) is type(hf_of(path))
@@ -144,7 +136,7 @@ def test_a_record_that_says_no_gives_transformers_tokenizer(tiny, tmp_path, cach
 
 
 def test_a_tokenizer_that_cleans_up_spaces_is_transformers(tiny, tmp_path, cache):
-    path = copy_tokenizer(Path(tiny.target), tmp_path / "tok")
+    path = tokenizer_copy(Path(tiny.target), tmp_path / "tok")
     config = json.loads((path / "tokenizer_config.json").read_text())
     json_tok = json.loads((path / "tokenizer.json").read_text())
     config["clean_up_tokenization_spaces"] = True
@@ -161,7 +153,7 @@ def test_a_tokenizer_that_cleans_up_spaces_is_transformers(tiny, tmp_path, cache
 
 
 def test_probes_see_a_template_or_ids_that_differ(tmp_path, cache):
-    path = copy_tokenizer(qwen3_dir(), tmp_path / "tok")
+    path = tokenizer_copy(qwen3_dir(), tmp_path / "tok")
     hf = hf_of(path)
     record = make_record(hf)
     assert record["backend"] is not None
@@ -173,7 +165,7 @@ def test_probes_see_a_template_or_ids_that_differ(tmp_path, cache):
 
 
 def test_a_chat_the_lean_template_does_not_render_is_transformers(tmp_path, cache):
-    path = copy_tokenizer(qwen3_dir(), tmp_path / "tok")
+    path = tokenizer_copy(qwen3_dir(), tmp_path / "tok")
     hf = hf_of(path)
     lean = open_tokenizer(path)
     assert isinstance(lean, LeanTokenizer)
@@ -193,7 +185,7 @@ def test_a_chat_the_lean_template_does_not_render_is_transformers(tmp_path, cach
 
 
 def test_a_chat_the_template_refuses_gets_transformers_error(tiny, tmp_path, cache):
-    path = copy_tokenizer(Path(tiny.target), tmp_path / "tok")
+    path = tokenizer_copy(Path(tiny.target), tmp_path / "tok")
     config = json.loads((path / "tokenizer_config.json").read_text())
     config["chat_template"] = (
         "{% for m in messages %}{% if m.role == 'developer' %}{{ raise_exception('no developer messages here') }}"

@@ -121,9 +121,11 @@ def test_a_stage_graph_is_read_once_for_the_kernel(tmp_path, cache, monkeypatch)
 
 
 def tokenizer_copy(src: Path, dst: Path) -> Path:
-    dst.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
-        shutil.copy2(src / name, dst / name)
+    """A tokenizer directory's files that `src` has (Qwen3's has no config.json) copied into a new `dst`."""
+    dst.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "special_tokens_map.json"):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
     return dst
 
 
