@@ -1,11 +1,18 @@
-"""The `dtrt` command: the process's memory set up first (dtrt.hugepages), then the command line (dtrt.cli).
+"""The `dtrt` command: the process's memory set up first (dtrt.hugepages), then the command line (dtrt.cli), then
+an exit that leaves out the interpreter's teardown (leave).
 
 Imports nothing heavy before deciding, so that starting again costs an interpreter's start, not torch's import."""
 
+import atexit
 import os
 import sys
+import threading
+from typing import NoReturn
 
 from dtrt import hugepages
+
+FLUSH_FAILED = 120
+"""The exit status where stdout or stderr cannot be flushed at the end (a reader gone), as Python's own exit gives."""
 
 
 def restart():
@@ -24,4 +31,36 @@ def main():
     restart()
     from dtrt.cli import main as cli_main
 
-    cli_main()
+    try:
+        cli_main()
+    except SystemExit as e:
+        leave(e.code)
+    leave(0)
+
+
+def leave(code) -> NoReturn:
+    """Exit with `code` (a SystemExit's: None, a number, or a message for stderr and status 1) as Python's exit
+    would, less its finalization: after a command's output is complete, tearing down the modules of a process that
+    imported torch costs about half a second, most of an answer's wait after the model's work. What Python's exit
+    does that a user can observe is done here, in its order: the threads that are not daemons are joined (a kernel
+    compile still running), the atexit functions run (temporary folders, logging, child processes), and stdout and
+    stderr are flushed. A traceback never comes here: it takes Python's own exit."""
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    me = threading.current_thread()
+    while waiting := [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]:
+        for t in waiting:  # again until none is left: a thread may start another
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a closed pipe, or a stream closed by the command
+            status = status or FLUSH_FAILED
+    os._exit(status)

@@ -56,10 +56,10 @@ def served_pipe(tiny_chat):  # noqa: F811
 
 
 class DtrtServe:
-    """`dtrt serve ARGS` in a subprocess: its URL once it listens, its standard error kept (drained by a thread)."""
+    """`dtrt serve ARGS` in a subprocess, as the `dtrt` command starts and ends it: its URL once it listens, its standard error kept (drained by a thread)."""
 
     def __init__(self, *args, timeout=180):
-        cmd = [sys.executable, "-c", "from dtrt.cli import main; main()", "serve", "--port", "0", *args]
+        cmd = [sys.executable, "-c", "from dtrt.entry import main; main()", "serve", "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
         self.lines, self.url = [], None
         started = threading.Event()

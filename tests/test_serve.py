@@ -270,7 +270,7 @@ def test_sigterm_stops_dtrt_serve():
         [
             sys.executable,
             "-c",
-            "from dtrt.cli import main; main()",
+            "from dtrt.entry import main; main()",  # the `dtrt` command
             "serve",
             "--model",
             "tiny",
