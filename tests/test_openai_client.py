@@ -56,7 +56,8 @@ def served_pipe(tiny_chat):  # noqa: F811
 
 
 class DtrtServe:
-    """`dtrt serve ARGS` in a subprocess, as the `dtrt` command starts and ends it: its URL once it listens, its standard error kept (drained by a thread)."""
+    """`dtrt serve ARGS` in a subprocess, started and ended as the `dtrt` command does: its URL once it listens, its
+    standard error kept (drained by a thread)."""
 
     def __init__(self, *args, timeout=180):
         cmd = [sys.executable, "-c", "from dtrt.entry import main; main()", "serve", "--port", "0", *args]

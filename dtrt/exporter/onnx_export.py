@@ -20,9 +20,9 @@ for _name in ("torch.onnx", "onnxscript"):
 
 SKIPPED_RULES = ("SlicesSplit",)
 """onnxscript's default rewrite rules the export leaves out: rules that never fire on dtrt's stages, whose graphs are
-the same bytes with them (tests/test_export.py). SlicesSplit wants two Slices that halve a static last dim, and
-rotate_half's second half ends at INT64_MAX; its two-output pattern took 4.4 of the 25.3 s SmolLM2's target stage
-took to export."""
+the same bytes with them (tests/test_export.py counts their tries and rewrites). SlicesSplit wants two Slices that
+halve a static last dim, and rotate_half's second half ends at INT64_MAX; its two-output pattern took 4.4 of the
+25.3 s SmolLM2's target stage took to export."""
 
 
 @contextlib.contextmanager
