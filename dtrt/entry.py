@@ -40,11 +40,11 @@ def main():
 
 def leave(code) -> NoReturn:
     """Exit with `code` (a SystemExit's: None, a number, or a message for stderr and status 1) as Python's exit
-    would, less its finalization: after a command's output is complete, tearing down the modules of a process that
-    imported torch costs about half a second, most of an answer's wait after the model's work. What Python's exit
-    does that a user can observe is done here, in its order: the threads that are not daemons are joined (a kernel
-    compile still running), the atexit functions run (temporary folders, logging, child processes), and stdout and
-    stderr are flushed. A traceback never comes here: it takes Python's own exit."""
+    would, less the interpreter's teardown: a process that imported torch spends about half a second clearing its
+    modules after the command's output is complete. What Python's exit does that a user can observe is done here, in
+    its order: the threads that are not daemons are joined (a kernel compile still running; Ctrl-C ends the wait with
+    status 130), the atexit functions run (temporary folders, logging, child processes), and stdout and stderr are
+    flushed. A traceback never comes here: it takes Python's own exit."""
     if code is None:
         status = 0
     elif isinstance(code, int):
@@ -53,9 +53,12 @@ def leave(code) -> NoReturn:
         print(code, file=sys.stderr)
         status = 1
     me = threading.current_thread()
-    while waiting := [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]:
-        for t in waiting:  # again until none is left: a thread may start another
-            t.join()
+    try:
+        while waiting := [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]:
+            for t in waiting:  # again until none is left: a thread may start another
+                t.join()
+    except KeyboardInterrupt:  # Ctrl-C while waiting: end now, as an interrupted command does
+        status = 130
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

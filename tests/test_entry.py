@@ -2,9 +2,11 @@
 the interpreter's teardown is not, and the status is the command's."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -52,6 +54,22 @@ def test_a_reader_gone_is_status_120_and_no_traceback():
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 120
     assert err == ""
+
+
+def test_ctrl_c_while_a_thread_is_waited_for_ends_the_wait_with_status_130():
+    code = textwrap.dedent("""
+        import threading, time
+        from dtrt.entry import leave
+        threading.Thread(target=time.sleep, args=(600,)).start()  # not a daemon: leave waits for it
+        print("waiting", flush=True)
+        leave(0)
+        """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "waiting\n"
+    time.sleep(1)  # into leave's wait
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=60) == 130
+    assert p.stderr.read() == ""
 
 
 def test_the_command_line_exits_through_leave_with_its_status():
