@@ -253,6 +253,36 @@ def test_the_rules_left_out_are_left_out_only_during_the_export():
     assert [getattr(r, "name", None) for r in rewriter._DEFAULT_REWRITE_RULES] == names
 
 
+def test_a_process_builds_the_torchlib_registry_once(tiny, tmp_path, monkeypatch):
+    """Two stages exported in one process build torch.onnx's registry of torchlib functions once, only while they
+    export, and the stage exported with the registry already built is the same bytes."""
+    from torch.onnx._internal.exporter import _registration
+
+    from dtrt.exporter import onnx_export
+    from dtrt.exporter.scorer_stages import scorer_stages
+    from dtrt.models.checkpoint import load_drafter
+
+    built = []
+    build = vars(_registration.ONNXRegistry)["from_torchlib"]
+
+    def counted(cls, *args, **kwargs):
+        built.append(args or kwargs)
+        return build.__func__(cls, *args, **kwargs)
+
+    monkeypatch.setattr(_registration.ONNXRegistry, "from_torchlib", classmethod(counted))
+    monkeypatch.setattr(onnx_export, "_REGISTRIES", {})  # as in a fresh process
+    stage = next(s for s in scorer_stages(load_target(tiny.target), load_drafter(tiny.domino), 3, 4, 4)
+                 if s.name == "scorer_children")  # fmt: skip
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        onnx_export.export_stage(stage, tmp_path / name / "stage.onnx", 64, 64)
+    assert len(built) == 1  # 0: torch.onnx.export no longer builds it there, and the hook is stale
+    files = {p.name: p.read_bytes() for p in (tmp_path / "first").iterdir()}
+    assert files and files == {p.name: p.read_bytes() for p in (tmp_path / "second").iterdir()}
+    _registration.ONNXRegistry.from_torchlib(opset_version=onnx_export.OPSET)
+    assert len(built) == 2  # outside an export, torch's own
+
+
 @pytest.mark.slow
 def test_the_rules_left_out_never_fire(tiny, tmp_path, monkeypatch):
     """The rules the export leaves out of onnxscript's defaults (SKIPPED_RULES) never fire on dtrt's stages, so their

@@ -44,6 +44,38 @@ def default_rules_without(names: tuple[str, ...]):
         rewriter._DEFAULT_REWRITE_RULES = rules
 
 
+_REGISTRIES: dict = {}
+
+
+@contextlib.contextmanager
+def one_torchlib_registry():
+    """torch.onnx.export builds its registry of torchlib's ONNX functions anew on every call (about 0.4 s on 2
+    cores); dtrt's export only reads it (it passes no custom_translation_table, the one thing that adds to it), so a
+    process builds it once for each set of arguments and every stage's export reads that one."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+    except ImportError:
+        yield
+        return
+    registry = getattr(_registration, "ONNXRegistry", None)
+    build = vars(registry).get("from_torchlib") if registry is not None else None
+    if not isinstance(build, classmethod):  # another torch: its registry as it builds it
+        yield
+        return
+
+    def once(cls, *args, **kwargs):
+        key = (cls, args, tuple(sorted(kwargs.items())))
+        if key not in _REGISTRIES:
+            _REGISTRIES[key] = build.__func__(cls, *args, **kwargs)
+        return _REGISTRIES[key]
+
+    registry.from_torchlib = classmethod(once)
+    try:
+        yield
+    finally:
+        registry.from_torchlib = build
+
+
 def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int, max_batch: int = 64) -> list[Path]:
     """Write `path` (+ `path.data` for the weights); return the files written."""
     dims = {
@@ -65,6 +97,7 @@ def export_stage(stage: Stage, path: Path, max_tokens: int, max_context: int, ma
         contextlib.redirect_stdout(io.StringIO()),
         warnings.catch_warnings(),
         default_rules_without(SKIPPED_RULES),
+        one_torchlib_registry(),
     ):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
