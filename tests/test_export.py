@@ -6,9 +6,11 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import onnx
 import pytest
+import torch
 from helpers import run_cli
 
 from dtrt.artifacts.export import MANIFEST, check_source, load_export
@@ -251,6 +253,41 @@ def test_the_rules_left_out_are_left_out_only_during_the_export():
         inside = [getattr(r, "name", None) for r in rewriter._DEFAULT_REWRITE_RULES]
     assert inside == [n for n in names if n not in SKIPPED_RULES]
     assert [getattr(r, "name", None) for r in rewriter._DEFAULT_REWRITE_RULES] == names
+
+
+def test_stages_name_no_path_of_the_machine_that_exported_them(tiny_export):
+    """No stage holds torch.onnx's per-node stack traces, so none names where dtrt or torch is installed; the nodes
+    keep their module path."""
+    import dtrt
+    from dtrt.exporter.onnx_export import STACK_TRACE
+
+    installed = [str(Path(m.__file__).resolve().parent.parent).encode() for m in (dtrt, torch)]
+    graphs = sorted(tiny_export.path.glob("*.onnx"))
+    assert len(graphs) > 5
+    for path in graphs:
+        assert not any(where in path.read_bytes() for where in installed), path.name
+        model = onnx.load(str(path), load_external_data=False)
+        keys = {p.key for n in model.graph.node for p in n.metadata_props}
+        assert STACK_TRACE not in keys and "namespace" in keys, path.name
+
+
+def test_stack_traces_dropped_in_subgraphs_and_functions_too():
+    from onnx import helper
+
+    from dtrt.exporter.onnx_export import STACK_TRACE, drop_stack_traces
+
+    def node(*args, **kwargs):
+        n = helper.make_node(*args, **kwargs)
+        helper.set_metadata_props(n, {STACK_TRACE: 'File "/home/me/dtrt/x.py", line 1', "namespace": "m"})
+        return n
+
+    body = helper.make_graph([node("Identity", ["c"], ["d"])], "body", [], [])
+    top = [node("Identity", ["a"], ["b"]), node("If", ["cond"], ["e"], then_branch=body, else_branch=body)]
+    fn = helper.make_function("dtrt", "F", ["x"], ["y"], [node("Identity", ["x"], ["y"])], [])
+    model = helper.make_model(helper.make_graph(top, "g", [], []), functions=[fn])
+    assert drop_stack_traces(model) == 5  # the two nodes, each branch's node, the function's
+    assert b"/home/me" not in model.SerializeToString()
+    assert {p.key for p in model.graph.node[0].metadata_props} == {"namespace"}
 
 
 def test_a_process_builds_the_torchlib_registry_once(tiny, tmp_path, monkeypatch):
