@@ -109,7 +109,7 @@ def _template_env():
 class LeanTokenizer:
     """What dtrt's pipelines read of a Hugging Face tokenizer, over its recorded backend: encode, decode, the special
     ids, the chat template. `fallback()` gives transformers' tokenizer of the same files, for a chat this one does not
-    render."""
+    render; it loads that tokenizer once (open_tokenizer's keeps it)."""
 
     def __init__(self, record: dict, fallback: Callable[[], object]):
         from tokenizers import Tokenizer
@@ -119,7 +119,7 @@ class LeanTokenizer:
         self.all_special_ids = list(record["all_special_ids"])
         self.special_tokens_map = dict(record["special_tokens_map"])
         self.chat_template = record["chat_template"]
-        self._fallback, self._hf, self._template = fallback, None, None
+        self._fallback, self._template = fallback, None
 
     def __len__(self) -> int:
         return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
@@ -142,9 +142,7 @@ class LeanTokenizer:
 
     def hf(self):
         """transformers' tokenizer of the same files (loaded on the first call)."""
-        if self._hf is None:
-            self._hf = self._fallback()
-        return self._hf
+        return self._fallback()
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True, **kw
