@@ -255,3 +255,34 @@ def test_cli_domino_drafter_without_shift_label(tiny, tmp_path, monkeypatch, cap
     code, out, err = run_cli(monkeypatch, capsys, *args)
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "dflash_config.shift_label" in err and str(path / "config.json") in err
+
+
+def test_loading_a_target_imports_no_dynamo(tiny):
+    """A target is built on the meta device and takes the checkpoint's tensors; its embedding is not initialized
+    there (normal_ on meta runs torch._refs, whose first call imports torch._dynamo: about a second of a start)."""
+    import subprocess
+    import sys
+
+    from dtrt.zoo.registry import tiny_hybrid_pair
+
+    code = (
+        "import sys\n"
+        "from dtrt.models.checkpoint import load_drafter, load_target\n"
+        f"for path in {[str(tiny.target), str(tiny_hybrid_pair().target)]!r}:\n"
+        "    model = load_target(path)\n"
+        "    assert not model.model.embed_tokens.weight.is_meta\n"
+        f"load_drafter({str(tiny.domino)!r})\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
+
+
+def test_an_embedding_built_on_the_cpu_is_initialized():
+    from dtrt.models.layers import Embedding
+
+    w = Embedding(64, 8).weight
+    assert not w.is_meta and w.std().item() > 0.5  # nn.Embedding's N(0, 1)
+    with torch.device("meta"):
+        assert Embedding(64, 8).weight.is_meta

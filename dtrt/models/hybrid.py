@@ -20,7 +20,7 @@ from torch import nn
 
 from dtrt.errors import DtrtError
 from dtrt.models.config import HybridConfig
-from dtrt.models.layers import MLP, apply_rope, attention, rope_cos_sin
+from dtrt.models.layers import MLP, Embedding, apply_rope, attention, rope_cos_sin
 from dtrt.models.target import KVCache, Target
 from dtrt.ops import tree_causal_conv1d, tree_gated_delta_net
 from dtrt.ops.tree_gated_delta_net import chunk_gated_delta_rule
@@ -148,7 +148,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.hk * self.dk + 2 * self.hv * self.dv, bias=False)
         self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.hv, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
-        self.A_log = nn.Parameter(torch.empty(self.hv).uniform_(0.01, 16).log())  # transformers' initialisation
+        a_log = torch.empty(self.hv)  # on the meta device left as it is (Embedding's docstring says why)
+        self.A_log = nn.Parameter(a_log if a_log.is_meta else a_log.uniform_(0.01, 16).log())  # transformers' init
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.hv * self.dv, cfg.hidden_size, bias=False)
 
@@ -244,7 +245,7 @@ class HybridLayer(nn.Module):
 class HybridDecoder(nn.Module):
     def __init__(self, cfg: HybridConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(HybridLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -10,6 +10,15 @@ from dtrt.ops import tree_attention
 from dtrt.ops.kernels import kernel
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that leaves a meta tensor uninitialized: a checkpoint's tensor replaces it, and normal_ on the
+    meta device runs torch._refs, whose first call imports torch._dynamo (about a second of loading a target)."""
+
+    def reset_parameters(self):
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dtrt.models.config import TargetConfig
-from dtrt.models.layers import MLP, Projections, RMSNorm, attention, rope_cos_sin
+from dtrt.models.layers import MLP, Embedding, Projections, RMSNorm, attention, rope_cos_sin
 
 
 class KVCache:
@@ -86,7 +86,7 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
