@@ -47,8 +47,8 @@ class ExportConfig:
     one); default (or `auto`): each drafter's own d2t.safetensors where it has one, else full."""
     jobs: int = 1
     """Processes that export side by side: 2 exports the target stage in a second process while this one exports the
-    drafter stages (the same files; SmolLM2's export took 35-43 s against 51-54 s on a 2-core VM; the second process
-    loads its own copy of the target)."""
+    drafter stages (the same files; SmolLM2's gguf export took 27-30 s against 37 s on a 2-core VM; the second
+    process loads its own copy of the target)."""
     force: bool = False
     """Replace an existing export directory."""
 

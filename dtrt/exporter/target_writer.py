@@ -1,7 +1,7 @@
 """The target stage written: exported, then its linear layers quantized as the export asks; in this process, or
 with `dtrt export --jobs 2` in a second process while this one exports the drafter stages. torch.onnx's export runs
-on one core, and the target is about half of a pair's export: on a 2-core VM SmolLM2's export takes 35-43 s against
-51-54 s. The second process loads its own copy of the target from the checkpoint (a loaded model does not cross
+on one core, and the target is about half of a pair's export: on a 2-core VM SmolLM2's gguf export took 27-30 s
+against 37 s. The second process loads its own copy of the target from the checkpoint (a loaded model does not cross
 processes); it writes `target.onnx` and its data into the staging directory and nothing else, and this process
 folds them into weights.data after the drafter stages, as a one-process export does, so the export's files are the
 same bytes either way."""
