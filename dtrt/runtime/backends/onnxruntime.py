@@ -17,7 +17,7 @@ import torch
 from dtrt.artifacts.export import Export
 from dtrt.errors import DtrtError
 from dtrt.runtime.backends import ort_ops
-from dtrt.runtime.backends.exported import ExportedBackend, StageRunner
+from dtrt.runtime.backends.exported import SCORER_STAGES, ExportedBackend, StageRunner
 
 ORT_TYPES = {
     "tensor(float)": torch.float32,
@@ -76,6 +76,13 @@ MATMUL_ACCURACY = 4
 # before the DequantizeLinear -> MatMul pair can become MatMulNBits: a quantized SmolLM2's o_proj and down_proj
 # (60 of 211 linears) then dequantized every weight on every call and ran slower than fp32
 DISABLED_OPTIMIZERS = ["MatMulAddFusion"]
+
+
+# Domino's scorer stages take a few small fixed-size inputs (a call of 0.1-0.4 ms on SmolLM2, no faster on two
+# threads): on the CPU they run on one thread, so their sessions have no pool. A pool's worker spins 2^20 pauses when
+# it starts (50-100 ms of a core), which on two cores took the CPU from the other sessions' creation and the first
+# call of the target (the prefill's first chunk: about 180 ms against 50 ms on the second)
+ONE_THREAD_STAGES = frozenset(SCORER_STAGES)
 
 
 def make_session(
@@ -196,8 +203,9 @@ class OrtRunner(StageRunner):
             return
         exp = self.export
         path = exp.stage(stage)
+        threads = 1 if stage in ONE_THREAD_STAGES and self.providers == ["CPUExecutionProvider"] else self.threads
         try:
-            sess = make_session(path, self.threads, self.providers, self.accuracy, kernels=self.kernels)
+            sess = make_session(path, threads, self.providers, self.accuracy, kernels=self.kernels)
         except Exception as e:  # ONNX Runtime raises its own exception types for unreadable or invalid graphs
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             raise DtrtError(
