@@ -79,9 +79,9 @@ DISABLED_OPTIMIZERS = ["MatMulAddFusion"]
 
 
 # Domino's scorer stages take a few small fixed-size inputs (a call of 0.1-0.4 ms on SmolLM2, no faster on two
-# threads): on the CPU they run on one thread, so their sessions have no pool. A pool's worker spins 2^20 pauses when
-# it starts (50-100 ms of a core), which on two cores took the CPU from the other sessions' creation and the first
-# call of the target (the prefill's first chunk: about 180 ms against 50 ms on the second)
+# threads): on the CPU they run on one thread, so their sessions have no pool. A pool's worker spins for work as soon
+# as it starts, before it first blocks (50-100 ms of a core, seen in /proc), which on two cores took the CPU from the
+# other sessions' creation and the target's first call (the prefill's first chunk: about 180 ms against 50 ms after)
 ONE_THREAD_STAGES = frozenset(SCORER_STAGES)
 
 
