@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,7 +21,8 @@ from dtrt.models.checkpoint import (
 )
 from dtrt.models.config import DrafterConfig, default_target_layer_ids
 from dtrt.models.domino import HEAD_PREFIXES, HEAD_TENSORS
-from dtrt.zoo.registry import find_local, resolve
+from dtrt.models.layers import Embedding
+from dtrt.zoo.registry import find_local, resolve, tiny_hybrid_pair
 
 
 def test_default_tap_formula():
@@ -260,11 +263,6 @@ def test_cli_domino_drafter_without_shift_label(tiny, tmp_path, monkeypatch, cap
 def test_loading_a_target_imports_no_dynamo(tiny):
     """A target is built on the meta device and takes the checkpoint's tensors; its embedding is not initialized
     there (normal_ on meta runs torch._refs, whose first call imports torch._dynamo: about a second of a start)."""
-    import subprocess
-    import sys
-
-    from dtrt.zoo.registry import tiny_hybrid_pair
-
     code = (
         "import sys\n"
         "from dtrt.models.checkpoint import load_drafter, load_target\n"
@@ -280,8 +278,6 @@ def test_loading_a_target_imports_no_dynamo(tiny):
 
 
 def test_an_embedding_built_on_the_cpu_is_initialized():
-    from dtrt.models.layers import Embedding
-
     w = Embedding(64, 8).weight
     assert not w.is_meta and w.std().item() > 0.5  # nn.Embedding's N(0, 1)
     with torch.device("meta"):
