@@ -18,7 +18,8 @@ from dtrt.launch.start import load_pair
 from dtrt.models.checkpoint import load_drafter, load_target
 from dtrt.models.draft_vocab import load_draft_vocab
 from dtrt.runtime.tokenizer import load_tokenizer
-from dtrt.train.trainer import TrainConfig, held_out_tau
+from dtrt.train.config import TrainConfig
+from dtrt.train.trainer import held_out_tau
 
 
 def main():

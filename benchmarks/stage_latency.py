@@ -29,7 +29,8 @@ from dtrt.exporter.reference import TorchStageRunner
 from dtrt.exporter.stage_modules import drafter_stages, target_stage
 from dtrt.launch import resolve_spec
 from dtrt.launch.start import load_pair
-from dtrt.models.checkpoint import Pair, load_drafter, load_target, parse_dtype
+from dtrt.models.checkpoint import load_drafter, load_target, parse_dtype
+from dtrt.models.pair import Pair
 from dtrt.runtime.backends.onnxruntime import OrtRunner
 from dtrt.runtime.generate import Generation
 from dtrt.runtime.pipeline import Sources, open_pipeline

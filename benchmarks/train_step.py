@@ -17,8 +17,9 @@ from dtrt.launch import resolve_spec
 from dtrt.launch.start import load_pair
 from dtrt.models.checkpoint import load_target
 from dtrt.train import store
+from dtrt.train.config import TrainConfig
 from dtrt.train.distill import block_loss, draw_candidates, needed_ids, sample_anchors
-from dtrt.train.trainer import TrainConfig, new_drafter, taps_for
+from dtrt.train.trainer import new_drafter, taps_for
 
 
 def batch_from_target(target, cfg, gen):

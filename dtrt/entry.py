@@ -1,12 +1,10 @@
-"""The `dtrt` command: the process's memory set up first (dtrt.hugepages), then the command line (dtrt.cli), imported
-without the garbage collector's passes (imports_uncollected), then an exit that leaves out the interpreter's
-teardown (leave).
+"""The `dtrt` command: the process's memory set up first (dtrt.hugepages), then the command line (dtrt.cli, which
+imports torch only once a command's flags are parsed), then an exit that leaves out the interpreter's teardown
+(leave).
 
 Imports nothing heavy before deciding, so that starting again costs an interpreter's start, not torch's import."""
 
 import atexit
-import contextlib
-import gc
 import os
 import sys
 import threading
@@ -32,28 +30,13 @@ def restart():
 
 def main():
     restart()
-    with imports_uncollected():
-        from dtrt.cli import main as cli_main
+    from dtrt.cli import main as cli_main
 
     try:
         cli_main()
     except SystemExit as e:
         leave(e.code)
     leave(0)
-
-
-@contextlib.contextmanager
-def imports_uncollected():
-    """Import with the cyclic garbage collector off, then keep what was imported out of its later passes. Importing
-    torch makes about a million objects, and the collector's passes over them while they are made (three full ones)
-    took a tenth of a second and more of a start that lasts two, freeing nothing worth it; frozen (gc.freeze), the
-    modules and what they hold are never scanned again."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 def leave(code) -> NoReturn:

@@ -212,6 +212,20 @@ def test_dtrt_verify(tmp_path, cache, monkeypatch, capsys):
     assert code == 2 and err.count("\n") == 1 and "export directory not found" in err
 
 
+def test_dtrt_verify_imports_no_torch(tmp_path, cache):
+    """`dtrt verify` hashes files: a plain click command, which imports none of the runtime."""
+    path = small_export(tmp_path / "exp")
+    code = (
+        "import sys; from dtrt.cli import cli; cli.main(['verify', sys.argv[1]], standalone_mode=False); "
+        "print([m for m in ('torch', 'numpy', 'onnxruntime') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    listed, imported = out.stdout.splitlines()
+    assert listed.startswith(f"{path}: 3 files,") and listed.endswith("every sha256 matches its manifest")
+    assert imported == "[]"
+
+
 # the verified state
 
 

@@ -17,7 +17,8 @@ from dtrt.errors import DtrtError
 from dtrt.exporter.export_config import ExportConfig
 from dtrt.exporter.write import export_pair
 from dtrt.models.draft_vocab import FILE, DraftHead, DraftVocab, load_draft_vocab, resolve_draft_vocab
-from dtrt.train.datagen import DataGenConfig, drafter_data
+from dtrt.train.config import DataGenConfig
+from dtrt.train.datagen import drafter_data
 from dtrt.train.draft_vocab import choose
 from dtrt.tree import Round, build_ddtree, build_heap
 

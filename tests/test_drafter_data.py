@@ -14,8 +14,9 @@ from test_bad_input import expect_error
 
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.train import datagen, store
+from dtrt.train.config import DataGenConfig
 from dtrt.train.data import decode_pool
-from dtrt.train.datagen import DataGenConfig, drafter_data, load_rows, read_progress
+from dtrt.train.datagen import drafter_data, load_rows, read_progress
 from dtrt.zoo import tiny as tiny_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -13,7 +13,8 @@ from test_ort_backend import check_speculative, ort_pipeline
 
 from dtrt.artifacts.export import MANIFEST
 from dtrt.errors import DtrtError
-from dtrt.exporter.quantize import check_drafter_quant, quantized_stages
+from dtrt.exporter.export_config import check_drafter_quant
+from dtrt.exporter.quantize import quantized_stages
 from dtrt.exporter.reference import TorchStageRunner, reference_stages
 from dtrt.parity.check import (
     INT4_TOLERANCE,

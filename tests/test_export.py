@@ -18,7 +18,8 @@ from dtrt.errors import DtrtError
 from dtrt.exporter import write as export_mod
 from dtrt.exporter.export_config import ExportConfig
 from dtrt.exporter.write import export_pair
-from dtrt.models.checkpoint import Pair, load_target, save_checkpoint, target_state
+from dtrt.models.checkpoint import load_target, save_checkpoint, target_state
+from dtrt.models.pair import Pair
 
 
 def test_graphs_have_dtrt_nodes_with_functions_and_dynamic_dims(tiny_export):
@@ -177,7 +178,7 @@ def test_export_cli_takes_every_dtype_the_exporter_supports(tiny, monkeypatch, c
     """`dtrt export --dtype D` reaches the exporter for every dtype it supports (the CLI's choice once refused
     bf16); the bf16 export itself: tests/test_precision.py."""
     import dtrt.exporter.write as write
-    from dtrt.exporter.precision import EXPORT_DTYPES
+    from dtrt.exporter.export_config import EXPORT_DTYPES
 
     asked = []
 

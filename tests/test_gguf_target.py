@@ -19,8 +19,9 @@ from dtrt.exporter.export_config import ExportConfig  # noqa: E402
 from dtrt.exporter.reference import reference_stages  # noqa: E402
 from dtrt.exporter.write import export_pair  # noqa: E402
 from dtrt.models.blocks import PackedBlocks, dequantize, unpack_blocks  # noqa: E402
-from dtrt.models.checkpoint import Pair, load_target  # noqa: E402
+from dtrt.models.checkpoint import load_target  # noqa: E402
 from dtrt.models.gguf_blocks import checkpoint_blocks  # noqa: E402
+from dtrt.models.pair import Pair  # noqa: E402
 from dtrt.models.target import KVCache  # noqa: E402
 from dtrt.parity import run_parity  # noqa: E402
 from dtrt.zoo.gguf import LAYER_TENSORS, TOP_TENSORS, converted  # noqa: E402

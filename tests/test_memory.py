@@ -6,8 +6,8 @@ from helpers import run_cli
 
 from dtrt.errors import DtrtError
 from dtrt.launch import memory
-from dtrt.models.checkpoint import Pair
-from dtrt.models.quant import quant_spec
+from dtrt.models.pair import Pair
+from dtrt.models.quant_spec import quant_spec
 
 GB = 1e9
 

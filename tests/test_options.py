@@ -15,9 +15,8 @@ from dtrt.cli.options import FILLED_IN, click_type, field_docs, option_from
 from dtrt.errors import DtrtError
 from dtrt.exporter.export_config import ExportConfig
 from dtrt.runtime.spec import RunSpec
-from dtrt.serve.worker import ServeConfig
-from dtrt.train.datagen import DataGenConfig
-from dtrt.train.trainer import TrainConfig
+from dtrt.serve.config import ServeConfig
+from dtrt.train.config import DataGenConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -434,7 +434,7 @@ def test_cached_export_is_reused_and_remade_when_the_checkpoints_change(
 ):
     from dtrt import __version__
     from dtrt.launch import first_use as cache
-    from dtrt.models.checkpoint import Pair
+    from dtrt.models.pair import Pair
     from dtrt.runtime.backends import ort_ops
 
     monkeypatch.setenv("DTRT_CACHE", str(tmp_path))
@@ -482,8 +482,8 @@ def test_first_use_takes_the_registrys_subset_per_target(tiny, tiny_export_int8,
     from dtrt import __version__
     from dtrt.artifacts.memo import checkpoint_hashes
     from dtrt.launch import first_use as cache
-    from dtrt.models.checkpoint import Pair
     from dtrt.models.draft_vocab import DraftVocab
+    from dtrt.models.pair import Pair
 
     monkeypatch.setenv("DTRT_CACHE", str(tmp_path / "cache"))
     domino = tmp_path / "domino"

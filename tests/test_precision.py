@@ -15,7 +15,8 @@ from dtrt.errors import DtrtError
 from dtrt.exporter.export_config import ExportConfig
 from dtrt.exporter.precision import fp16_warning, stored_dtype
 from dtrt.exporter.write import export_pair
-from dtrt.models.checkpoint import Pair, load_target, save_checkpoint, target_state
+from dtrt.models.checkpoint import load_target, save_checkpoint, target_state
+from dtrt.models.pair import Pair
 from dtrt.parity import run_parity
 from dtrt.runtime.tokenizer import load_tokenizer
 

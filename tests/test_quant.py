@@ -23,7 +23,8 @@ from dtrt.exporter.reference import TorchStageRunner, reference_stages
 from dtrt.exporter.target_quant import DATA_SUFFIX, pack_int4, unpack_int4
 from dtrt.exporter.write import export_pair
 from dtrt.models.checkpoint import load_target
-from dtrt.models.quant import QuantSpec, dequantize, quant_spec, quantize
+from dtrt.models.quant import dequantize, quantize
+from dtrt.models.quant_spec import QuantSpec, quant_spec
 from dtrt.parity import run_parity
 from dtrt.parity.quantized import order_check
 from dtrt.runtime.backends.exported import pad_rows, pairs_rows, target_rows

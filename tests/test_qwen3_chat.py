@@ -19,8 +19,9 @@ from test_memo import remembered_tokenizer, same_tokenizer
 
 from dtrt.cli import run as run_command
 from dtrt.frontend.requests import encode, has_thinking_switch, make_request, render_chat
-from dtrt.models.checkpoint import Pair, save_checkpoint, target_state
+from dtrt.models.checkpoint import save_checkpoint, target_state
 from dtrt.models.config import TargetConfig
+from dtrt.models.pair import Pair
 from dtrt.models.target import Target
 from dtrt.runtime.pipeline import Pipeline
 from dtrt.runtime.tokenizer import load_tokenizer

@@ -13,9 +13,10 @@ import pytest
 from helpers import pipe_for, run_cli, spec
 
 from dtrt.cli import run as run_command
+from dtrt.frontend import text as frontend_text
 from dtrt.frontend.requests import Request, encode
 from dtrt.frontend.text import TextStream, complete
-from dtrt.models.checkpoint import Pair
+from dtrt.models.pair import Pair
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.runtime.spec import METHODS
 
@@ -196,7 +197,7 @@ def test_truncate_keeps_the_prompt_tail(tiny, tmp_path, monkeypatch, capsys):
 
 def interrupt_at_first_text(monkeypatch):
     """Ctrl-C (a real SIGINT to this process) as soon as the first text of a generation is shown."""
-    real = run_command.complete
+    real = frontend_text.complete  # which `dtrt run` imports when it generates
 
     def complete_interrupted(pipe, ids, max_new, sampling, stop, on_text, cancelled, **kw):
         sent = []
@@ -209,7 +210,7 @@ def interrupt_at_first_text(monkeypatch):
 
         return real(pipe, ids, max_new, sampling, stop, on_text_then_sigint, cancelled, **kw)
 
-    monkeypatch.setattr(run_command, "complete", complete_interrupted)
+    monkeypatch.setattr(frontend_text, "complete", complete_interrupted)
 
 
 def test_ctrl_c_ends_the_generation_and_exits_130(tiny, monkeypatch, capsys):

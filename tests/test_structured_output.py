@@ -14,7 +14,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from dtrt.errors import DtrtError  # noqa: E402
 from dtrt.runtime.generate import collect  # noqa: E402
-from dtrt.runtime.grammar import ResponseFormat, compile_format, parse_response_format  # noqa: E402
+from dtrt.runtime.grammar import compile_format  # noqa: E402
+from dtrt.runtime.request_values import ResponseFormat, parse_response_format  # noqa: E402
 from dtrt.runtime.sampling import SamplingConfig  # noqa: E402
 from dtrt.tree import Tree  # noqa: E402
 from dtrt.tree.grammar import fit_tree  # noqa: E402

@@ -7,7 +7,8 @@ import pytest
 from helpers import pipe_for, spec
 
 from dtrt import cli
-from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target
+from dtrt.models.checkpoint import check_pair, load_drafter, load_target
+from dtrt.models.pair import Pair
 from dtrt.runtime.sampling import SamplingConfig
 from dtrt.zoo import tiny as tiny_mod
 

@@ -16,8 +16,9 @@ import torch
 from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import load_drafter, load_target
 from dtrt.train import distributed, store
+from dtrt.train.config import TrainConfig
 from dtrt.train.distill import block_loss, draw_candidates, needed_ids, sample_anchors, slot_weights, tau_weights
-from dtrt.train.trainer import LossModel, TrainConfig, train_drafter
+from dtrt.train.trainer import LossModel, train_drafter
 from dtrt.zoo import tiny as tiny_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,7 +9,7 @@ from dtrt.artifacts.files import MANIFEST
 from dtrt.artifacts.memo import checkpoint_hashes
 from dtrt.artifacts.verify import check_files
 from dtrt.errors import DtrtError
-from dtrt.models.quant import GgufQuant, QuantSpec, quant_from_json
+from dtrt.models.quant_spec import GgufQuant, QuantSpec, quant_from_json
 
 FORMAT = "dtrt-export"
 

@@ -12,9 +12,7 @@ from dtrt.cli.base import MODEL_DIR_HELP, cli, log_line
 from dtrt.cli.options import FILLED_IN, option_from
 from dtrt.errors import DtrtError
 from dtrt.exporter.export_config import ExportConfig
-from dtrt.launch import resolve_spec
-from dtrt.launch.start import load_pair
-from dtrt.models.checkpoint import Pair
+from dtrt.models.pair import Pair
 from dtrt.zoo.registry import names
 
 
@@ -48,7 +46,9 @@ from dtrt.zoo.registry import names
 def export(model, target, drafter, gguf, model_dir, out, **fields):
     """Export every stage to ONNX, with manifest.json, into OUT (complete or not at all)."""
     from dtrt.exporter.write import export_pair
+    from dtrt.launch import resolve_spec
     from dtrt.launch.memory import export_jobs
+    from dtrt.launch.start import load_pair
 
     jobs = fields.pop("jobs")
     if gguf is not None:
@@ -72,7 +72,7 @@ def export(model, target, drafter, gguf, model_dir, out, **fields):
     click.echo(f"{exp.path}: {len(exp.manifest['stages'])} stages, {size / 1e6:.1f} MB")
 
 
-@cli.command()
+@cli.command(cls=click.Command)  # hashes files: no torch
 @click.argument("directory", type=click.Path())
 def verify(directory):
     """Hash every file of an export or engine DIRECTORY against its manifest (loads check only changed files)."""

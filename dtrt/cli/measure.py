@@ -7,9 +7,7 @@ from pathlib import Path
 import click
 
 from dtrt.cli.base import DRAFT_VOCAB_HELP, cli, log_line, source_options, thinking_option
-from dtrt.launch import resolve_spec
-from dtrt.launch.start import load_pair
-from dtrt.models.quant import QUANTS
+from dtrt.models.quant_spec import QUANTS
 from dtrt.zoo.registry import DEFAULT_MODEL, budget_help, lookup_help, names
 
 
@@ -88,6 +86,8 @@ def quality(
     from dtrt.bench.main import split_list
     from dtrt.bench.quality import Candidate, config_candidate, held_out, parse_config, quality, table
     from dtrt.bench.quality_llamacpp import llamacpp_peer
+    from dtrt.launch import resolve_spec
+    from dtrt.launch.start import load_pair
     from dtrt.runtime.tokenizer import load_tokenizer
 
     paths = tuple(split_list("--kernel-path", kernel_paths, str, ("native", *EMULATED)))

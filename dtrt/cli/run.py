@@ -2,11 +2,14 @@
 terminal: one generation streamed as it is committed, Ctrl-C that ends a generation at its next round instead of
 tearing it down mid-stage, and the interactive prompt loop."""
 
+from __future__ import annotations
+
 import json
 import signal
 import sys
 import threading
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import click
 
@@ -22,9 +25,10 @@ from dtrt.frontend.requests import (
     prompt_ids,
     read_requests,
 )
-from dtrt.frontend.text import Completion, complete
-from dtrt.launch import pipeline, resolve_spec
-from dtrt.runtime.grammar import ResponseFormat, compile_format
+from dtrt.runtime.request_values import ResponseFormat
+
+if TYPE_CHECKING:
+    from dtrt.frontend.text import Completion
 
 
 @cli.command()
@@ -52,6 +56,9 @@ from dtrt.runtime.grammar import ResponseFormat, compile_format
 @click.option("--json-object", is_flag=True, help="structured output: the output is one JSON object")
 def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, thinking, truncate, input_file, as_json, **flags):
     """Generate a continuation of PROMPT (or of standard input; an interactive prompt at a terminal)."""
+    from dtrt.launch import pipeline, resolve_spec  # here, with torch: the flags and --help need neither
+    from dtrt.runtime.grammar import compile_format
+
     fmt, flag = read_format(flags.pop("json_schema"), flags.pop("json_object"))
     defaults = make_request(
         max_new_tokens=max_new_tokens,
@@ -98,6 +105,8 @@ def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, thinking, 
 
 def _run_jsonl(pipe, requests, chat, truncate, source):
     """Every line is encoded and fitted before the first generation, so a bad line stops the run before any output."""
+    from dtrt.runtime.grammar import compile_format
+
     prepared = []
     for line, rid, req in requests:
         try:
@@ -157,6 +166,9 @@ def stats_line(c: Completion, method: str) -> str:
 
 def generate_one(pipe, req: Request, ids: list[int], write=None) -> Completion:
     """One generation with `write(text)` streaming it; Ctrl-C ends it with stop_reason "cancelled"."""
+    from dtrt.frontend.text import complete
+    from dtrt.runtime.grammar import compile_format
+
     with Interrupt() as interrupted:
         grammar = None if req.response_format is None else compile_format(req.response_format, pipe.tokenizer)
         return complete(pipe, ids, req.max_new_tokens, req.sampling, req.stop, write, interrupted, grammar=grammar)

@@ -7,8 +7,7 @@ import click
 from dtrt.cli.base import cli, log_line, method_options, request_options, source_options, thinking_option
 from dtrt.cli.options import option_from
 from dtrt.frontend.requests import make_request
-from dtrt.launch import resolve_spec
-from dtrt.serve.worker import ServeConfig
+from dtrt.serve.config import ServeConfig
 
 
 @cli.command()
@@ -55,6 +54,7 @@ from dtrt.serve.worker import ServeConfig
 @thinking_option
 def serve(max_new_tokens, temperature, top_p, seed, thinking, truncate, host, port, name, **flags):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    from dtrt.launch import resolve_spec
     from dtrt.serve.main import serve as run_server
 
     replicas = {k: flags.pop(k) for k in ("replicas", "max_replicas", "ray_address")}

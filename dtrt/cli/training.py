@@ -7,10 +7,7 @@ import click
 from dtrt.cli.base import MODEL_DIR_HELP, cli, log_line, progress_bar
 from dtrt.cli.options import option_from, options_from
 from dtrt.errors import DtrtError
-from dtrt.launch import resolve_spec
-from dtrt.launch.start import check_cuda, load_pair
-from dtrt.train.datagen import DataGenConfig
-from dtrt.train.trainer import TrainConfig
+from dtrt.train.config import DataGenConfig, TrainConfig
 from dtrt.zoo.registry import names
 
 
@@ -52,6 +49,8 @@ def train_drafter_cmd(
     """Distil a DFlash drafter and a Domino head from a target into OUT/dflash and OUT/domino."""
     from dtrt.bench.datasets import held_out_set
     from dtrt.frontend.prompts import read_prompts
+    from dtrt.launch import resolve_spec
+    from dtrt.launch.start import check_cuda, load_pair
     from dtrt.train.trainer import train_drafter
 
     cfg = TrainConfig(**opts)
@@ -101,6 +100,8 @@ def drafter_data_cmd(model, target, model_dir, out, prompts_file, corpus, resume
     """Write a drafter's training data as resumable shards: the target's own responses to prompts, and corpus rows."""
     import torch
 
+    from dtrt.launch import resolve_spec
+    from dtrt.launch.start import check_cuda, load_pair
     from dtrt.train.datagen import drafter_data
 
     if threads is not None:
@@ -140,6 +141,8 @@ def drafter_data_cmd(model, target, model_dir, out, prompts_file, corpus, resume
 @click.option("--force", is_flag=True, help="replace an existing file")
 def draft_vocab_cmd(model, target, drafter, model_dir, data_dirs, size, out, force):
     """Write a reduced draft vocabulary: the target's most frequent answer tokens, EOS and chat markup always kept."""
+    from dtrt.launch import resolve_spec
+    from dtrt.launch.start import load_pair
     from dtrt.models.config import generation_eos, read_json
     from dtrt.runtime.tokenizer import load_tokenizer
     from dtrt.train.draft_vocab import build_draft_vocab

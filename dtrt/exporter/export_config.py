@@ -6,13 +6,20 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dtrt.errors import DtrtError
-from dtrt.exporter.precision import EXPORT_DTYPES
-from dtrt.exporter.quantize import DRAFTER_QUANTS, check_drafter_quant
-from dtrt.models.quant import METHODS as QUANT_METHODS
-from dtrt.models.quant import QUANTS, QuantSpec, quant_spec
+from dtrt.models.quant_spec import METHODS as QUANT_METHODS
+from dtrt.models.quant_spec import QUANTS, QuantSpec, quant_spec
 from dtrt.runtime.spec import RunSpec
 
 DRAFTER_KINDS = ("dflash", "domino")
+EXPORT_DTYPES = ("fp32", "fp16", "bf16")  # bf16: for TensorRT (ONNX Runtime's CPU provider has no bf16 kernels)
+DRAFTER_QUANTS = ("none", "int8", "int4")  # the drafter stages' weights (dtrt.exporter.quantize)
+
+
+def check_drafter_quant(quant: str, dtype: str):
+    if quant not in DRAFTER_QUANTS:
+        raise DtrtError(f"--drafter-quant {quant!r}: use one of {', '.join(DRAFTER_QUANTS)}")
+    if quant != "none" and dtype != "fp32":
+        raise DtrtError(f"--drafter-quant {quant} quantizes fp32 weights; use it with --dtype fp32")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,7 +34,7 @@ from dtrt.exporter.target_quant import (
     set_nodes,
 )
 from dtrt.models.blocks import BlockWeight, block_layout, codes_uint8, dequantize, pack_blocks
-from dtrt.models.quant import GgufQuant
+from dtrt.models.quant_spec import GgufQuant
 from dtrt.ops import DOMAIN
 
 MS_DOMAIN = "com.microsoft"

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-EXPORT_DTYPES = ("fp32", "fp16", "bf16")  # bf16: for TensorRT (ONNX Runtime's CPU provider has no bf16 kernels)
 FP16_MAX = 65504.0
 MARGIN = 0.5  # warn from half the range up: a longer or different prompt may go higher
 CALIBRATION = (

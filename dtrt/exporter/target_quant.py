@@ -24,7 +24,8 @@ from onnx import TensorProto, helper
 from dtrt.exporter.ordered_attention import ordered_attention_nodes
 from dtrt.exporter.rotary import ROTARY_OPSET, rotary_nodes
 from dtrt.exporter.weights import external
-from dtrt.models.quant import QuantSpec, quantize
+from dtrt.models.quant import quantize
+from dtrt.models.quant_spec import QuantSpec
 from dtrt.ops import DOMAIN, onnx_functions
 from dtrt.ops.tree_attention import ORDER_ALIGN, ORDER_ROWS
 

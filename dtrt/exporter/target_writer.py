@@ -69,7 +69,7 @@ def _run(job: TargetJob) -> tuple:
         from dtrt.exporter.stage_modules import target_stage
         from dtrt.models.checkpoint import load_target, parse_dtype
         from dtrt.models.gguf_blocks import checkpoint_blocks
-        from dtrt.models.quant import GgufQuant
+        from dtrt.models.quant_spec import GgufQuant
 
         t0, lines = time.perf_counter(), []
         target = load_target(job.target, parse_dtype(job.dtype))

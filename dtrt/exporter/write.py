@@ -21,11 +21,13 @@ from dtrt.exporter.stage_modules import drafter_stages, target_stage
 from dtrt.exporter.target_quant import ordered_attention
 from dtrt.exporter.target_writer import SecondProcess, TargetJob, write_target
 from dtrt.exporter.weights import WEIGHTS, SharedWeights, disk_need
-from dtrt.models.checkpoint import Pair, check_pair, load_drafter, load_target, parse_dtype
+from dtrt.models.checkpoint import check_pair, load_drafter, load_target, parse_dtype
 from dtrt.models.config import HybridConfig
 from dtrt.models.draft_vocab import check_vocab_size, draft_vocab_file, resolve_draft_vocab
 from dtrt.models.gguf_blocks import checkpoint_blocks
-from dtrt.models.quant import GgufQuant, weight_names
+from dtrt.models.pair import Pair
+from dtrt.models.quant import weight_names
+from dtrt.models.quant_spec import GgufQuant
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dtrt.errors import DtrtError
-from dtrt.runtime.grammar import ResponseFormat, parse_response_format
-from dtrt.runtime.sampling import SamplingConfig
+from dtrt.runtime.request_values import ResponseFormat, SamplingConfig, parse_response_format
 
 MAX_STOPS = 16
 ROLES = ("system", "developer", "user", "assistant")

@@ -13,8 +13,8 @@ from dtrt.errors import DtrtError
 from dtrt.exporter.export_config import ExportConfig
 from dtrt.exporter.quantize import quantized_stages
 from dtrt.launch.memory import check_first_use, export_jobs
-from dtrt.models.checkpoint import Pair
-from dtrt.models.quant import quant_spec
+from dtrt.models.pair import Pair
+from dtrt.models.quant_spec import quant_spec
 from dtrt.zoo.registry import default_draft_vocab, default_drafter_quant, default_quant
 
 

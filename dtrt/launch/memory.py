@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 
 from dtrt.errors import DtrtError
-from dtrt.models.checkpoint import Checkpoint, Pair
-from dtrt.models.quant import QuantSpec, quant_spec
+from dtrt.models.checkpoint import Checkpoint
+from dtrt.models.pair import Pair
+from dtrt.models.quant_spec import QuantSpec, quant_spec
 
 EXPORT_PEAK = 1.25
 EXPORT_FIXED = 1.0e9  # bytes of tracing and graph building beyond the weights

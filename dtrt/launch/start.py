@@ -23,7 +23,7 @@ from pathlib import Path
 from dtrt.artifacts.export import check_source, load_export
 from dtrt.errors import DtrtError
 from dtrt.launch.first_use import cached_export
-from dtrt.models.checkpoint import Pair
+from dtrt.models.pair import Pair
 from dtrt.runtime.methods import method_class
 from dtrt.runtime.pipeline import Pipeline, Sources, open_pipeline
 from dtrt.runtime.spec import RunSpec, device_kind

@@ -3,7 +3,6 @@ model.safetensors.index.json). Tensor names and shapes are checked against the c
 built, and every problem is a one-line DtrtError naming the file."""
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,23 +17,6 @@ from dtrt.models.target import Target
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-@dataclass
-class Pair:
-    """Checkpoint directories of a target and its drafters; the tokenizer lives with the target."""
-
-    target: Path
-    dflash: Path | None = None
-    domino: Path | None = None
-    missing_drafter: str | None = None  # why a named pair lacks a drafter and how to get one ({kind}, {dir})
-
-    def drafter_for(self, needs_head: bool) -> Path | None:
-        path = (self.domino or None) if needs_head else (self.dflash or self.domino)
-        if path is None and self.missing_drafter:
-            kind, folder = ("Domino", "domino") if needs_head else ("DFlash", "dflash")
-            raise DtrtError(self.missing_drafter.replace("{kind}", kind).replace("{dir}", folder))
-        return path
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -8,8 +8,8 @@ from pathlib import Path
 from dtrt.artifacts.engine import Engine
 from dtrt.artifacts.export import Export
 from dtrt.errors import DtrtError
-from dtrt.models.checkpoint import Pair
 from dtrt.models.config import generation_eos
+from dtrt.models.pair import Pair
 from dtrt.runtime.backends.base import Backend
 from dtrt.runtime.generate import Generation, Step, capacity_for, collect, generate
 from dtrt.runtime.grammar import Grammar

@@ -9,21 +9,13 @@ nodes it reaches (`draw`), one draw per committed token.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from dtrt.runtime.request_values import SamplingConfig
+
 NUCLEUS_FIRST_K = 64  # the nucleus is looked for among this many top tokens first, then 4x as many, ...
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """The target's sampling (checked where a request is made: dtrt.frontend.requests.make_request)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
 
 
 def uniforms(seed: int, n: int) -> np.ndarray:

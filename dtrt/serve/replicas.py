@@ -26,8 +26,9 @@ from dataclasses import dataclass, replace
 
 from dtrt.errors import DtrtError
 from dtrt.runtime.spec import RunSpec, device_kind
+from dtrt.serve.config import ServeConfig
 from dtrt.serve.metrics import Metrics, summed_caches
-from dtrt.serve.worker import ServeConfig, ServeError, Worker, timed_out
+from dtrt.serve.worker import ServeError, Worker, timed_out
 
 RAY_INSTALL = 'pip install "dtrt[ray]"'
 REPORT_S = 0.5  # how often a replica reports to the board

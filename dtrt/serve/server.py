@@ -26,9 +26,10 @@ except ImportError:
     raise DtrtError('dtrt serve needs aiohttp: pip install "dtrt[serve]"') from None
 
 from dtrt.frontend.requests import RequestError
+from dtrt.serve.config import ServeConfig
 from dtrt.serve.metrics import prometheus
 from dtrt.serve.schema import chunk_body, completion_body, error_body, logprobs_body, new_id, parse_openai, usage
-from dtrt.serve.worker import ServeConfig, ServeError, Worker, shutting_down
+from dtrt.serve.worker import ServeError, Worker, shutting_down
 
 ROUTES = "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics"
 OPEN = ("/health",)  # routes that need no API key

@@ -21,7 +21,7 @@ import os
 import re
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -34,61 +34,13 @@ from dtrt.errors import DtrtError
 from dtrt.models.checkpoint import load_target
 from dtrt.models.hybrid import HybridTarget
 from dtrt.runtime.tokenizer import load_tokenizer
+from dtrt.train.config import DataGenConfig
 from dtrt.train.conversations import prompt_text, read_conversations
 from dtrt.train.data import decode_pool, read_corpus, text_rows
 
 FORMAT = "dtrt-drafter-data/1"
 PROGRESS = "progress.json"
 COLUMNS = ("offsets", "response_start", "prompt", "sample", "turn")
-
-
-@dataclass
-class DataGenConfig:
-    """`dtrt drafter-data`'s options: which responses the target writes and how they are sharded (the command's
-    flags are generated from these fields)."""
-
-    samples: int = 1
-    """Responses per prompt: sample 0 greedy, the others sampled."""
-    temperature: float = 0.8
-    """Of the sampled responses (sample 0 is greedy)."""
-    top_p: float = 0.95
-    """Of the sampled responses."""
-    seed: int = 0
-    """The sampled responses' seeds."""
-    max_new_tokens: int = 256
-    """Tokens per response."""
-    max_prompt_tokens: int = 1024
-    """Longer prompts (or later turns) are skipped."""
-    batch: int = 32
-    """Prompts decoded together."""
-    shard_rows: int = 256
-    """(prompt, sample) pairs per shard (each turn of a conversation is a row); corpus rows per corpus shard."""
-    chat: bool = True
-    """Wrap prompts in the chat template."""
-    corpus_chars: int = 20_000_000
-    """Characters read from --corpus."""
-    corpus_row_tokens: int = 512
-    """Tokens per corpus row."""
-    device: str = "cpu"
-    """cpu or cuda."""
-
-    def __post_init__(self):
-        for name in ("samples", "max_new_tokens", "max_prompt_tokens", "batch", "shard_rows", "corpus_chars"):
-            if getattr(self, name) < 1:
-                raise DtrtError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
-        if self.corpus_row_tokens < 2:
-            raise DtrtError(f"--corpus-row-tokens {self.corpus_row_tokens}: must be >= 2")
-        if self.samples > 1 and not self.temperature > 0:
-            raise DtrtError(
-                f"--temperature {self.temperature} with --samples {self.samples}: sampled responses need a "
-                "temperature > 0 (sample 0 is the greedy one)"
-            )
-        if not 0 < self.top_p <= 1:
-            raise DtrtError(f"--top-p {self.top_p}: must be in (0, 1]")
-
-    def row_options(self) -> dict:
-        """The options that decide the rows (all but the device): a resumed run must keep them."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "device"}
 
 
 @dataclass

@@ -16,9 +16,8 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -31,6 +30,7 @@ from dtrt.models.hybrid import HybridTarget
 from dtrt.models.target import Target
 from dtrt.runtime.tokenizer import load_tokenizer
 from dtrt.train import distributed, store
+from dtrt.train.config import TrainConfig
 from dtrt.train.data import continuations, read_corpus, text_rows, windows
 from dtrt.train.datagen import check_data, load_rows
 from dtrt.train.distill import block_loss, draw_candidates, needed_ids, sample_anchors, slot_weights, tau_weights
@@ -40,79 +40,6 @@ from dtrt.train.distill import block_loss, draw_candidates, needed_ids, sample_a
 # untrained at the start)
 SLOT_EMA = 0.99
 SLOT_ACC_START = 0.5
-
-
-@dataclass
-class TrainConfig:
-    """`dtrt train-drafter`'s options: the drafter's shape, its data, the schedule, the evaluations (the command's
-    flags are generated from these fields)."""
-
-    layers: int = 1
-    """Decoder layers of the drafter."""
-    block_size: int = 8
-    """The drafter's block: the root and block_size - 1 drafted positions."""
-    gru_dim: int = 256
-    """Hidden size of Domino's GRU head."""
-    emb_dim: int = 128
-    """Token embedding size of Domino's head."""
-    seq_len: int = 256
-    """Tokens per training row."""
-    corpus_chars: int = 700_000
-    """Characters read from --corpus."""
-    corpus_rows: int = 400
-    """Rows cut from --corpus."""
-    gen_tokens: int = 96
-    """Tokens the target generates per --prompts prompt (the rows it is trained on)."""
-    gen_batch: int = 32
-    """Prompts continued together."""
-    data_rows: int = 1000
-    """Windows kept per --data directory (a seeded subset; each stores seq-len x taps x hidden fp16 features on
-    disk)."""
-    steps: int = 1500
-    """Optimizer steps (the learning rate's schedule follows them)."""
-    batch: int = 8
-    """Rows per step."""
-    anchors: int = 8
-    """Blocks per row."""
-    lr: float = 1e-3
-    """Peak learning rate."""
-    slot_decay: float = 4.0
-    """decay: the loss weight of draft depth d is exp(-d / this)."""
-    slot_weighting: Literal["decay", "tau"] = "decay"
-    """The loss weight of draft depth d: exp(-d / --slot-decay), or tau: how much a better acceptance at d adds to
-    a chain's tau, from the running per-depth accuracy (dtrt.train.distill.tau_weights)."""
-    candidates: int = 4096
-    """Vocabulary entries the loss scores per step: the batch's labels and the target's top-8 at them, then uniform
-    negatives weighted for the rest; 0 scores the full vocabulary."""
-    eval_every: int = 300
-    """Steps between evaluations (held-out tau; each also saves a checkpoint)."""
-    save_every: int = 50
-    """Steps between resumable checkpoints."""
-    eval_prompts: int = 6
-    """Prompts per held-out set."""
-    eval_tokens: int = 48
-    """Tokens generated per held-out prompt."""
-    save_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    """The precision of the saved drafter checkpoints."""
-    seed: int = 0
-    """Seed of the data subsets, the initialization and the sampled candidates."""
-    device: str = "cpu"
-    """cpu or cuda."""
-    init_from: str | None = None
-    """A trained Domino checkpoint of the same shape (a run's domino/, a shipped drafter) to start from instead of
-    the target's last layers: more data for a drafter without its first steps again."""
-    features: Literal["disk", "memory"] = "disk"
-    """disk: the resumable feature store under OUT/.train/data; memory: built on --device on every run, never
-    written (a GPU with room for them: SmolLM2 takes 1.5 MB a 256-token row)."""
-    feature_batch: int = 8
-    """Rows the target featurizes per forward."""
-    autocast: Literal["fp32", "bf16"] = "fp32"
-    """The drafter's forward and loss under bf16 autocast."""
-    time_limit_s: float = 0.0
-    """Seconds after which the run, its data's build included, evaluates, saves and stops (0: none); the learning
-    rate still follows --steps, so a caller that knows its step rate sets both."""
-    eval_every_s: float = 0.0
-    """Also evaluate once this many seconds of training passed since the last evaluation (0: never)."""
 
 
 def taps_for(num_layers: int) -> list[int]:

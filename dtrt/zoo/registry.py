@@ -9,8 +9,7 @@ from pathlib import Path
 
 from dtrt.artifacts.files import cache_dir, staging
 from dtrt.errors import DtrtError
-from dtrt.models.checkpoint import Pair
-from dtrt.runtime.methods import METHODS as REGISTRY
+from dtrt.models.pair import Pair
 from dtrt.zoo.gate import GateRecord
 
 DEFAULT_BUDGET = 16  # draft nodes per tree where a model's entry says nothing else (the papers')
@@ -168,6 +167,8 @@ def names() -> list[str]:
 def default_budget(model: str | None, quant: str | None = None, method: str | None = None, lookup: bool = False) -> int:
     """The per-model fixed budget (`lookup`: with prompt lookup's chains); the cost-aware methods' cap is
     DEFAULT_BUDGET (an export's default width)."""
+    from dtrt.runtime.methods import METHODS as REGISTRY  # here: the table and its help texts need no torch
+
     if method in REGISTRY and REGISTRY[method].cost_aware:  # its budget is a cap
         return DEFAULT_BUDGET
     lookup = lookup or method == "lookup"  # lookup alone: its budget is its chain's length
@@ -176,6 +177,8 @@ def default_budget(model: str | None, quant: str | None = None, method: str | No
 
 def default_lookup(model: str | None, quant: str | None, method: str) -> bool:
     """`--lookup` where it is not given: the model's choice on its default target, for the tree methods."""
+    from dtrt.runtime.methods import METHODS as REGISTRY
+
     e = MODELS.get(model)
     return e is not None and (quant or "none") in e.lookup and REGISTRY[method].takes_lookup
 

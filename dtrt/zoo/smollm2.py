@@ -47,7 +47,7 @@ def shipped_drafter(kind: str) -> Path | None:
 
 
 def pair(cache: Path, log=None):
-    from dtrt.models.checkpoint import Pair
+    from dtrt.models.pair import Pair
 
     target = target_dir(cache, log)
     hint = (

@@ -27,8 +27,9 @@ HIDE = (
 def tiny_inputs(work: Path) -> tuple[Path, Path, Path]:
     """A drafter-data folder, a corpus file and a drafter trained for a few steps (the one the run starts from),
     for the tiny target."""
-    from dtrt.train.datagen import DataGenConfig, drafter_data
-    from dtrt.train.trainer import TrainConfig, train_drafter
+    from dtrt.train.config import DataGenConfig, TrainConfig
+    from dtrt.train.datagen import drafter_data
+    from dtrt.train.trainer import train_drafter
     from dtrt.zoo import registry
     from dtrt.zoo import tiny as tiny_mod
 

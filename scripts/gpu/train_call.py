@@ -153,7 +153,8 @@ def run(
     from dtrt.models.checkpoint import load_target
     from dtrt.runtime.pipeline import stop_ids
     from dtrt.runtime.tokenizer import load_tokenizer
-    from dtrt.train.trainer import TrainConfig, build_rows, pick_mask_token, start_point, train_drafter
+    from dtrt.train.config import TrainConfig
+    from dtrt.train.trainer import build_rows, pick_mask_token, start_point, train_drafter
 
     began = time.perf_counter()
     spec = json.loads((stage / "run.json").read_text())

@@ -13,7 +13,8 @@ from dtrt.models.config import read_json
 from dtrt.models.draft_vocab import DraftHead, DraftVocab, check_vocab_size, resolve_draft_vocab
 from dtrt.models.drafter import DraftCache, Drafter
 from dtrt.models.gguf_blocks import require_blocks
-from dtrt.models.quant import GgufQuant, dequantized, quant_spec
+from dtrt.models.quant import dequantized
+from dtrt.models.quant_spec import GgufQuant, quant_spec
 from dtrt.models.static_kv import StaticKVCache
 from dtrt.models.target import KVCache, Target
 from dtrt.runtime.backends.base import Backend, check_rows
