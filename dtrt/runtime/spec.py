@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from dtrt.errors import DtrtError
+from dtrt.models import quant_spec
 
 # The method registry's names (dtrt.runtime.methods.METHODS, whose classes hold the traits), written out here so that
 # the flags built from this class need no torch: `dtrt --help` answers in about 0.15 s. A test keeps the two
@@ -17,7 +18,7 @@ Builder = Literal["heap", "frontier"]
 Arm = Literal["dominotree", "condstatic", "marg"]
 BackendName = Literal["torch", "onnxruntime", "tensorrt"]
 DType = Literal["fp32", "bf16", "fp16"]
-Quant = Literal["none", "int8", "int4", "gguf", "gguf-a8"]
+Quant = Literal[quant_spec.QUANTS]  # the target quantizations by name, one list
 
 METHODS: tuple[str, ...] = get_args(MethodName)
 BUILDERS: tuple[str, ...] = get_args(Builder)
