@@ -5,11 +5,13 @@ activations) and 1 (fp32), at SmolLM2-135M's and Qwen3-4B's linear shapes, M = 1
 widths), random weights. Each session holds one node; every repeat times one call of each in turn, and the table
 gives the medians (a call includes ONNX Runtime's per-run overhead, the `overhead` line: an Identity node). The
 kernel runs on this machine's path (AVX-512F where the CPU has it, else AVX2); `--isa` picks it, and a second path
-adds a column (`--isa avx512f,avx2`: the AVX2 path beside the AVX-512F one, in the same repeats).
+adds a column (`--isa avx512f,avx2`: the AVX2 path beside the AVX-512F one, in the same repeats). `--formats` times
+every shape in other GGUF formats instead of its own (a shape whose K no format's block divides is left out).
 
     python benchmarks/block_matmul.py                      # one intra-op thread
     python benchmarks/block_matmul.py --threads 2 --json out.json
     python benchmarks/block_matmul.py --models smollm2-135m --rows 1,8 --isa avx512f,avx2
+    python benchmarks/block_matmul.py --models smollm2-135m --rows 1,3 --formats Q4_1,Q5_0,Q5_1,Q8_0
 """
 
 import argparse
@@ -26,6 +28,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from dtrt.models.blocks import BlockWeight, dequantize, pack_blocks
+from dtrt.models.gguf_blocks import LAYOUT, expand
 from dtrt.ops.base import onnx_functions
 from dtrt.plugins import DOMAIN, VERSION
 from dtrt.runtime.backends import ort_ops
@@ -46,14 +49,15 @@ ISAS = ("avx2", "avx512f")  # the kernel's paths (DTRT_BLOCK_ISA)
 
 
 def random_weight(kind: str, n: int, k: int, rng) -> BlockWeight:
-    blocks = k // 32
-    if kind == "Q8_0":
-        q = torch.from_numpy(rng.integers(-128, 128, (n, k), dtype=np.int8))
-    else:
-        q = torch.from_numpy(rng.integers(0, 16, (n, k), dtype=np.uint8))
-    scale = torch.from_numpy((rng.random((n, blocks)) * 0.01).astype(np.float32))
-    mins = None if kind == "Q8_0" else torch.from_numpy((rng.random((n, blocks)) * -0.05).astype(np.float32))
-    return BlockWeight(kind=kind, q=q, scale=scale, min=mins, zero=0, block=32)
+    """An [n, k] weight of GGUF format `kind`: random blocks of the file's layout (every code), read as a file's,
+    then scales and mins of a moderate size."""
+    size, per = LAYOUT[kind]
+    raw = rng.integers(0, 256, (n, k // per * size), dtype=np.uint8)
+    with np.errstate(invalid="ignore"):  # a random fp16 scale may be inf, and inf * 0 NaN: replaced below
+        w = expand(name=kind, kind=kind, data=raw)
+    scale = torch.from_numpy((rng.random(tuple(w.scale.shape)) * 0.01).astype(np.float32))
+    mins = None if w.min is None else torch.from_numpy((rng.random(tuple(w.min.shape)) * -0.05).astype(np.float32))
+    return BlockWeight(kind=kind, q=w.q, scale=scale, min=mins, zero=w.zero, block=w.block)
 
 
 def graph_model(nodes, inits, k: int, opsets, functions=()) -> bytes:
@@ -152,8 +156,15 @@ def main(argv=None):
         help="the kernel's paths, comma-separated (avx2, avx512f; default: this machine's): the first is the "
         "`kernel` column, each further one a column of its name",
     )
+    ap.add_argument(
+        "--formats",
+        help=f"time every shape in these GGUF formats instead of its own, comma-separated ({', '.join(LAYOUT)})",
+    )
     ap.add_argument("--json", help="write the rows to this file")
     args = ap.parse_args(argv)
+    formats = args.formats.split(",") if args.formats else None
+    if formats and (bad := [f for f in formats if f not in LAYOUT]):
+        ap.error(f"--formats {','.join(bad)}: the formats are {', '.join(LAYOUT)}")
     rows_m = [int(v) for v in args.rows.split(",")]
     models = args.models.split(",")
     isas = args.isa.split(",")
@@ -178,9 +189,13 @@ def main(argv=None):
     head = f"{'model':<13} {'linear':<8} {'K->N':<11} {'fmt':<5} {'M':>3} " + " ".join(f"{m:>8}" for m in methods)
     print(head + f" {'fp32/kern':>9} {'nb4/kern':>8}")
     out = []
-    for model, linear, k, n, kind in SHAPES:
-        if model not in models:
-            continue
+    cases = [
+        (model, linear, k, n, kind)
+        for model, linear, k, n, own in SHAPES
+        for kind in (formats or [own])
+        if model in models and k % LAYOUT[kind][1] == 0
+    ]
+    for model, linear, k, n, kind in cases:
         w = random_weight(kind, n, k, rng)
         sessions = {
             "fp32": session(fp32_model(w, k), args.threads),

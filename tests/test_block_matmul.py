@@ -17,9 +17,11 @@ gguf = pytest.importorskip("gguf")
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+from test_gguf_blocks import FP16_AT  # noqa: E402
 
 from dtrt.artifacts.kernel_path import emulated_command  # noqa: E402
 from dtrt.models.blocks import (  # noqa: E402
+    FOUR_BITS,
     BlockWeight,
     PackedBlocks,
     block_matmul,
@@ -34,8 +36,7 @@ from dtrt.plugins import DOMAIN, VERSION  # noqa: E402
 from dtrt.runtime.backends import ort_ops  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-FORMATS = tuple(LAYOUT)  # Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K
-FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+FORMATS = tuple(LAYOUT)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K
 INVARIANT_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 64)  # each kernel path and each short last tile
 ISAS = ("avx2", "avx512f")  # the kernel's paths (ort_ops.block_isa)
 
@@ -53,7 +54,7 @@ def hand_built(kind: str, n: int, k: int, rng) -> np.ndarray:
 
 def weight(kind: str, n: int, k: int, seed: int = 0) -> BlockWeight:
     """An [n, k] weight of `kind` as a GGUF file holds it: the `gguf` package's own quantization where it has one
-    (Q4_0, Q4_1, Q8_0), hand-built blocks otherwise (the K-quants)."""
+    (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), hand-built blocks otherwise (the K-quants)."""
     rng = np.random.default_rng(seed)
     try:
         raw = gguf.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, Q[kind])
@@ -144,7 +145,7 @@ def test_packing_round_trips_bit_for_bit(kind):
     assert p.q.dtype == np.uint8 and p.scale.dtype == np.float32 and p.block == w.block
     assert p.op == ("BlockMatMul" if w.min is None else "BlockMatMulMin")
     assert (p.min is None) == (w.min is None)
-    if kind in ("Q4_0", "Q4_1", "Q4_K"):
+    if kind in FOUR_BITS:
         assert p.bits == 4 and p.q.shape == (24, 256) and p.zero == w.zero
     elif kind == "Q8_0":
         assert p.bits == 8 and p.q.shape == (24, 512) and p.zero == 128
@@ -212,7 +213,7 @@ def test_kernel_matches_the_reference(isa, kind):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q5_1", "Q3_K", "Q6_K", "Q8_0"])
 def test_kernel_rows_do_not_depend_on_the_row_count(isa, kind, threads):
     """Row i of an M-row call equals the 1-row call on that row bit for bit, for every M (a prefill's 300 rows
     included), at 1 and 2 intra-op threads (N = 100: panels on both threads, one of them short)."""
@@ -284,7 +285,7 @@ def order_case(kind: str) -> PackedBlocks:
     """Blocks for the order tests: a format's, or 4-bit codes in blocks of 16 (no format's layout, which the ops
     take too) with mins and a zero."""
     if kind != "4 bits, blocks of 16":
-        return packed(weight(kind, 30, 320 if kind != "Q6_K" else 256, seed=7))
+        return packed(weight(kind, 30, 256 if kind.endswith("_K") else 320, seed=7))
     rng = np.random.default_rng(7)
     scale = (rng.random((30, 16)) * 0.01).astype(np.float32)
     mins = (rng.random((30, 16)) * -0.05).astype(np.float32)
@@ -292,7 +293,7 @@ def order_case(kind: str) -> PackedBlocks:
     return PackedBlocks(q=q, scale=scale, min=mins, bits=4, block=16, zero=8, op="BlockMatMulMin")
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q6_K", "Q8_0", "4 bits, blocks of 16"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q6_K", "Q8_0", "4 bits, blocks of 16"])
 def test_the_session_runs_the_kernel_in_its_order(isa, kind, tmp_path):
     """A session with the library runs the kernel, not the function body, on the path DTRT_BLOCK_ISA picks: the
     optimized graph keeps the dtrt node (the body's would be inlined into standard ops), and its outputs are that

@@ -15,10 +15,24 @@ from dtrt.models.blocks import BlockWeight, block_matmul, dequantize, scaled_cod
 from dtrt.models.gguf_blocks import LAYOUT, expand, iter_blocks, read_blocks  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-FORMATS = tuple(LAYOUT)  # Q4_0 Q4_1 Q8_0 Q4_K Q5_K Q6_K
+FORMATS = tuple(LAYOUT)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K
 # where each format keeps its fp16 scales: overwritten with finite values in hand-built blocks
-FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-CODES = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 256, "Q4_K": 16, "Q5_K": 32, "Q6_K": 64}
+FP16_AT = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+CODES = {k: 1 << b for k, b in (("Q2_K", 2), ("Q3_K", 3), ("Q5_0", 5), ("Q5_1", 5), ("Q5_K", 5), ("Q6_K", 6))}
+CODES |= {"Q4_0": 16, "Q4_1": 16, "Q4_K": 16, "Q8_0": 256}
+ZERO = {"Q3_K": 4, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
+MINS = ("Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K")
 ROWS, COLS = 6, 512
 
 
@@ -88,22 +102,22 @@ def test_every_format_dequantizes_as_gguf_does_bit_for_bit(gguf_file):
         assert same_bits(dequantize(w).numpy(), want), t.name
         if t.name.endswith(".quantized"):
             quantized_by_gguf.add(t.tensor_type.name)
-    # the package quantizes these three itself; the K-quants are hand-built unless a newer gguf learns them
-    assert {"Q4_0", "Q4_1", "Q8_0"} <= quantized_by_gguf
+    # the package quantizes these itself; the K-quants are hand-built unless a newer gguf learns them
+    assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"} <= quantized_by_gguf
 
 
 @pytest.mark.parametrize("kind", FORMATS)
 def test_block_layout_per_format(gguf_file, kind):
     w = read_blocks(gguf_file)[f"{kind}.hand"]
     assert isinstance(w, BlockWeight) and w.kind == kind and w.shape == (ROWS, COLS)
-    assert w.block == (16 if kind == "Q6_K" else 32)
+    assert w.block == (16 if kind in ("Q2_K", "Q3_K", "Q6_K") else 32)
     assert w.scale.shape == (ROWS, COLS // w.block) and w.scale.dtype == torch.float32
-    assert (w.min is not None) == (kind in ("Q4_1", "Q4_K", "Q5_K"))
+    assert (w.min is not None) == (kind in MINS)
     if kind == "Q8_0":
         assert w.q.dtype == torch.int8 and w.zero == 0
     else:
         assert w.q.dtype == torch.uint8 and int(w.q.max()) < CODES[kind]
-        assert w.zero == {"Q4_0": 8, "Q6_K": 32}.get(kind, 0)
+        assert w.zero == ZERO.get(kind, 0)
     # random bytes reach every code
     assert len(torch.unique(w.q)) == CODES[kind]
 
@@ -117,7 +131,7 @@ def test_leading_dimensions_and_floats_keep_their_shape(gguf_file):
     assert got["BF16.weight"].dtype == torch.bfloat16 and got["BF16.weight"].shape == (ROWS, COLS)
 
 
-@pytest.mark.parametrize("kind", ["Q5_0", "IQ4_NL", "Q2_K"])
+@pytest.mark.parametrize("kind", ["IQ4_NL", "IQ4_XS", "TQ2_0"])
 def test_unsupported_type_refused_in_one_line(tmp_path, kind):
     rng = np.random.default_rng(0)
     path = write(tmp_path / "other.gguf", {"blk.0.attn_q.weight": (hand_built(kind, (4, 256), rng), kind)})
@@ -158,7 +172,7 @@ def test_reference_product_rows_do_not_depend_on_the_row_count(gguf_file, kind):
 def test_reference_product_of_quantized_weights_is_allclose(gguf_file):
     """On weights the `gguf` package quantized (no cancelling terms), plain allclose at a tight tolerance."""
     x = torch.randn(8, COLS, generator=torch.Generator().manual_seed(2))
-    for kind in ("Q4_0", "Q4_1", "Q8_0"):
+    for kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         w = read_blocks(gguf_file)[f"{kind}.quantized"]
         assert torch.allclose(block_matmul(x=x, w=w), x @ dequantize(w).T, rtol=1e-5, atol=1e-5)
 

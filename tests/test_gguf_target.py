@@ -42,7 +42,7 @@ F32_LINEAR = "blk.3.ffn_down.weight"
 
 
 # where each K-quant keeps its fp16 numbers (d, dmin): set to small finite values in hand-built blocks
-K_FP16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+K_FP16_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def k_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
@@ -365,22 +365,36 @@ def test_a_qwen2_file_keeps_its_biases_and_answers_as_transformers(tmp_path, mon
     assert ort_pipeline(exp, spec("lookup")).generate(prompt, 16, SamplingConfig()).tokens == ar
 
 
-def test_k_quant_products_hold_the_files_blocks_bit_for_bit(tiny, tmp_path):
-    """Q4_K, Q5_K and Q6_K (the down projections, whose 256 input features fill a super-block): each export's
-    products dequantize to the file's tensors as the `gguf` package dequantizes them, bit for bit, and plain
-    decoding equals prompt lookup's on both configurations."""
+# llama.cpp's K-quant mixes fall back to Q5_0 (for Q4_K), Q5_1 (for Q5_K) and Q8_0 (for Q6_K) on a tensor whose
+# input features are no multiple of 256, as these 96-wide ones: a Q4_K_M-like file of a small model
+FALLBACKS = KINDS | {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q5_1", "ffn_gate": "Q5_0", "ffn_up": "Q5_1"}
+
+
+@pytest.mark.parametrize(
+    ("k_quants", "kinds"),
+    [
+        ({f"blk.{i}.ffn_down.weight": k for i, k in enumerate(("Q4_K", "Q5_K", "Q6_K"))}, None),
+        ({f"blk.{i}.ffn_down.weight": k for i, k in enumerate(("Q2_K", "Q3_K", "Q4_K"))}, FALLBACKS),
+    ],
+    ids=["q4k-q5k-q6k", "q2k-q3k-q5_0-q5_1"],
+)
+def test_k_quant_products_hold_the_files_blocks_bit_for_bit(tiny, tmp_path, k_quants, kinds):
+    """Every K-quant (on the down projections, whose 256 input features fill a super-block) and Q5_0/Q5_1 (the
+    K-quant mixes' fallbacks, on the 96-wide products): each export's products dequantize to the file's tensors as
+    the `gguf` package dequantizes them, bit for bit, and plain decoding equals prompt lookup's on both
+    configurations."""
     from dtrt.runtime.sampling import SamplingConfig
 
-    k_quants = {"blk.0.ffn_down.weight": "Q4_K", "blk.1.ffn_down.weight": "Q5_K", "blk.2.ffn_down.weight": "Q6_K"}
-    path = write_qwen3_gguf(tiny.target, tmp_path / "k.gguf", k_quants=k_quants)
+    path = write_qwen3_gguf(tiny.target, tmp_path / "k.gguf", kinds=kinds, k_quants=k_quants)
     ckpt = converted(path)
     reader = gguf.GGUFReader(str(path))
     want = {
         t.name: torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))
         for t in reader.tensors
-        if t.name in k_quants
+        if t.name in k_quants or t.tensor_type.name in ("Q5_0", "Q5_1")
     }
-    assert {t.tensor_type.name for t in reader.tensors if t.name in k_quants} == {"Q4_K", "Q5_K", "Q6_K"}
+    held = {t.tensor_type.name for t in reader.tensors if t.name in want}
+    assert held == set(k_quants.values()) | ({"Q5_0", "Q5_1"} if kinds else set())
     prompt = [40, 41, 3, 60, 70, 3, 40, 41, 3, 60]
     for quant in ("gguf", "gguf-a8"):
         exp = export_pair(Pair(ckpt, None, None), tmp_path / quant, ExportConfig(max_context=128, quant=quant))

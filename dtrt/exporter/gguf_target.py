@@ -7,8 +7,8 @@ GGUF file its checkpoint was converted from, as the file holds them (dtrt.models
               decoding's bit for bit, and a call needs no padding (min_rows 1).
     gguf-a8   com.microsoft::MatMulNBits(x, codes, scale, zero point), accuracy level 4 (activations quantized to
               int8 per block, as llama.cpp's kernels do), plus blocksum(x) · minᵀ where the format has mins (Q4_1,
-              Q4_K, Q5_K: w = d·q + m is exactly d·(q - 0) and a min term); calls of at least two rows, as the
-              int8 and int4 targets' (MatMulNBits' one-row kernel is another).
+              Q5_1, Q2_K, Q4_K, Q5_K: w = d·q + m is exactly d·(q - 0) and a min term); calls of at least two
+              rows, as the int8 and int4 targets' (MatMulNBits' one-row kernel is another).
 
 Both run the ordered attention of the int8/int4 targets (dtrt.exporter.ordered_attention).
 

@@ -19,7 +19,7 @@ import torch
 @dataclass(frozen=True)
 class BlockWeight:
     kind: str
-    """The format's name (a GGUF tensor type: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)."""
+    """The format's name (a GGUF tensor type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)."""
     q: torch.Tensor
     """[..., K] integer codes: uint8, or int8 for a format with signed codes (Q8_0)."""
     scale: torch.Tensor
@@ -27,9 +27,9 @@ class BlockWeight:
     min: torch.Tensor | None
     """[..., K / block] fp32, added after the scaled codes; None where the format has no mins."""
     zero: int
-    """Subtracted from every code before scaling (Q4_0: 8, Q6_K: 32, otherwise 0)."""
+    """Subtracted from every code before scaling (Q3_K: 4, Q4_0: 8, Q5_0: 16, Q6_K: 32, otherwise 0)."""
     block: int
-    """Input features per scale: 32, or 16 (Q6_K)."""
+    """Input features per scale: 32, or 16 (Q2_K, Q3_K, Q6_K)."""
 
     @property
     def shape(self) -> torch.Size:
@@ -79,8 +79,8 @@ def block_matmul(*, x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
 
 
 # formats whose codes fit in 4 bits: two a byte; the others keep a byte a code (Q8_0's int8 codes shifted by 128)
-FOUR_BITS = ("Q4_0", "Q4_1", "Q4_K")
-EIGHT_BITS = ("Q5_K", "Q6_K", "Q8_0")
+FOUR_BITS = ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K")
+EIGHT_BITS = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,9 @@ def block_layout(w: BlockWeight) -> tuple[str, int, int, int]:
 
 
 def pack_blocks(w: BlockWeight) -> PackedBlocks:
-    """A 2-D BlockWeight [N, K] as the ops' inputs and attributes: Q4_0, Q4_1, Q4_K's codes two a byte (bits 4);
-    Q5_K's and Q6_K's a byte each as they are, Q8_0's signed codes plus 128 with zero 128 (bits 8). Exact:
+    """A 2-D BlockWeight [N, K] as the ops' inputs and attributes: Q4_0, Q4_1, Q2_K, Q3_K, Q4_K's codes two a byte
+    (bits 4); Q5_0's, Q5_1's, Q5_K's and Q6_K's a byte each as they are, Q8_0's signed codes plus 128 with zero 128
+    (bits 8). Exact:
     unpack_blocks gives back a BlockWeight whose dequantize() is w's bit for bit."""
     if w.q.dim() != 2 or w.kind not in FOUR_BITS + EIGHT_BITS:
         raise ValueError(

@@ -6,7 +6,13 @@ forms (an fp16 scale times a 6- or 8-bit one, exact in fp32), so nothing is roun
 Byte layouts (gguf-py's quants.py, llama.cpp's ggml-common.h), one block a row of `raw`:
     Q4_0  18 B / 32:  d fp16, 16 B of nibbles (low: 0..15, high: 16..31);  w = d (q - 8)
     Q4_1  20 B / 32:  d, m fp16, 16 B of nibbles;                          w = d q + m
+    Q5_0  22 B / 32:  d fp16, 4 B of fifth bits (bit j: code j's), 16 B of nibbles;  w = d (q - 16)
+    Q5_1  24 B / 32:  d, m fp16, 4 B of fifth bits, 16 B of nibbles;      w = d q + m
     Q8_0  34 B / 32:  d fp16, 32 int8;                                     w = d q
+    Q2_K  84 B / 256: 16 B of 4-bit scales and mins, 64 B of 2-bit codes, d, dmin fp16;  w = d sc q - dmin m,
+                      blocks of 16
+    Q3_K 110 B / 256: 32 B of third bits, 64 B of low 2 bits, 12 B of 6-bit scales, d fp16;  w = d (sc - 32) (q - 4),
+                      blocks of 16
     Q4_K 144 B / 256: d, dmin fp16, 12 B of 6-bit scales and mins, 128 B of nibbles;  w = d sc q - dmin m
     Q5_K 176 B / 256: as Q4_K, plus 32 B holding each code's fifth bit
     Q6_K 210 B / 256: 128 B low nibbles, 64 B high 2 bits, 16 int8 scales, d fp16; w = d sc (q - 32), blocks of 16
@@ -26,7 +32,11 @@ QK_K = 256
 LAYOUT = {
     "Q4_0": (18, 32),
     "Q4_1": (20, 32),
+    "Q5_0": (22, 32),
+    "Q5_1": (24, 32),
     "Q8_0": (34, 32),
+    "Q2_K": (84, QK_K),
+    "Q3_K": (110, QK_K),
     "Q4_K": (144, QK_K),
     "Q5_K": (176, QK_K),
     "Q6_K": (210, QK_K),
@@ -64,8 +74,45 @@ def _q4_1(b):
     return _nibbles(b[:, 4:], 16), _f16(b[:, :2]), _f16(b[:, 2:4]), 0, 32
 
 
+def _fifth_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: 4 bytes whose bit j (little-endian) is code j's fifth bit, and 16 bytes of nibbles -> [n, 32]."""
+    return _nibbles(qs, 16) | (np.unpackbits(qh, axis=-1, bitorder="little") << np.uint8(4))
+
+
+def _q5_0(b):
+    return _fifth_bits(b[:, 2:6], b[:, 6:]), _f16(b[:, :2]), None, 16, 32
+
+
+def _q5_1(b):
+    return _fifth_bits(b[:, 4:8], b[:, 8:]), _f16(b[:, :2]), _f16(b[:, 2:4]), 0, 32
+
+
 def _q8_0(b):
     return b[:, 2:].copy().view(np.int8), _f16(b[:, :2]), None, 0, 32
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's 64 bytes of 2-bit codes -> [n, 256]: per 32 bytes, their bits 0-1, then 2-3, 4-5, 6-7."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return (q & np.uint8(3)).reshape(n, -1)
+
+
+def _q2_k(b):
+    sc = b[:, :16]
+    scale = _f16(b[:, 80:82]) * (sc & np.uint8(0x0F)).astype(np.float32)
+    mins = -(_f16(b[:, 82:84]) * (sc >> np.uint8(4)).astype(np.float32))
+    return _crumbs(b[:, 16:80]), scale, mins, 0, 16
+
+
+def _q3_k(b):
+    n = b.shape[0]
+    high = b[:, :32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    q = _crumbs(b[:, 32:96]) | ((high & np.uint8(1)).reshape(n, -1) << np.uint8(2))
+    low = (b[:, 96:104].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    up = (b[:, 104:108].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    sc = ((low & np.uint8(0x0F)) | ((up & np.uint8(3)) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return q, _f16(b[:, 108:110]) * sc.astype(np.float32), None, 4, 16
 
 
 def _k_scale_min(b):
@@ -94,7 +141,18 @@ def _q6_k(b):
     return q, scale, None, 32, 16
 
 
-UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+UNPACK = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
 
 
 def expand(*, name: str, kind: str, data: np.ndarray, where: str = "GGUF file") -> BlockWeight | torch.Tensor:
