@@ -272,19 +272,49 @@ def test_refusals_are_one_line(tmp_path, monkeypatch, capsys, gguf_file, tiny):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    q5 = write_qwen3_gguf(tiny.target, tmp_path / "q5.gguf", {**KINDS, "ffn_down": "Q5_0"})  # a type dtrt cannot keep
+    tq = write_qwen3_gguf(tiny.target, tmp_path / "tq.gguf", {**KINDS, "ffn_down": "TQ2_0"})  # a type dtrt cannot keep
     for args, want in [
         (["--gguf", str(tmp_path / "missing.gguf")], "no such file"),
         (["--gguf", str(bad)], "not a GGUF file"),
         (["--gguf", str(gguf_file), "--model", "tiny"], "drop --model"),
         (["--model", "tiny", "--quant", "gguf"], "gguf_blocks.safetensors"),
         (["--gguf", str(tmp_path / "q2.gguf")], "architecture 'gemma2' is not supported"),
-        (["--gguf", str(q5)], "'model.layers.0.mlp.down_proj.weight' is Q5_0, which dtrt cannot keep as blocks"),
+        (["--gguf", str(tq)], "'model.layers.0.mlp.down_proj.weight' is TQ2_0, which dtrt cannot keep as blocks"),
     ]:
         code, _, err = run_cli(monkeypatch, capsys, "export", *args, "--out", str(tmp_path / "out"))
         errors = [line for line in err.splitlines() if line.startswith("error")]
         assert code != 0 and len(errors) == 1 and want in errors[0] and "Traceback" not in err, err
         assert not (tmp_path / "out").exists()
+
+
+def test_a_conversion_by_an_older_dtrt_is_made_again(tmp_path, monkeypatch, tiny):
+    """A file converted by a dtrt that could not keep its Q5_0 tensors as blocks (their types recorded, no rows) is
+    converted again when exported, and its blocks, read as they are, are refused in one line."""
+    from safetensors.torch import load_file, save_file
+
+    from dtrt.errors import DtrtError
+    from dtrt.models.gguf_blocks import BLOCKS_FILE, unkept
+
+    monkeypatch.setenv("DTRT_CACHE", str(tmp_path / "cache"))
+    path = write_qwen3_gguf(tiny.target, tmp_path / "q5.gguf", FALLBACKS)
+    ckpt = converted(path)
+    assert unkept(ckpt) == [] and len(checkpoint_blocks(ckpt)) > 0
+    blocks = ckpt / BLOCKS_FILE
+    from safetensors import safe_open
+
+    with safe_open(str(blocks), "pt") as f:
+        meta = f.metadata()
+    kinds = json.loads(meta["kinds"])
+    rows = {n: t for n, t in load_file(str(blocks)).items() if kinds[n] not in ("Q5_0", "Q5_1")}
+    save_file(rows, str(blocks), metadata=meta)  # as the older dtrt wrote it
+    stale = unkept(ckpt)
+    assert stale and all(kinds[n] in ("Q5_0", "Q5_1") for n in stale)
+    with pytest.raises(DtrtError, match="an older dtrt could not keep them") as e:
+        checkpoint_blocks(ckpt)
+    assert "\n" not in str(e.value)
+    lines = []
+    assert converted(path, log=lines.append) == ckpt
+    assert unkept(ckpt) == [] and any("again" in line for line in lines)
 
 
 def test_a_conversion_that_cannot_fit_is_refused_before_it_writes(tmp_path, monkeypatch, capsys, gguf_file):

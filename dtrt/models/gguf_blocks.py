@@ -227,6 +227,20 @@ def require_blocks(checkpoint: Path) -> Path:
     return path
 
 
+def unkept(checkpoint: Path) -> list[str]:
+    """The quantized tensors (checkpoint names) that the checkpoint's BLOCKS_FILE records without their rows: types
+    this dtrt keeps as blocks that the dtrt which converted it could not (Q5_0 before this one could), so the file
+    must be converted again. Empty where it has no such file."""
+    from safetensors import safe_open
+
+    path = Path(checkpoint) / BLOCKS_FILE
+    if not path.is_file():
+        return []
+    with safe_open(str(path), "pt") as f:
+        kinds, held = json.loads((f.metadata() or {}).get("kinds", "{}")), set(f.keys())
+    return [name for name, kind in kinds.items() if kind in LAYOUT and name not in held]
+
+
 def checkpoint_blocks(checkpoint: Path) -> dict[str, BlockWeight]:
     """The BlockWeights of a checkpoint converted from a GGUF file (dtrt.zoo.gguf), by checkpoint tensor name;
     one line naming the fix where it has none."""
@@ -239,6 +253,11 @@ def checkpoint_blocks(checkpoint: Path) -> dict[str, BlockWeight]:
             raise DtrtError(f"{path}: not a {BLOCKS_FORMAT} file; convert the GGUF file again")
         kinds = json.loads(meta["kinds"])
         where = f"{path} (from {meta.get('source', 'its GGUF file')})"
+        if missing := [n for n, kind in kinds.items() if kind in LAYOUT and n not in set(f.keys())]:
+            raise DtrtError(
+                f"{where}: holds no blocks of {missing[0]!r} ({kinds[missing[0]]}: an older dtrt could not keep "
+                "them); convert the GGUF file again: dtrt export --gguf FILE"
+            )
         return {
             name: expand(name=name, kind=kind, data=f.get_tensor(name).numpy() if kind in LAYOUT else None, where=where)
             for name, kind in kinds.items()

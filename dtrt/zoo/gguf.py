@@ -11,7 +11,7 @@ import torch
 
 from dtrt.artifacts.files import require_space, staging
 from dtrt.errors import DtrtError
-from dtrt.models.gguf_blocks import write_blocks
+from dtrt.models.gguf_blocks import unkept, write_blocks
 
 LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -234,8 +234,11 @@ def converted(gguf_path: Path, log=None) -> Path:
             raise DtrtError(f"--gguf {gguf_path}: not a GGUF file (it does not start with GGUF's magic)")
     out = cache_dir() / "gguf" / f"{gguf_path.stem}-{sha256(gguf_path)[:16]}"
     if (out / "config.json").is_file():
-        return out
-    if log:
+        if not (stale := unkept(out)):
+            return out
+        if log:  # converted by a dtrt that kept fewer types as blocks: made again, in place
+            log(f"converting {gguf_path.name} again into {out}: an older dtrt kept {len(stale)} of its tensors as fp32")
+    elif log:
         log(f"converting {gguf_path.name} into {out} (once)")
     out.parent.mkdir(parents=True, exist_ok=True)
     return convert(gguf_path, out, log)
