@@ -200,6 +200,8 @@ def test_prompt_beyond_the_context(tiny, tiny_export, tmp_path, monkeypatch, cap
         str(tiny.domino),
         "--max-new-tokens",
         "20",
+        "--budget",
+        "16",
         prompt,
         fragments=(
             "prompt (73 tokens) + --max-new-tokens 20 + one tree need 111 positions",

@@ -103,7 +103,8 @@ def endpoint(request, tiny, tiny_chat, local_pipe):  # noqa: F811
             yield "process", s.url, None
         return
     pytest.importorskip("ray.serve", reason='the replica cases need Ray Serve: pip install "dtrt[ray]"')
-    pair = ("--target", str(tiny_chat.target), "--drafter", str(tiny.domino))
+    # the method local_pipe runs (a model without an entry would take lookup's chains at budget 4 on a CPU)
+    pair = ("--target", str(tiny_chat.target), "--drafter", str(tiny.domino), "--budget", "16", "--no-lookup")
     # a shutdown grace no generation of these tests outlasts however slow the machine (only a hang reaches it)
     server = DtrtServe(
         *pair, "--threads", "1", "--replicas", "2", "--api-key", KEY, "--served-model-name", NAME,

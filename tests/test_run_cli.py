@@ -188,7 +188,7 @@ def test_chat_template_by_default(tiny, tiny_chat, monkeypatch, capsys):
 
 def test_truncate_keeps_the_prompt_tail(tiny, tmp_path, monkeypatch, capsys):
     short = tiny_variant(tiny, tmp_path / "target", max_positions=80)
-    args = ("--target", str(short.target), "--drafter", str(tiny.domino), "--max-new-tokens", "20")
+    args = ("--target", str(short.target), "--drafter", str(tiny.domino), "--max-new-tokens", "20", "--budget", "16")
     prompt = "A quick fox " * 5 + PROMPT  # 73 characters; room = 80 - 20 - 16 - 2 = 42
     res = run_json(monkeypatch, capsys, *args, "--truncate", prompt)
     tail = run_json(monkeypatch, capsys, *args, prompt[-42:])

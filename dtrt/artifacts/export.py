@@ -46,6 +46,11 @@ class Export:
     def drafters(self) -> dict:
         return self.manifest.get("drafters", {})
 
+    @property
+    def domino_head(self) -> bool:
+        """Whether it holds Domino's correction head (a Domino drafter's scorer: the Domino methods need it)."""
+        return "gru_dim" in self.drafters.get("domino", {})
+
     def draft_vocab(self, kind: str):
         """The DraftVocab the `kind` drafter's block stage covers (None: the whole vocabulary)."""
         from dtrt.models.draft_vocab import load_draft_vocab
@@ -85,13 +90,14 @@ class Export:
     def max_context(self) -> int:
         return int(self.manifest["max_context"])
 
-    def fix_hint(self, **changes) -> str:
-        """The `dtrt export` command that rewrites this export with its recorded flags (and any `changes`)."""
+    def fix_hint(self, *, drafter: bool = False, **changes) -> str:
+        """The `dtrt export` command that rewrites this export with its recorded flags (and any `changes`; `drafter`:
+        with a drafter where it has none)."""
         m = self.manifest
         src = m.get("source", {})
         how = f"--model {src['model']}" if src.get("model") else "--target DIR --drafter DIR"
         if src.get("gguf"):
-            how = f"--gguf {src['gguf']}" + (" --drafter DIR" if src.get("drafters") else "")
+            how = f"--gguf {src['gguf']}" + (" --drafter DIR" if src.get("drafters") or drafter else "")
         flags = {
             "dtype": m.get("dtype"),
             "max_context": m.get("max_context"),
@@ -111,6 +117,36 @@ class Export:
             flags.update(quant_block=None)
         opts = "".join(f" --{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None)
         return f"dtrt export {how}{opts} --out {self.path} --force"
+
+
+@dataclass(frozen=True)
+class ExportContents:
+    """What an export's manifest says it was made from and holds, read without any check: the defaults of a run over
+    it (dtrt.launch.start.resolve_spec). Loading it (load_export) checks it."""
+
+    model: str | None
+    """The registry model it was exported from (None: checkpoints of one's own, or a GGUF file)."""
+    quant: str
+    """Its target's quantization (none, int8, int4, gguf, gguf-a8)."""
+    drafters: tuple[str, ...]
+    """The drafter kinds it holds (dflash, domino)."""
+    domino_head: bool
+    """Whether it holds Domino's correction head."""
+
+
+def peek_export(path) -> ExportContents | None:
+    """An export's contents as its manifest records them; None where the manifest cannot be read (load_export then
+    says why, in one line)."""
+    try:
+        exp = Export(Path(path), json.loads((Path(path) / MANIFEST).read_text()))
+        return ExportContents(
+            model=exp.manifest.get("source", {}).get("model"),
+            quant=exp.quant_name,
+            drafters=tuple(sorted(exp.drafters)),
+            domino_head=exp.domino_head,
+        )
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, DtrtError):
+        return None
 
 
 def quant_flags(q: dict | None) -> dict:

@@ -5,7 +5,10 @@ made into the cache, exports and engines read and checked), and the pipeline ove
 
 no --model, --target, --export or --engines
                                      the embedded default model (zoo.registry.DEFAULT_MODEL) on ONNX Runtime
---export alone                       ONNX Runtime
+--export alone                       ONNX Runtime; --method, --budget and --lookup as for the registry model it
+                                     was exported from (its manifest's), on its target's quantization, and a
+                                     method it holds the drafter for (ddtree over a DFlash drafter alone, lookup
+                                     where it holds none)
 --engines                            TensorRT (the old spelling, --backend tensorrt --export DIR, means --engines DIR)
 --model / --target, or --device cuda the torch backend, unless --backend says otherwise
 --quant                              the model's entry in the registry table for its first-use ONNX Runtime export
@@ -13,14 +16,18 @@ no --model, --target, --export or --engines
 --method                             the model's entry in the registry table for that quantization (dominotree
                                      where it says nothing, and under --cuda-graph)
 --budget                             the model's entry in the registry table for that quantization (16 where it
-                                     says nothing; the cap of the cost-aware methods: 16)
+                                     says nothing; the cap of the cost-aware methods: 16); for a model without an
+                                     entry, 4 on a CPU (zoo.registry.CPU_BUDGET), 16 on a GPU
+--lookup                             the model's entry in the registry table on a CPU with the heap builder; on
+                                     for a model without an entry there
 --builder                            frontier on a CUDA torch backend or under --cuda-graph, else heap
                                      (cadominotree and --lookup always grow their trees on the host heap)
 """
 
 from pathlib import Path
+from types import SimpleNamespace
 
-from dtrt.artifacts.export import check_source, load_export
+from dtrt.artifacts.export import ExportContents, check_source, load_export, peek_export
 from dtrt.errors import DtrtError
 from dtrt.launch.first_use import cached_export
 from dtrt.models.pair import Pair
@@ -41,6 +48,15 @@ def default_builder(method: str, device: str, cuda_graph: bool = False, lookup: 
     captures it), the heap on the CPU; cadominotree and --lookup always grow their trees on the host heap."""
     heap_only = "frontier" not in method_class(method).builders or lookup
     return "frontier" if (device_kind(device) == "cuda" or cuda_graph) and not heap_only else "heap"
+
+
+def held_method(method: str, held: ExportContents, arm: str) -> str:
+    """`method` where the export holds the drafter it needs, else the best it can run: DDTree's trees over the
+    drafter it holds (a DFlash one, or a Domino one without its head), prompt lookup where it holds none."""
+    cls = method_class(method)
+    if not cls.uses_drafter or (held.domino_head if cls.needs_head(SimpleNamespace(arm=arm)) else held.drafters):
+        return method
+    return "ddtree" if held.drafters else "lookup"
 
 
 def check_cuda(device: str):
@@ -98,13 +114,20 @@ def resolve_spec(
         model = DEFAULT_MODEL
     if quant is None and backend == "onnxruntime" and export is None:
         quant = default_quant(model)
+    # an export run alone: the defaults of the registry model it was exported from, for its target, and a method
+    # it holds the drafter for
+    held = peek_export(export) if export is not None and not named else None
+    registry_model, registry_quant = (held.model, held.quant) if held else (model, quant)
     if method is None:
-        method = "dominotree" if cuda_graph else default_method(model, quant)
+        method = "dominotree" if cuda_graph else default_method(registry_model, registry_quant)
+        if held is not None:
+            method = held_method(method, held, arm)
     if no_prefix_cache and prefix_cache_mb is not None:
         raise DtrtError(f"--prefix-cache-mb {prefix_cache_mb} and --no-prefix-cache exclude each other: pass one")
+    on_cpu = device_kind(device) == "cpu" and not cuda_graph
     if lookup is None:  # the registry's choice where it measured it: a CPU, the heap
-        on_heap = builder in (None, "heap") and not cuda_graph and device_kind(device) == "cpu"
-        lookup = on_heap and default_lookup(model, quant, method)
+        on_heap = builder in (None, "heap") and on_cpu
+        lookup = on_heap and default_lookup(registry_model, registry_quant, method, cpu=True)
     spec = RunSpec(
         model=model,
         target=Path(target) if target is not None else None,
@@ -118,7 +141,7 @@ def resolve_spec(
         quant=quant,
         threads=threads,
         method=method,
-        budget=default_budget(model, quant, method, lookup) if budget is None else budget,
+        budget=default_budget(registry_model, registry_quant, method, lookup, cpu=on_cpu) if budget is None else budget,
         builder=builder or default_builder(method, device, cuda_graph, lookup),
         arm=arm,
         topm=topm,

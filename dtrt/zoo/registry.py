@@ -13,6 +13,11 @@ from dtrt.models.pair import Pair
 from dtrt.zoo.gate import GateRecord
 
 DEFAULT_BUDGET = 16  # draft nodes per tree where a model's entry says nothing else (the papers')
+# a model without an entry, on a CPU (the heap builder): its trees and lookup's chains at this budget, the chains in
+# its trees. On SmolLM2-135M from a user's Q4_K_M file, two threads, 30 generations at T=0 (docs/benchmarks.md, "An
+# export's defaults"): DominoTree with lookup 0.70x its AR at budget 16, 1.40x at 4; lookup alone 0.92x and 1.36x;
+# a wider verify costs less of a step on a bigger target, so 4 is the cautious side of SmolLM2's 2.
+CPU_BUDGET = 4
 
 
 @dataclass(frozen=True)
@@ -164,23 +169,30 @@ def names() -> list[str]:
     return list(MODELS)
 
 
-def default_budget(model: str | None, quant: str | None = None, method: str | None = None, lookup: bool = False) -> int:
-    """The per-model fixed budget (`lookup`: with prompt lookup's chains); the cost-aware methods' cap is
-    DEFAULT_BUDGET (an export's default width)."""
+def default_budget(
+    model: str | None, quant: str | None = None, method: str | None = None, lookup: bool = False, cpu: bool = False
+) -> int:
+    """The per-model fixed budget (`lookup`: with prompt lookup's chains; `cpu`: on a CPU, for a model without an
+    entry); the cost-aware methods' cap is DEFAULT_BUDGET (an export's default width)."""
     from dtrt.runtime.methods import METHODS as REGISTRY  # here: the table and its help texts need no torch
 
     if method in REGISTRY and REGISTRY[method].cost_aware:  # its budget is a cap
         return DEFAULT_BUDGET
     lookup = lookup or method == "lookup"  # lookup alone: its budget is its chain's length
-    return MODELS[model].budget_for(quant, lookup) if model in MODELS else DEFAULT_BUDGET
+    if model in MODELS:
+        return MODELS[model].budget_for(quant, lookup)
+    return CPU_BUDGET if cpu else DEFAULT_BUDGET
 
 
-def default_lookup(model: str | None, quant: str | None, method: str) -> bool:
-    """`--lookup` where it is not given: the model's choice on its default target, for the tree methods."""
+def default_lookup(model: str | None, quant: str | None, method: str, cpu: bool = False) -> bool:
+    """`--lookup` where it is not given, for the tree methods: the model's choice on its default target; on a CPU
+    (with the heap builder), on for a model without an entry."""
     from dtrt.runtime.methods import METHODS as REGISTRY
 
     e = MODELS.get(model)
-    return e is not None and (quant or "none") in e.lookup and REGISTRY[method].takes_lookup
+    if e is None:
+        return cpu and REGISTRY[method].takes_lookup
+    return (quant or "none") in e.lookup and REGISTRY[method].takes_lookup
 
 
 def default_method(model: str | None, quant: str | None = None) -> str:
@@ -199,7 +211,8 @@ def lookup_help() -> str:
             else "budgets " + ", ".join(f"{n} {b}" for n, b in zip(names, budgets))
         )
         on.append(f"{e.name} on its {', '.join(names)} targets ({at})")
-    return "off" + (f" (on for {', '.join(on)}, on a CPU with the heap builder)" if on else "")
+    on.append(f"a model without an entry (budget {CPU_BUDGET})")
+    return f"off (on for {', '.join(on)}, on a CPU with the heap builder)"
 
 
 def method_help() -> str:
@@ -209,7 +222,8 @@ def method_help() -> str:
         per_quant = dict(e.quant_methods)
         if e.method != "dominotree" or per_quant:
             special.append(f"{e.name}: {e.method}" + "".join(f", on {q} {m}" for q, m in per_quant.items()))
-    return "dominotree" + (f" ({'; '.join(special)})" if special else "")
+    special.append("an --export: its model's, or ddtree where it holds a DFlash drafter alone, lookup where none")
+    return f"dominotree ({'; '.join(special)})"
 
 
 def default_drafter_quant(model: str | None, quant: str | None) -> str:
@@ -234,9 +248,8 @@ def budget_help() -> str:
         per_quant = dict(e.quant_budgets)
         if e.budget != DEFAULT_BUDGET or per_quant:
             special.append(f"{e.name}: {e.budget}" + "".join(f", {q} {b}" for q, b in per_quant.items()))
-    return f"{DEFAULT_BUDGET}" + (
-        f" ({'; '.join(special)}; the cap of caddtree and cadominotree: {DEFAULT_BUDGET})" if special else ""
-    )
+    special.append(f"a model without an entry on a CPU: {CPU_BUDGET}")
+    return f"{DEFAULT_BUDGET} ({'; '.join(special)}; the cap of caddtree and cadominotree: {DEFAULT_BUDGET})"
 
 
 def quant_help() -> str:

@@ -33,8 +33,11 @@ e2e() {
         return 0
     fi
     prompts=$(ls "$pair"/stage/held-out/*.jsonl | paste -sd, -)
+    # --budget and --no-lookup: the GPU's defaults for a model without an entry, named so that the dry run on the
+    # CPU (whose defaults differ) times the same rows
     timeout "$4" python3 -c 'from dtrt.entry import main; main()' bench --target "$pair/target" \
         --drafter "$pair/stage/drafter" --device "$1" --graphs eager,captured --no-compile --methods ar,dominotree \
+        --budget 16 --no-lookup \
         --datasets "$prompts" --prompts "$2" --max-new-tokens "$3" --temperatures 0 --out "$work/bench-e2e" \
         2>&1 | tee -a "$log" || rc=1
 }

@@ -474,14 +474,15 @@ def drafter_kind(spec, exp: Export) -> str | None:
         return None
     have = exp.drafters
     if spec.needs_head:
-        kind = "domino" if "gru_dim" in have.get("domino", {}) else None
+        kind = "domino" if exp.domino_head else None
     else:
         kind = next((k for k in ("dflash", "domino") if k in have), None)
     if kind is None:
         need = "Domino" if spec.needs_head else "DFlash"
+        runs = "ddtree, lookup or ar" if have else "lookup or ar (no drafter)"
         raise DtrtError(
-            f"--method {spec.method}: {exp.path} holds no {need} drafter; re-export with `{exp.fix_hint()}` from a "
-            "pair that has one"
+            f"--method {spec.method}: {exp.path} holds no {need} drafter; run --method {runs}, or export it with "
+            f"one: `{exp.fix_hint(drafter=True)}`"
         )
     return kind
 
