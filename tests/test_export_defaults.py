@@ -1,9 +1,10 @@
-"""An export run alone (`dtrt run --export DIR`, `dtrt serve --export DIR`, `dtrt bench --export DIR`) takes the
-defaults of the registry model its manifest says it was exported from, for its target's quantization, and a method
-it holds the drafter for: ddtree over a DFlash drafter alone, prompt lookup where it holds none (a user's own GGUF
-file exported without a drafter runs, and gives AR's tokens with lookup's drafts accepted). A model without an entry
-runs on a CPU at zoo.registry.CPU_BUDGET with lookup's chains in its trees; a method the export cannot serve, asked
-for by name, says in one line what runs and how to export with a drafter."""
+"""An export run alone (`dtrt run --export DIR`, `dtrt serve --export DIR`, `dtrt bench --export DIR`; engines, the
+export they were built from) takes the defaults of the registry model its manifest says it was exported from, for
+its target's quantization, and a method it holds the drafter for: ddtree over a DFlash drafter alone, prompt lookup
+where it holds none (a user's own GGUF file exported without a drafter runs, and gives AR's tokens with lookup's
+drafts accepted). A model without an entry runs on a CPU at zoo.registry.CPU_BUDGET with lookup's chains in its
+trees (TensorRT, on a GPU: 16 without them); a method the export cannot serve, asked for by name, says in one line
+what runs and how to export with a drafter."""
 
 import json
 import shutil
@@ -113,3 +114,20 @@ def test_an_unreadable_manifest_is_still_the_loaders_one_line(tmp_path):
 
     with pytest.raises(DtrtError, match="not valid JSON"):
         pipeline(spec)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["engine-dir", "out-root"])
+def test_engines_take_the_defaults_of_the_export_they_were_built_from(export, tmp_path, nested):
+    """`--engines DIR` (an engine directory, or the --out root holding one, machine key and model below it): its
+    manifest's export is read for the defaults; its plans and machine are checked only when the engines open."""
+    edit(export, lambda m: (m["drafters"].clear(), m["source"].update(model=None)))
+    engines = tmp_path / "engines"
+    where = engines / "h100-trt11" / "tiny" if nested else engines
+    where.mkdir(parents=True)
+    (where / "manifest.json").write_text(json.dumps({"format": "dtrt-engine", "export": {"path": str(export)}}))
+    spec = resolve_spec(engines=str(engines))
+    assert (spec.backend, spec.method, spec.budget) == ("tensorrt", "lookup", 16)  # a GPU's budget
+    (where.parent / "other").mkdir()
+    (where.parent / "other" / "manifest.json").write_text("{}")
+    if nested:  # two engine directories: which one runs is open_engine's to say, so no export's defaults
+        assert resolve_spec(engines=str(engines)).method == "dominotree"

@@ -1,6 +1,7 @@
 """The engine directory contract (DESIGN.md section 6): one plan per stage, the timing cache and
 manifest.json, checked against the machine before any plan is deserialized."""
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,20 @@ def check_engine(eng: Engine, machine: Machine, plugins_sha256: str) -> Export:
             f"rebuild with `{eng.rebuild_hint()}`"
         )
     return exp
+
+
+def peek_engine_export(path) -> Path | None:
+    """The export that an engine directory, or a `dtrt build-engine --out` root holding one engine directory, was
+    built from, as its manifest records it, read without any check (for a run's defaults: dtrt.launch.resolve_spec);
+    None where there is no one such manifest to read (open_engine then says why)."""
+    path = Path(path)
+    found = [path / MANIFEST] if (path / MANIFEST).is_file() else sorted(path.glob(f"*/*/{MANIFEST}"))
+    if len(found) != 1:
+        return None
+    try:
+        return Path(json.loads(found[0].read_text())["export"]["path"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 def resolve_engine_dir(path, machine: Machine, model: str | None = None) -> Path:

@@ -9,7 +9,8 @@ no --model, --target, --export or --engines
                                      was exported from (its manifest's), on its target's quantization, and a
                                      method it holds the drafter for (ddtree over a DFlash drafter alone, lookup
                                      where it holds none)
---engines                            TensorRT (the old spelling, --backend tensorrt --export DIR, means --engines DIR)
+--engines                            TensorRT (the old spelling, --backend tensorrt --export DIR, means --engines DIR);
+                                     the defaults of the export they were built from, as for --export alone
 --model / --target, or --device cuda the torch backend, unless --backend says otherwise
 --quant                              the model's entry in the registry table for its first-use ONNX Runtime export
                                      (none for the torch backend and for an --export, which carries its own)
@@ -27,6 +28,7 @@ no --model, --target, --export or --engines
 from pathlib import Path
 from types import SimpleNamespace
 
+from dtrt.artifacts.engine import peek_engine_export
 from dtrt.artifacts.export import ExportContents, check_source, load_export, peek_export
 from dtrt.errors import DtrtError
 from dtrt.launch.first_use import cached_export
@@ -114,9 +116,10 @@ def resolve_spec(
         model = DEFAULT_MODEL
     if quant is None and backend == "onnxruntime" and export is None:
         quant = default_quant(model)
-    # an export run alone: the defaults of the registry model it was exported from, for its target, and a method
-    # it holds the drafter for
-    held = peek_export(export) if export is not None and not named else None
+    # an export run alone (or the engines built from one): the defaults of the registry model it was exported from,
+    # for its target, and a method it holds the drafter for
+    source = export if export is not None else peek_engine_export(engines) if engines is not None else None
+    held = peek_export(source) if source is not None and not named else None
     registry_model, registry_quant = (held.model, held.quant) if held else (model, quant)
     if method is None:
         method = "dominotree" if cuda_graph else default_method(registry_model, registry_quant)
@@ -124,7 +127,7 @@ def resolve_spec(
             method = held_method(method, held, arm)
     if no_prefix_cache and prefix_cache_mb is not None:
         raise DtrtError(f"--prefix-cache-mb {prefix_cache_mb} and --no-prefix-cache exclude each other: pass one")
-    on_cpu = device_kind(device) == "cpu" and not cuda_graph
+    on_cpu = device_kind(device) == "cpu" and backend != "tensorrt" and not cuda_graph
     if lookup is None:  # the registry's choice where it measured it: a CPU, the heap
         on_heap = builder in (None, "heap") and on_cpu
         lookup = on_heap and default_lookup(registry_model, registry_quant, method, cpu=True)
