@@ -98,7 +98,7 @@ def run(prompt, max_new_tokens, temperature, top_p, seed, stop, chat, thinking, 
         click.echo(json.dumps(c.to_json(spec)))
     else:
         click.echo()
-        log_line(stats_line(c, spec.method))
+        log_line(stats_line(c, spec.label))
     if c.stop_reason == "cancelled":
         sys.exit(130)
 
@@ -155,11 +155,12 @@ class Interrupt:
         return self.hit
 
 
-def stats_line(c: Completion, method: str) -> str:
+def stats_line(c: Completion, label: str) -> str:
+    """The line on standard error after an answer; `label`: what ran (RunSpec.label: `dominotree+lookup@2`)."""
     out = c.generation
     end = "" if c.stop_reason in ("eos", "length") else f"  ({c.stop_reason})"
     return (
-        f"[{method}] tau {out.tau:.2f}  {out.tokens_per_s:.1f} tok/s  {len(out.tokens)} tokens  "
+        f"[{label}] tau {out.tau:.2f}  {out.tokens_per_s:.1f} tok/s  {len(out.tokens)} tokens  "
         f"{len(out.rounds)} rounds  prefill {out.prefill_s * 1e3:.0f} ms{end}"
     )
 
@@ -225,7 +226,7 @@ def repl(pipe, defaults: Request, chat: bool, truncate: bool, read_line, write, 
             log(f"error: {e}")
             continue
         write("\n")
-        log(stats_line(c, pipe.spec.method))
+        log(stats_line(c, pipe.spec.label))
         if history is not None:
             history += [{"role": "user", "content": line}, {"role": "assistant", "content": c.text}]
             try:
