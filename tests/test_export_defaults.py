@@ -7,10 +7,10 @@ trees (TensorRT, on a GPU: 16 without them); a method the export cannot serve, a
 what runs and how to export with a drafter."""
 
 import json
-import shutil
 
 import pytest
 from helpers import run_cli
+from test_ort_backend import broken, edit_manifest  # noqa: F401 (broken: the fixture)
 
 from dtrt.errors import DtrtError
 from dtrt.launch import resolve_spec
@@ -20,18 +20,9 @@ GGUF_QUANT = {"format": "gguf", "activations": "fp32", "weights": 4, "products":
 
 
 @pytest.fixture
-def export(tiny_export, tmp_path):
+def export(broken):  # noqa: F811
     """A copy of the tiny export whose manifest the test edits."""
-    path = tmp_path / "export"
-    shutil.copytree(tiny_export.path, path)
-    return path
-
-
-def edit(path, fn):
-    m = json.loads((path / "manifest.json").read_text())
-    fn(m)
-    (path / "manifest.json").write_text(json.dumps(m))
-    return path
+    return broken
 
 
 def defaults(**flags):
@@ -47,7 +38,7 @@ def test_an_export_of_a_registry_model_takes_its_defaults(export):
         m["source"]["model"] = "smollm2-135m"
         m["quant"] = GGUF_QUANT
 
-    edit(export, from_smollm2)
+    edit_manifest(export, from_smollm2)
     entry = MODELS["smollm2-135m"]
     want = (entry.method_for("gguf"), entry.budget_for("gguf", lookup=True), True)
     assert defaults(export=str(export)) == want == defaults(model="smollm2-135m", quant="gguf")[:2] + (True,)
@@ -57,7 +48,7 @@ def test_an_export_of_a_registry_model_takes_its_defaults(export):
 
 
 def test_an_export_of_a_model_without_an_entry_runs_cautious_trees_on_a_cpu(export):
-    edit(export, lambda m: m["source"].update(model=None))
+    edit_manifest(export, lambda m: m["source"].update(model=None))
     assert defaults(export=str(export)) == ("dominotree", CPU_BUDGET, True)
     assert defaults(export=str(export), builder="frontier")[1:] == (CPU_BUDGET, False)  # lookup needs the heap
     assert defaults(export=str(export), method="cadominotree")[1] == 16  # a cap, not a budget
@@ -75,7 +66,7 @@ def test_an_export_of_a_model_without_an_entry_runs_cautious_trees_on_a_cpu(expo
     ids=["dflash-only", "no-head", "no-drafter"],
 )
 def test_the_default_method_is_one_the_export_holds_the_drafter_for(export, drafters, method):
-    edit(export, lambda m: drafters(m["drafters"]))
+    edit_manifest(export, lambda m: drafters(m["drafters"]))
     assert defaults(export=str(export))[0] == method
     assert defaults(export=str(export), method="ar")[0] == "ar"
 
@@ -84,7 +75,7 @@ def test_a_drafterless_export_runs_lookup_by_default_with_ar_tokens(export):
     from dtrt.launch import pipeline
     from dtrt.runtime.sampling import SamplingConfig
 
-    edit(export, lambda m: m["drafters"].clear())
+    edit_manifest(export, lambda m: m["drafters"].clear())
     spec = resolve_spec(export=str(export))
     assert spec.method == "lookup"
     prompt = [3, 17, 42, 5, 9, 60, 11, 2, 3, 17, 42, 5, 9, 60, 11, 2, 3, 17]
@@ -99,7 +90,7 @@ def test_a_method_the_export_cannot_serve_says_what_runs(export, monkeypatch, ca
         m["drafters"].clear()
         m["source"]["gguf"] = "/models/mine.gguf"
 
-    edit(export, no_drafters)
+    edit_manifest(export, no_drafters)
     code, _, err = run_cli(monkeypatch, capsys, "run", "--export", str(export), "--method", "dominotree", "hi")
     line = err.strip()
     assert code == 2 and "\n" not in line and "Traceback" not in line
@@ -120,7 +111,7 @@ def test_an_unreadable_manifest_is_still_the_loaders_one_line(tmp_path):
 def test_engines_take_the_defaults_of_the_export_they_were_built_from(export, tmp_path, nested):
     """`--engines DIR` (an engine directory, or the --out root holding one, machine key and model below it): its
     manifest's export is read for the defaults; its plans and machine are checked only when the engines open."""
-    edit(export, lambda m: (m["drafters"].clear(), m["source"].update(model=None)))
+    edit_manifest(export, lambda m: (m["drafters"].clear(), m["source"].update(model=None)))
     engines = tmp_path / "engines"
     where = engines / "h100-trt11" / "tiny" if nested else engines
     where.mkdir(parents=True)
