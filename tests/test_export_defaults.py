@@ -42,6 +42,7 @@ def test_an_export_of_a_registry_model_takes_its_defaults(export):
     entry = MODELS["smollm2-135m"]
     want = (entry.method_for("gguf"), entry.budget_for("gguf", lookup=True), True)
     assert defaults(export=str(export)) == want == defaults(model="smollm2-135m", quant="gguf")[:2] + (True,)
+    assert defaults(model="smollm2-135m", export=str(export)) == want  # named with it: its target's quantization
     # what is given stays given
     assert defaults(export=str(export), budget=7, lookup=False) == (want[0], 7, False)
     assert defaults(export=str(export), method="ddtree")[0] == "ddtree"

@@ -116,11 +116,12 @@ def resolve_spec(
         model = DEFAULT_MODEL
     if quant is None and backend == "onnxruntime" and export is None:
         quant = default_quant(model)
-    # an export run alone (or the engines built from one): the defaults of the registry model it was exported from,
-    # for its target, and a method it holds the drafter for
+    # an export (or the engines built from one): the defaults of the registry model it was exported from where no
+    # model is named, for the quantization its target has, and a method it holds the drafter for
     source = export if export is not None else peek_engine_export(engines) if engines is not None else None
-    held = peek_export(source) if source is not None and not named else None
-    registry_model, registry_quant = (held.model, held.quant) if held else (model, quant)
+    held = peek_export(source) if source is not None else None
+    registry_model = held.model if held is not None and not named else model
+    registry_quant = held.quant if held is not None and quant is None else quant
     if method is None:
         method = "dominotree" if cuda_graph else default_method(registry_model, registry_quant)
         if held is not None:
