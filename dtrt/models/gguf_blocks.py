@@ -253,7 +253,8 @@ def checkpoint_blocks(checkpoint: Path) -> dict[str, BlockWeight]:
             raise DtrtError(f"{path}: not a {BLOCKS_FORMAT} file; convert the GGUF file again")
         kinds = json.loads(meta["kinds"])
         where = f"{path} (from {meta.get('source', 'its GGUF file')})"
-        if missing := [n for n, kind in kinds.items() if kind in LAYOUT and n not in set(f.keys())]:
+        held = set(f.keys())
+        if missing := [n for n, kind in kinds.items() if kind in LAYOUT and n not in held]:
             raise DtrtError(
                 f"{where}: holds no blocks of {missing[0]!r} ({kinds[missing[0]]}: an older dtrt could not keep "
                 "them); convert the GGUF file again: dtrt export --gguf FILE"
