@@ -237,7 +237,12 @@ def unkept(checkpoint: Path) -> list[str]:
     if not path.is_file():
         return []
     with safe_open(str(path), "pt") as f:
-        kinds, held = json.loads((f.metadata() or {}).get("kinds", "{}")), set(f.keys())
+        return _without_rows(json.loads((f.metadata() or {}).get("kinds", "{}")), f.keys())
+
+
+def _without_rows(kinds: dict[str, str], held) -> list[str]:
+    """The names in a BLOCKS_FILE's `kinds` of a type kept as blocks whose rows are not among `held`."""
+    held = set(held)
     return [name for name, kind in kinds.items() if kind in LAYOUT and name not in held]
 
 
@@ -253,8 +258,7 @@ def checkpoint_blocks(checkpoint: Path) -> dict[str, BlockWeight]:
             raise DtrtError(f"{path}: not a {BLOCKS_FORMAT} file; convert the GGUF file again")
         kinds = json.loads(meta["kinds"])
         where = f"{path} (from {meta.get('source', 'its GGUF file')})"
-        held = set(f.keys())
-        if missing := [n for n, kind in kinds.items() if kind in LAYOUT and n not in held]:
+        if missing := _without_rows(kinds, f.keys()):
             raise DtrtError(
                 f"{where}: holds no blocks of {missing[0]!r} ({kinds[missing[0]]}: an older dtrt could not keep "
                 "them); convert the GGUF file again: dtrt export --gguf FILE"
