@@ -149,6 +149,14 @@ def peek_export(path) -> ExportContents | None:
         return None
 
 
+def serving_drafter(*, needs_head: bool, drafters, domino_head: bool) -> str | None:
+    """The drafter kind of an export that serves a method: Domino's where the method scores with its correction
+    head, else DFlash's, else a Domino drafter's body; None where the export holds none that does."""
+    if needs_head:
+        return "domino" if domino_head else None
+    return next((k for k in ("dflash", "domino") if k in drafters), None)
+
+
 def quant_flags(q: dict | None) -> dict:
     """`dtrt export`'s flags for a manifest's `quant` entry."""
     if not q:

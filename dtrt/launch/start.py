@@ -29,7 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from dtrt.artifacts.engine import peek_engine_export
-from dtrt.artifacts.export import ExportContents, check_source, load_export, peek_export
+from dtrt.artifacts.export import ExportContents, check_source, load_export, peek_export, serving_drafter
 from dtrt.errors import DtrtError
 from dtrt.launch.first_use import cached_export
 from dtrt.models.pair import Pair
@@ -56,7 +56,9 @@ def held_method(method: str, held: ExportContents, arm: str) -> str:
     """`method` where the export holds the drafter it needs, else the best it can run: DDTree's trees over the
     drafter it holds (a DFlash one, or a Domino one without its head), prompt lookup where it holds none."""
     cls = method_class(method)
-    if not cls.uses_drafter or (held.domino_head if cls.needs_head(SimpleNamespace(arm=arm)) else held.drafters):
+    needs_head = cls.needs_head(SimpleNamespace(arm=arm))
+    served = serving_drafter(needs_head=needs_head, drafters=held.drafters, domino_head=held.domino_head)
+    if not cls.uses_drafter or served:
         return method
     return "ddtree" if held.drafters else "lookup"
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from dtrt.artifacts.engine import export_digest
-from dtrt.artifacts.export import Export
+from dtrt.artifacts.export import Export, serving_drafter
 from dtrt.artifacts.files import MANIFEST
 from dtrt.errors import BackendFault, DtrtError, first_line
 from dtrt.models.draft_vocab import load_draft_vocab
@@ -473,10 +473,7 @@ def drafter_kind(spec, exp: Export) -> str | None:
     if not spec.uses_drafter:
         return None
     have = exp.drafters
-    if spec.needs_head:
-        kind = "domino" if exp.domino_head else None
-    else:
-        kind = next((k for k in ("dflash", "domino") if k in have), None)
+    kind = serving_drafter(needs_head=spec.needs_head, drafters=have, domino_head=exp.domino_head)
     if kind is None:
         need = "Domino" if spec.needs_head else "DFlash"
         runs = "ddtree, lookup or ar" if have else "lookup or ar (no drafter)"
